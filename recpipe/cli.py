@@ -1,0 +1,68 @@
+"""The ``recpipe`` command line.
+
+Each subcommand lives next to the code it drives and exposes ``register_cli(subparsers)``,
+which adds its parser and sets ``func`` (called with the parsed namespace, returning an exit
+code). Modules are imported lazily by name so that ``recpipe etl ...`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from recpipe.errors import RecpipeError
+
+__all__ = ["build_parser", "main"]
+
+# (module, summary) in the order `recpipe --help` lists them.
+_SUBCOMMANDS: list[tuple[str, str]] = [
+    ("etl.synth", "generate deterministic synthetic session logs"),
+    ("etl.cli", "shard and build: raw logs -> session-clustered zstd Parquet"),
+    ("etl.stats", "DuckDB duplication statistics and dedup proposals"),
+    ("readers.service", "serve preprocessed batches to trainers over TCP"),
+    ("trainer.cli", "train a DLRM with or without dedup"),
+    ("trainer.store.cli", "inspect a hybrid embedding store"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="recpipe",
+        description=(
+            "recpipe: deduplicated data pipelines for session-centric recommendation logs "
+            "(RecD end to end). Run `recpipe <command> --help` for a command's options."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for module_name, _summary in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_name.startswith(exc.name):
+                continue  # that part of recpipe is not built yet
+            raise
+        module.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``recpipe`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except RecpipeError as exc:
+        print(f"recpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"recpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

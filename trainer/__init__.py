@@ -1,0 +1,1 @@
+"""recpipe trainer: dedup-aware modules, models, the training loop and the embedding store."""
