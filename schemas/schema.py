@@ -1,0 +1,443 @@
+"""Dataset schemas: feature specs loaded from TOML, validated, and turned into Arrow schemas.
+
+A schema (DESIGN §2.2) names the session, time, label and user keys of the raw logs and every
+feature of the clustered dataset::
+
+    [dataset]
+    name = "feed"
+    [[dense]]
+    name = "user_age"
+    fill = 0.0
+    [[sparse]]
+    name = "user_liked_items"
+    kind = "user"        # user | item | context
+    max_len = 50
+    truncate = true      # false: longer lists are quarantined instead of cut
+    [dedup]
+    groups = [["user_liked_items", "user_liked_sellers"], ["user_segment"]]
+
+:func:`load_schema` parses and validates such a file; every problem raises
+:class:`~recpipe.errors.SchemaError` naming the file, the table and the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import pyarrow as pa
+
+from recpipe.errors import SchemaError
+
+__all__ = [
+    "RESERVED_NAMES",
+    "DatasetSchema",
+    "DenseFeature",
+    "FeatureKind",
+    "SparseFeature",
+    "default_schema",
+    "default_schema_path",
+    "load_schema",
+    "parse_schema",
+]
+
+FeatureKind = Literal["user", "item", "context"]
+_KINDS: tuple[str, ...] = get_args(FeatureKind)
+
+#: Names a feature may not take: raw-log keys and the fixed columns of the clustered dataset.
+RESERVED_NAMES: frozenset[str] = frozenset(
+    {"session_id", "ts", "label", "user_id", "request_id", "dense", "sparse"}
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MAX_LEN_LIMIT = 1_000_000
+
+_DATASET_KEYS = ("name", "session_key", "time_key", "label_key", "user_key")
+_DENSE_KEYS = ("name", "fill")
+_SPARSE_KEYS = ("name", "kind", "max_len", "truncate")
+_DEDUP_KEYS = ("groups",)
+# `[[preprocess]]` tables belong to the readers (readers.transforms.Pipeline); the schema
+# loader accepts them and leaves them alone.
+_TOP_KEYS = ("dataset", "dense", "sparse", "dedup", "preprocess")
+
+
+def _fail(where: str, msg: str, hint: str | None = None) -> SchemaError:
+    text = f"{where}: {msg}" if where else msg
+    if hint:
+        text += f"\nhint: {hint}"
+    return SchemaError(text)
+
+
+def _did_you_mean(key: str, allowed: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+def _check_keys(table: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            hint = _did_you_mean(key, allowed) or f"allowed keys: {', '.join(allowed)}"
+            raise _fail(where, f"unknown key `{key}`", hint)
+
+
+def _check_name(name: Any, where: str, *, what: str = "name") -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise _fail(
+            where,
+            f"`{what}` must be an identifier (letters, digits, `_`), got {name!r}",
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class DenseFeature:
+    """A float32 column; a missing value becomes ``fill``.
+
+    Args:
+        name: column name.
+        fill: value used when a record lacks the feature.
+    """
+
+    name: str
+    fill: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, f"dense feature {self.name!r}")
+        if isinstance(self.fill, bool) or not isinstance(self.fill, int | float):
+            raise SchemaError(
+                f"dense feature `{self.name}`: `fill` must be a number, got {self.fill!r}"
+            )
+        if not math.isfinite(self.fill):
+            raise SchemaError(
+                f"dense feature `{self.name}`: `fill` must be finite, got {self.fill!r}"
+            )
+        object.__setattr__(self, "fill", float(self.fill))
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A ``list<int64>`` column of categorical ids.
+
+    Args:
+        name: column name.
+        kind: whose attribute it is: ``"user"`` (usually repeats within a session),
+            ``"item"`` (changes per row) or ``"context"``.
+        max_len: longest list kept.
+        truncate: if True, longer lists are cut to their last ``max_len`` ids (the most recent);
+            if False, such records are quarantined as ``list_too_long``.
+    """
+
+    name: str
+    kind: FeatureKind
+    max_len: int
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, f"sparse feature {self.name!r}")
+        where = f"sparse feature `{self.name}`"
+        if self.kind not in _KINDS:
+            hint = _did_you_mean(str(self.kind), _KINDS) or f"one of: {', '.join(_KINDS)}"
+            raise _fail(where, f"`kind` must be one of {list(_KINDS)}, got {self.kind!r}", hint)
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int):
+            raise _fail(where, f"`max_len` must be an integer, got {self.max_len!r}")
+        if not 1 <= self.max_len <= _MAX_LEN_LIMIT:
+            raise _fail(where, f"`max_len` must be in [1, {_MAX_LEN_LIMIT}], got {self.max_len!r}")
+        if not isinstance(self.truncate, bool):
+            raise _fail(where, f"`truncate` must be true or false, got {self.truncate!r}")
+
+
+@dataclass(frozen=True)
+class DatasetSchema:
+    """A validated dataset schema.
+
+    Args:
+        name: dataset name.
+        dense: dense features, in column order.
+        sparse: sparse features, in column order.
+        dedup_groups: groups of sparse features deduplicated together (one IKJT each).
+        session_key: raw-log key (and dataset column) of the session.
+        time_key: raw-log key (and dataset column) of the epoch-millisecond timestamp.
+        label_key: event-log key (and dataset column) of the label.
+        user_key: raw-log key of the user, used to derive sessions when there is no session key.
+
+    Raises:
+        SchemaError: on duplicate or reserved names, or bad dedup groups.
+    """
+
+    name: str
+    dense: tuple[DenseFeature, ...]
+    sparse: tuple[SparseFeature, ...]
+    dedup_groups: tuple[tuple[str, ...], ...] = ()
+    session_key: str = "session_id"
+    time_key: str = "ts"
+    label_key: str = "label"
+    user_key: str = "user_id"
+    _by_name: dict[str, DenseFeature | SparseFeature] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SchemaError(f"`name` must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "dense", tuple(self.dense))
+        object.__setattr__(self, "sparse", tuple(self.sparse))
+        keys = {}
+        for key in ("session_key", "time_key", "label_key", "user_key"):
+            keys[key] = _check_name(getattr(self, key), "[dataset]", what=key)
+        if len(set(keys.values())) != len(keys):
+            raise SchemaError(
+                f"[dataset]: the session/time/label/user keys must differ, got {keys}"
+            )
+        reserved = RESERVED_NAMES | set(keys.values())
+        by_name: dict[str, DenseFeature | SparseFeature] = {}
+        for feature in (*self.dense, *self.sparse):
+            if feature.name in reserved:
+                raise SchemaError(
+                    f"feature `{feature.name}`: the name is reserved "
+                    f"(reserved: {', '.join(sorted(reserved))})"
+                )
+            if feature.name in by_name:
+                raise SchemaError(
+                    f"feature `{feature.name}` is defined twice (names must be unique across "
+                    "[[dense]] and [[sparse]])"
+                )
+            by_name[feature.name] = feature
+        object.__setattr__(self, "_by_name", by_name)
+        object.__setattr__(self, "dedup_groups", self._validated_groups(self.dedup_groups))
+
+    def _validated_groups(self, groups: Any) -> tuple[tuple[str, ...], ...]:
+        if isinstance(groups, str) or not isinstance(groups, Iterable):
+            raise SchemaError(f"[dedup]: `groups` must be a list of lists of names, got {groups!r}")
+        seen: dict[str, int] = {}
+        out = []
+        for i, group in enumerate(groups):
+            where = f"[dedup] groups[{i}]"
+            if isinstance(group, str) or not isinstance(group, Iterable):
+                raise _fail(where, f"must be a list of feature names, got {group!r}")
+            group = tuple(group)
+            if not group:
+                raise _fail(where, "is empty")
+            for name in group:
+                if not isinstance(name, str):
+                    raise _fail(where, f"feature names must be strings, got {name!r}")
+                feature = self._by_name.get(name)
+                if feature is None:
+                    hint = _did_you_mean(name, self.sparse_names)
+                    raise _fail(where, f"unknown feature `{name}`", hint)
+                if isinstance(feature, DenseFeature):
+                    raise _fail(
+                        where,
+                        f"`{name}` is a dense feature; only sparse features can be deduplicated",
+                    )
+                if name in seen:
+                    other = seen[name]
+                    msg = (
+                        f"`{name}` appears twice in the group"
+                        if other == i
+                        else f"`{name}` is already in groups[{other}]; a feature belongs to one group"
+                    )
+                    raise _fail(where, msg)
+                seen[name] = i
+            out.append(group)
+        return tuple(out)
+
+    @property
+    def dense_names(self) -> list[str]:
+        """Dense feature names in column order."""
+        return [f.name for f in self.dense]
+
+    @property
+    def sparse_names(self) -> list[str]:
+        """Sparse feature names in column order."""
+        return [f.name for f in self.sparse]
+
+    @property
+    def feature_names(self) -> list[str]:
+        """All feature names: dense first, then sparse (the column order)."""
+        return self.dense_names + self.sparse_names
+
+    def feature(self, name: str) -> DenseFeature | SparseFeature:
+        """Return the feature called ``name``.
+
+        Raises:
+            SchemaError: if there is none (with a "did you mean" hint).
+        """
+        try:
+            return self._by_name[name]
+        except KeyError:
+            hint = _did_you_mean(name, self._by_name)
+            raise _fail("", f"schema `{self.name}` has no feature `{name}`", hint) from None
+
+    def arrow_schema(self) -> pa.Schema:
+        """Arrow schema of the clustered dataset (DESIGN §2.3).
+
+        Columns: session key int64, time key int64, label float32, then one float32 column per
+        dense feature and one ``list<int64>`` column per sparse feature, in schema order.
+        """
+        fields = [
+            pa.field(self.session_key, pa.int64()),
+            pa.field(self.time_key, pa.int64()),
+            pa.field(self.label_key, pa.float32()),
+        ]
+        fields += [pa.field(f.name, pa.float32()) for f in self.dense]
+        fields += [pa.field(f.name, pa.list_(pa.int64())) for f in self.sparse]
+        return pa.schema(fields)
+
+    def with_dedup(self, groups: Iterable[Iterable[str]]) -> DatasetSchema:
+        """Return a copy with ``dedup_groups`` replaced (validated)."""
+        return replace(self, dedup_groups=tuple(tuple(g) for g in groups))
+
+    def to_toml(self) -> str:
+        """Serialise to TOML text that :func:`parse_schema` reads back to an equal schema."""
+        lines = ["[dataset]", f"name = {_toml_str(self.name)}"]
+        defaults = DatasetSchema.__dataclass_fields__
+        for key in ("session_key", "time_key", "label_key", "user_key"):
+            value = getattr(self, key)
+            if value != defaults[key].default:
+                lines.append(f"{key} = {_toml_str(value)}")
+        for f in self.dense:
+            lines += [
+                "",
+                "[[dense]]",
+                f"name = {_toml_str(f.name)}",
+                f"fill = {_toml_float(f.fill)}",
+            ]
+        for f in self.sparse:
+            lines += [
+                "",
+                "[[sparse]]",
+                f"name = {_toml_str(f.name)}",
+                f"kind = {_toml_str(f.kind)}",
+                f"max_len = {f.max_len}",
+                f"truncate = {'true' if f.truncate else 'false'}",
+            ]
+        if self.dedup_groups:
+            lines += ["", self.dedup_toml().rstrip("\n")]
+        return "\n".join(lines) + "\n"
+
+    def dedup_toml(self) -> str:
+        """The ``[dedup]`` table alone, e.g. to paste into a schema file."""
+        groups = ", ".join(
+            "[" + ", ".join(_toml_str(n) for n in g) + "]" for g in self.dedup_groups
+        )
+        return f"[dedup]\ngroups = [{groups}]\n"
+
+
+def _toml_str(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def _toml_float(value: float) -> str:
+    return repr(float(value))
+
+
+def _table(doc: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = doc.get(key, {})
+    if not isinstance(value, Mapping):
+        raise _fail(where, f"`{key}` must be a table ([{key}]), got {type(value).__name__}")
+    return value
+
+
+def _array_of_tables(doc: Mapping[str, Any], key: str, where: str) -> list[Mapping[str, Any]]:
+    value = doc.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise _fail(where, f"`{key}` must be an array of tables ([[{key}]])")
+    return value
+
+
+def _build(doc: Mapping[str, Any], where: str) -> DatasetSchema:
+    _check_keys(doc, _TOP_KEYS, where)
+    dataset = _table(doc, "dataset", where)
+    _check_keys(dataset, _DATASET_KEYS, f"{where} [dataset]")
+    if "name" not in dataset:
+        raise _fail(f"{where} [dataset]", "missing required key `name`")
+    dense = []
+    for i, table in enumerate(_array_of_tables(doc, "dense", where)):
+        loc = f"{where} [[dense]] #{i + 1} ({table.get('name', '?')!s})"
+        _check_keys(table, _DENSE_KEYS, loc)
+        if "name" not in table:
+            raise _fail(loc, "missing required key `name`")
+        try:
+            dense.append(DenseFeature(**table))
+        except SchemaError as exc:
+            raise _fail(loc, str(exc)) from None
+    sparse = []
+    for i, table in enumerate(_array_of_tables(doc, "sparse", where)):
+        loc = f"{where} [[sparse]] #{i + 1} ({table.get('name', '?')!s})"
+        _check_keys(table, _SPARSE_KEYS, loc)
+        for required in ("name", "kind", "max_len"):
+            if required not in table:
+                raise _fail(loc, f"missing required key `{required}`")
+        try:
+            sparse.append(SparseFeature(**table))
+        except SchemaError as exc:
+            raise _fail(loc, str(exc)) from None
+    dedup = _table(doc, "dedup", where)
+    _check_keys(dedup, _DEDUP_KEYS, f"{where} [dedup]")
+    if not dense and not sparse:
+        raise _fail(where, "the schema defines no features ([[dense]] or [[sparse]])")
+    try:
+        return DatasetSchema(
+            name=dataset["name"],
+            dense=tuple(dense),
+            sparse=tuple(sparse),
+            dedup_groups=dedup.get("groups", ()),
+            **{
+                k: dataset[k]
+                for k in ("session_key", "time_key", "label_key", "user_key")
+                if k in dataset
+            },
+        )
+    except SchemaError as exc:
+        raise _fail(where, str(exc)) from None
+
+
+def parse_schema(text: str, *, source: str = "<string>") -> DatasetSchema:
+    """Parse and validate schema TOML text.
+
+    Args:
+        text: the TOML document.
+        source: name used in error messages (usually the file path).
+
+    Raises:
+        SchemaError: on invalid TOML or any invalid entry.
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SchemaError(f"{source}: not valid TOML: {exc}") from None
+    return _build(doc, source)
+
+
+def default_schema_path() -> Path:
+    """Path of the bundled example schema of the synthetic dataset."""
+    return Path(__file__).resolve().parent / "examples" / "synth.toml"
+
+
+def load_schema(path: str | Path | None = None) -> DatasetSchema:
+    """Load and validate a schema file.
+
+    Args:
+        path: a ``.toml`` file; ``None`` loads the bundled default (:func:`default_schema_path`).
+
+    Raises:
+        SchemaError: if the file is missing, unreadable, or invalid.
+    """
+    path = default_schema_path() if path is None else Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SchemaError(f"`path`: schema file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SchemaError(f"`path`: cannot read schema file {str(path)!r}: {exc}") from None
+    return parse_schema(text, source=str(path))
+
+
+def default_schema() -> DatasetSchema:
+    """The bundled example schema (describes the data of ``recpipe synth``)."""
+    return load_schema(None)
