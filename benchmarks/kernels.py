@@ -1,0 +1,371 @@
+"""Benchmark the recpipe kernels against baselines measured in the same run.
+
+Data: batches of ``--rows`` rows of session-clustered synthetic id lists (sessions of 1 to
+``2 * --session-rows - 1`` rows, lists of ``--min-len`` to ``--max-len`` ids; rows of a session
+repeat the session's list, so the dedup factor is about ``--session-rows``). A three-feature
+group changes its second and third lists mid-session now and then (unsynchronised keys).
+
+Figures (all ratios are measured in this run, on ``--threads`` threads, default 1 = per core):
+
+* ``dedup_rows_per_s``: rows/s through ``recpipe.kernels.dedup_rows`` (one feature) streaming
+  over ``--batches`` distinct batches (``_warm_cache``: one batch again and again), next to a
+  NumPy row hash + ``np.unique`` (collisions not verified) and ``torch.unique(dim=0)`` on rows
+  padded to dense; ``dedup_rows_per_s_3_features`` for the three-feature group.
+* ``jagged_index_select_speedup``: forward + backward of ``jagged_index_select`` expanding the
+  unique rows' float32 ``[N_u, --dim]`` values to the batch, vs the pre-RecD way (pad to dense
+  ``[U, L, D]``, ``torch.index_select``, back to jagged by a mask; backward by autograd).
+  ``peak_memory_ratio`` = baseline peak / ours: the peak of the running sum of every allocation
+  and free torch's CPU allocator reports to ``torch.profiler`` (``profile_memory=True``) between
+  the start of the forward and the end of the backward (inputs and the incoming gradient are
+  allocated before, so they are not counted; our kernels allocate their outputs with torch).
+* ``vs_fbgemm_jagged_index_select``: ``torch.ops.fbgemm.jagged_index_select`` time / ours, same
+  inputs, forward + backward (``>= 1`` means ours is faster); forward only is reported as well.
+
+Run: ``python benchmarks/kernels.py [--rows 4096] [--batches 20] [--dim 64]``; writes
+``benchmarks/results/kernels.json`` (``--out``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recpipe.kernels import dedup_rows, jagged_index_select
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+def session_batch(
+    rng: np.random.Generator,
+    *,
+    rows: int,
+    keys: int,
+    session_rows: int,
+    min_len: int,
+    max_len: int,
+    change_prob: float = 0.1,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One batch: per key ``(values int64 [N], offsets int64 [rows + 1])``."""
+    sizes = []
+    while sum(sizes) < rows:
+        sizes.append(int(rng.integers(1, 2 * session_rows)))
+    sizes[-1] -= sum(sizes) - rows
+    per_key: list[list[np.ndarray]] = [[] for _ in range(keys)]
+    for size in sizes:  # data generation only: Python over sessions is fine here
+        for k in range(keys):
+            current = rng.integers(0, 10**9, int(rng.integers(min_len, max_len + 1)))
+            for _ in range(size):
+                if k > 0 and rng.random() < change_prob:
+                    current = rng.integers(0, 10**9, int(rng.integers(min_len, max_len + 1)))
+                per_key[k].append(current)
+    out = []
+    for lists in per_key:
+        lengths = np.array([len(x) for x in lists], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        out.append((np.concatenate(lists).astype(np.int64), offsets))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# baselines
+
+
+_MULTS = np.random.default_rng(0).integers(1, 2**63, 4096, dtype=np.uint64) | np.uint64(1)
+
+
+def numpy_dedup(batch: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorised row hash (sum of id * position multiplier) + ``np.unique``; no verification."""
+    num_rows = batch[0][1].shape[0] - 1
+    h = np.zeros(num_rows, np.uint64)
+    for k, (values, offsets) in enumerate(batch):
+        lengths = np.diff(offsets)
+        pos = np.arange(values.shape[0]) - np.repeat(offsets[:-1], lengths)
+        terms = values.astype(np.uint64) * _MULTS[pos % _MULTS.shape[0]]
+        key_hash = np.add.reduceat(terms, offsets[:-1]) if values.shape[0] else terms
+        h = h * _MULTS[k + 1] + key_hash + lengths.astype(np.uint64) * _MULTS[0]
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.shape[0])
+    return first[order], rank[inverse]
+
+
+def torch_dedup(
+    batch: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad every key's rows to dense (with the length in front), ``torch.unique(dim=0)``."""
+    blocks = []
+    for values, offsets in batch:
+        lengths = offsets[1:] - offsets[:-1]
+        width = int(lengths.max()) if lengths.numel() else 0
+        dense = torch.full((lengths.shape[0], width), -1, dtype=values.dtype)
+        dense[torch.arange(width) < lengths[:, None]] = values
+        blocks += [lengths[:, None], dense]
+    rows = torch.cat(blocks, dim=1)
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), rows.shape[0], dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(rows.shape[0]), reduce="amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0])
+    return first[order], rank[inverse]
+
+
+def dense_index_select(
+    values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """The pre-RecD way: jagged -> padded dense ``[U, L, D]`` -> index_select -> jagged."""
+    lengths = offsets[1:] - offsets[:-1]
+    width = int(lengths.max())
+    mask = torch.arange(width) < lengths[:, None]  # (U, L)
+    dense = values.new_zeros(lengths.shape[0], width, values.shape[1])  # (U, L, D)
+    dense = dense.masked_scatter(mask[:, :, None], values)
+    picked = dense.index_select(0, indices)  # (B, L, D)
+    return picked[mask.index_select(0, indices)]  # (N_b, D)
+
+
+# --------------------------------------------------------------------------------------------
+# measuring
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], *, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin after one warm-up each.
+
+    Round-robin keeps a busy machine's slow spells from landing on one contender only.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak of the running sum of torch CPU allocations/frees while ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    ]
+    events.sort()
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        msg = f"{what} disagrees with recpipe's kernels on the same batch; not timing it"
+        raise RuntimeError(msg)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    import numba
+
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    rng = np.random.default_rng(args.seed)
+    shape = {
+        "rows": args.rows,
+        "session_rows": args.session_rows,
+        "min_len": args.min_len,
+        "max_len": args.max_len,
+    }
+    one = [session_batch(rng, keys=1, **shape) for _ in range(args.batches)]
+    three = [session_batch(rng, keys=3, **shape) for _ in range(args.batches)]
+    to_torch = [
+        [[(torch.from_numpy(v), torch.from_numpy(o)) for v, o in b] for b in bs]
+        for bs in (one, three)
+    ]
+    one_t, three_t = to_torch
+    total_rows = args.rows * args.batches
+
+    def ours(batches):
+        return lambda: [dedup_rows([v for v, _ in b], [o for _, o in b]) for b in batches]
+
+    # Correctness of the baselines on the first batch (they are only timed if they agree).
+    for b, bt in ((one[0], one_t[0]), (three[0], three_t[0])):
+        want = dedup_rows([v for v, _ in bt], [o for _, o in bt])
+        for got in (numpy_dedup(b), torch_dedup(bt)):
+            _require(np.array_equal(np.asarray(got[1]), want[1].numpy()), "a dedup baseline")
+    dedup_factor = statistics.mean(
+        args.rows / dedup_rows([b[0][0]], [b[0][1]])[0].shape[0] for b in one_t
+    )
+    dedup_factor_3 = statistics.mean(
+        args.rows / dedup_rows([v for v, _ in b], [o for _, o in b])[0].shape[0] for b in three_t
+    )
+    torch_batches = one_t[: max(1, args.batches // 4)]  # torch.unique is slow: fewer batches
+    torch_rows = args.rows * len(torch_batches)
+    t = interleaved_times(
+        {
+            "ours": ours(one_t),
+            "ours_warm": ours(one_t[:1] * args.batches),
+            "ours3": ours(three_t),
+            "numpy": lambda: [numpy_dedup(b) for b in one],
+            "numpy3": lambda: [numpy_dedup(b) for b in three],
+            "torch": lambda: [torch_dedup(b) for b in torch_batches],
+        },
+        repeats=args.repeats,
+    )
+
+    # Jagged index select: expand the unique rows' embeddings [N_u, D] to the batch.
+    values_b, offsets_b = one_t[0][0]
+    unique_rows, inverse = dedup_rows([values_b], [offsets_b])
+    lengths_u = (offsets_b[1:] - offsets_b[:-1])[unique_rows]
+    offsets_u = torch.cat([torch.zeros(1, dtype=torch.int64), lengths_u.cumsum(0)])
+    emb = torch.randn(int(offsets_u[-1]), args.dim, requires_grad=True)
+    grad = torch.randn(int(offsets_b[-1]), args.dim)
+
+    def ours_select():
+        out, _ = jagged_index_select(emb, offsets_u, inverse)
+        out.backward(grad)
+        emb.grad = None
+
+    def dense_select():
+        out = dense_index_select(emb, offsets_u, inverse)
+        out.backward(grad)
+        emb.grad = None
+
+    def fbgemm_select():
+        out = torch.ops.fbgemm.jagged_index_select(emb, lengths_u, inverse)[0]
+        out.backward(grad)
+        emb.grad = None
+
+    with torch.no_grad():
+        want = jagged_index_select(emb, offsets_u, inverse)[0]
+        _require(torch.equal(dense_index_select(emb, offsets_u, inverse), want), "the dense select")
+    select_fns = {"ours": ours_select, "dense": dense_select}
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+        with torch.no_grad():
+            fb_out = torch.ops.fbgemm.jagged_index_select(emb, lengths_u, inverse)[0]
+            _require(torch.equal(fb_out, want), "fbgemm's jagged_index_select")
+        select_fns["fbgemm"] = fbgemm_select
+        fbgemm_error = None
+    except ImportError as exc:
+        fbgemm_error = f"fbgemm_gpu not importable: {exc}"
+    ts = interleaved_times(select_fns, repeats=args.repeats * 3)
+    peak_ours, peak_dense = peak_bytes(ours_select), peak_bytes(dense_select)
+    result: dict[str, Any] = {
+        "config": vars(args) | {"out": str(args.out)},
+        "machine": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "numba": numba.__version__,
+            "platform": platform.platform(),
+        },
+        "dedup_factor": round(dedup_factor, 3),
+        "dedup_factor_3_features": round(dedup_factor_3, 3),
+        "dedup_rows_per_s": total_rows / t["ours"],
+        "dedup_rows_per_s_warm_cache": total_rows / t["ours_warm"],
+        "dedup_rows_per_s_3_features": total_rows / t["ours3"],
+        "numpy_unique_rows_per_s": total_rows / t["numpy"],
+        "numpy_unique_rows_per_s_3_features": total_rows / t["numpy3"],
+        "torch_unique_rows_per_s": torch_rows / t["torch"],
+        "dedup_speedup_vs_numpy": t["numpy"] / t["ours"],
+        "jagged_index_select_ms": ts["ours"] * 1e3,
+        "dense_index_select_ms": ts["dense"] * 1e3,
+        "jagged_index_select_speedup": ts["dense"] / ts["ours"],
+        "peak_bytes_ours": peak_ours,
+        "peak_bytes_dense": peak_dense,
+        "peak_memory_ratio": peak_dense / max(peak_ours, 1),
+    }
+    if fbgemm_error is None:
+        with torch.no_grad():
+            tf = interleaved_times(
+                {
+                    "ours": lambda: jagged_index_select(emb, offsets_u, inverse),
+                    "fbgemm": lambda: torch.ops.fbgemm.jagged_index_select(emb, lengths_u, inverse),
+                },
+                repeats=args.repeats * 3,
+            )
+        result |= {
+            "fbgemm_jagged_index_select_ms": ts["fbgemm"] * 1e3,
+            "vs_fbgemm_jagged_index_select": ts["fbgemm"] / ts["ours"],
+            "vs_fbgemm_jagged_index_select_forward": tf["fbgemm"] / tf["ours"],
+        }
+    else:
+        result |= {"vs_fbgemm_jagged_index_select": None, "fbgemm_skipped": fbgemm_error}
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    targets = {
+        "dedup_rows_per_s": ">= 8e6",
+        "jagged_index_select_speedup": ">= 3",
+        "peak_memory_ratio": f">= {result['dedup_factor']:.1f} (dedup factor)",
+        "vs_fbgemm_jagged_index_select": ">= 1",
+    }
+    print(f"{'figure':<40} {'value':>14}  target")
+    for key, value in result.items():
+        if key in ("config", "machine"):
+            continue
+        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
+        print(f"{key:<40} {shown:>14}  {targets.get(key, '')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("--rows", type=int, default=4096, help="rows per batch (default 4096)")
+    parser.add_argument("--batches", type=int, default=20, help="batches per timing (default 20)")
+    parser.add_argument(
+        "--session-rows",
+        type=int,
+        default=5,
+        help="mean rows per session ~ dedup factor (default 5)",
+    )
+    parser.add_argument("--min-len", type=int, default=20, help="shortest list (default 20)")
+    parser.add_argument("--max-len", type=int, default=50, help="longest list (default 50)")
+    parser.add_argument(
+        "--dim", type=int, default=64, help="embedding width for the select (default 64)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed repeats, the median is kept (default 5)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch and Numba threads (default 1: per core)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})"
+    )
+    args = parser.parse_args(argv)
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,437 @@
+"""CUDA forms of the kernels: ``numba.cuda`` kernels over torch's CUDA tensors, without copies.
+
+Tensors reach the kernels through :func:`as_device_array` (``numba.cuda.as_cuda_array``, no
+stream synchronisation) and every launch goes on torch's current stream (:func:`torch_stream`),
+so kernels and the torch ops around them stay ordered without a host sync. The only host syncs
+are the sizes of data-dependent outputs (number of unique rows, selected values).
+
+Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``, used by CI without a GPU) the same code runs
+on CPU tensors: :func:`as_device_array` hands the kernels numpy views and the torch glue runs on
+the CPU. The hash used here is built from 31-bit lanes so that no integer operation overflows
+(the simulator runs the kernels as Python and would warn); a hash match is always verified.
+
+Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
+so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
+equal on every key; ``partial_dedup`` classifies each row against the previous one in parallel
+and places windows with a prefix sum; the jagged select/add and the segment reductions give one
+block (select/add) or one thread per column (reduce) to each row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from recpipe._deps import optional_import
+from recpipe.errors import DependencyError
+from recpipe.kernels.arrays import as_bits, compute_dtype, flat2d, row_width
+
+cuda = optional_import("numba.cuda", purpose="the CUDA kernels of recpipe.kernels")
+
+__all__ = [
+    "as_device_array",
+    "dedup_rows",
+    "is_simulator",
+    "jagged_index_add",
+    "jagged_index_select",
+    "partial_dedup",
+    "segment_reduce",
+    "segment_reduce_backward",
+    "torch_stream",
+]
+
+_M31 = 0x7FFFFFFF
+_P1 = 16777619  # FNV-1 32-bit prime
+_P2 = 2246822519 & 0xFFFFFF  # a second odd multiplier below 2**24
+_BASIS1 = 0x011C9DC5
+_BASIS2 = 0x0527D6B3
+
+
+def is_simulator() -> bool:
+    """True when Numba's CUDA simulator stands in for a GPU (``NUMBA_ENABLE_CUDASIM=1``)."""
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _threads() -> int:
+    return 32 if is_simulator() else 256
+
+
+def _blocks(n: int, threads: int, cap: int = 65535) -> int:
+    return max(1, min(cap, (n + threads - 1) // threads))
+
+
+def as_device_array(tensor: torch.Tensor) -> Any:
+    """A Numba device array sharing ``tensor``'s memory (a numpy view under the simulator).
+
+    Raises:
+        DependencyError: a CPU tensor reached the CUDA kernels without the simulator.
+    """
+    tensor = tensor.detach().contiguous()
+    if tensor.is_cuda:
+        return cuda.as_cuda_array(tensor, sync=False)
+    if is_simulator():
+        return tensor.numpy()
+    msg = (
+        f"the CUDA kernels need CUDA tensors, got one on {tensor.device}\n"
+        "hint: move it with `.to('cuda')`, or set NUMBA_ENABLE_CUDASIM=1 to simulate"
+    )
+    raise DependencyError(msg)
+
+
+def torch_stream(device: torch.device) -> Any:
+    """Torch's current stream on ``device`` as a Numba stream (``0`` under the simulator)."""
+    if device.type != "cuda":
+        return 0
+    return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+
+
+# --------------------------------------------------------------------------------------------
+# device functions
+
+
+@cuda.jit(device=True)
+def _lists_equal(values, a_start, a_end, b_start, b_end):
+    n = a_end - a_start
+    if n != b_end - b_start:
+        return False
+    for k in range(n):  # noqa: SIM110 (no generators in Numba kernels)
+        if values[a_start + k] != values[b_start + k]:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# dedup_rows
+
+
+@cuda.jit(cache=True)
+def _hash_rows(values, offsets, h1, h2):
+    """Fold each row's list into its two 31-bit hash lanes (one call per key)."""
+    start_row, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start_row, offsets.shape[0] - 1, stride):
+        a = h1[i]
+        b = h2[i]
+        for p in range(offsets[i], offsets[i + 1]):
+            v = values[p]
+            a = ((a ^ (v & _M31)) * _P1) & _M31
+            b = ((b ^ ((v >> 31) & _M31) ^ (v & 0xFFFF)) * _P2) & _M31
+        n = offsets[i + 1] - offsets[i]
+        h1[i] = ((a ^ (n & _M31)) * _P1) & _M31
+        h2[i] = ((b ^ 0x5BD1E995) * _P2) & _M31
+
+
+@cuda.jit(cache=True)
+def _resolve(values, offsets, perm, run_start, prev_rep, rep):
+    """``rep[i]``: the first row of ``i``'s hash run equal to ``i`` on this and earlier keys."""
+    start_pos, stride = cuda.grid(1), cuda.gridsize(1)
+    for p in range(start_pos, perm.shape[0], stride):
+        i = perm[p]
+        for q in range(run_start[p], p + 1):
+            j = perm[q]
+            if prev_rep[j] == prev_rep[i] and _lists_equal(
+                values, offsets[j], offsets[j + 1], offsets[i], offsets[i + 1]
+            ):
+                rep[i] = j
+                break
+
+
+def dedup_rows(
+    values: Sequence[torch.Tensor],
+    offsets: Sequence[torch.Tensor],
+    *,
+    hash_mask: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA form of :func:`recpipe.kernels.dedup_rows`."""
+    device = offsets[0].device
+    num_rows = offsets[0].shape[0] - 1
+    stream = torch_stream(device)
+    threads = _threads()
+    blocks = _blocks(num_rows, threads)
+    h1 = torch.full((num_rows,), _BASIS1, dtype=torch.int64, device=device)
+    h2 = torch.full((num_rows,), _BASIS2, dtype=torch.int64, device=device)
+    dev_h1, dev_h2 = as_device_array(h1), as_device_array(h2)
+    dev_keys = [(as_device_array(v), as_device_array(o)) for v, o in zip(values, offsets)]
+    for dev_values, dev_offsets in dev_keys:  # loops over keys, not rows
+        _hash_rows[blocks, threads, stream](dev_values, dev_offsets, dev_h1, dev_h2)
+    hashes = ((h1 << 31) | h2) & hash_mask
+    sorted_hashes, perm = torch.sort(hashes, stable=True)
+    positions = torch.arange(num_rows, device=device)
+    boundary = torch.ones(num_rows, dtype=torch.bool, device=device)
+    boundary[1:] = sorted_hashes[1:] != sorted_hashes[:-1]
+    run_start = torch.where(boundary, positions, 0).cummax(0).values
+    rep = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    dev_perm, dev_run_start = as_device_array(perm), as_device_array(run_start)
+    for dev_values, dev_offsets in dev_keys:
+        prev_rep, rep = rep, torch.empty_like(rep)
+        _resolve[blocks, threads, stream](
+            dev_values,
+            dev_offsets,
+            dev_perm,
+            dev_run_start,
+            as_device_array(prev_rep),
+            as_device_array(rep),
+        )
+    is_unique = rep == positions
+    unique_rows = torch.nonzero(is_unique).reshape(-1)
+    inverse = (torch.cumsum(is_unique, 0) - 1)[rep]
+    return unique_rows, inverse
+
+
+# --------------------------------------------------------------------------------------------
+# partial_dedup
+
+
+@cuda.jit(cache=True)
+def _partial_counts(values, offsets, appended):
+    start_row, stride = cuda.grid(1), cuda.gridsize(1)
+    for r in range(start_row, offsets.shape[0] - 1, stride):
+        start = offsets[r]
+        end = offsets[r + 1]
+        n = end - start
+        count = n
+        if r > 0:
+            prev = offsets[r - 1]
+            prev_n = start - prev
+            if n == prev_n and _lists_equal(values, prev, start, start, end):
+                count = 0
+            elif (n == prev_n + 1 and _lists_equal(values, prev, start, start, end - 1)) or (
+                n == prev_n and n > 0 and _lists_equal(values, prev + 1, start, start, end - 1)
+            ):
+                count = 1
+        appended[r] = count
+
+
+@cuda.jit(cache=True)
+def _partial_fill(values, offsets, appended, tails, packed):
+    start_row, stride = cuda.grid(1), cuda.gridsize(1)
+    for r in range(start_row, offsets.shape[0] - 1, stride):
+        count = appended[r]
+        src = offsets[r + 1] - count
+        dst = tails[r] - count
+        for k in range(count):
+            packed[dst + k] = values[src + k]
+
+
+def partial_dedup(
+    values: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA form of :func:`recpipe.kernels.partial_dedup`."""
+    device = values.device
+    num_rows = offsets.shape[0] - 1
+    stream = torch_stream(device)
+    threads = _threads()
+    blocks = _blocks(num_rows, threads)
+    appended = torch.empty(num_rows, dtype=torch.int64, device=device)
+    dev_values, dev_offsets = as_device_array(values), as_device_array(offsets)
+    _partial_counts[blocks, threads, stream](dev_values, dev_offsets, as_device_array(appended))
+    tails = torch.cumsum(appended, 0)  # end of the packed values after each row
+    win_lengths = offsets[1:] - offsets[:-1]
+    win_offsets = tails - win_lengths
+    packed_len = int(tails[-1]) if num_rows else 0
+    packed = torch.empty(packed_len, dtype=values.dtype, device=device)
+    _partial_fill[blocks, threads, stream](
+        dev_values,
+        dev_offsets,
+        as_device_array(appended),
+        as_device_array(tails),
+        as_device_array(packed),
+    )
+    return packed, win_offsets, win_lengths
+
+
+# --------------------------------------------------------------------------------------------
+# jagged_index_select / jagged_index_add
+
+
+@cuda.jit(cache=True)
+def _select_copy(values, offsets, indices, out_offsets, width, out):
+    """One block per output row (grid-stride), its threads over the row's elements."""
+    for m in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+        src = offsets[indices[m]] * width
+        dst = out_offsets[m] * width
+        for k in range(
+            cuda.threadIdx.x, (out_offsets[m + 1] - out_offsets[m]) * width, cuda.blockDim.x
+        ):
+            out[dst + k] = values[src + k]
+
+
+@cuda.jit(cache=True)
+def _index_add(grad, out_offsets, src_offsets, indices, width, out):
+    for m in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+        src = out_offsets[m] * width
+        dst = src_offsets[indices[m]] * width
+        for k in range(
+            cuda.threadIdx.x, (out_offsets[m + 1] - out_offsets[m]) * width, cuda.blockDim.x
+        ):
+            cuda.atomic.add(out, dst + k, grad[src + k])
+
+
+def _out_offsets(offsets: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    lengths = (offsets[1:] - offsets[:-1])[indices]
+    out_offsets = torch.zeros(indices.shape[0] + 1, dtype=torch.int64, device=offsets.device)
+    torch.cumsum(lengths, 0, out=out_offsets[1:])
+    return out_offsets
+
+
+def jagged_index_select(
+    values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA form of :func:`recpipe.kernels.jagged_index_select` (indices are not range-checked)."""
+    device = values.device
+    out_offsets = _out_offsets(offsets, indices)
+    total = int(out_offsets[-1])
+    out = torch.empty((total, *values.shape[1:]), dtype=values.dtype, device=device)
+    if total == 0:
+        return out, out_offsets
+    threads = _threads()
+    _select_copy[min(indices.shape[0], 65535), threads, torch_stream(device)](
+        as_device_array(as_bits(values).reshape(-1)),
+        as_device_array(offsets),
+        as_device_array(indices),
+        as_device_array(out_offsets),
+        row_width(values),
+        as_device_array(as_bits(out).reshape(-1)),
+    )
+    return out, out_offsets
+
+
+def jagged_index_add(
+    grad_values: torch.Tensor,
+    out_offsets: torch.Tensor,
+    src_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    num_src_values: int,
+) -> torch.Tensor:
+    """CUDA form of :func:`recpipe.kernels.jagged_index_add` (atomic adds, float32 for halves)."""
+    device = grad_values.device
+    acc_dtype = compute_dtype(grad_values.dtype)
+    out = torch.zeros((num_src_values, *grad_values.shape[1:]), dtype=acc_dtype, device=device)
+    if grad_values.numel() and indices.shape[0]:
+        _index_add[min(indices.shape[0], 65535), _threads(), torch_stream(device)](
+            as_device_array(grad_values.to(acc_dtype).reshape(-1)),
+            as_device_array(out_offsets),
+            as_device_array(src_offsets),
+            as_device_array(indices),
+            row_width(grad_values),
+            as_device_array(out.reshape(-1)),
+        )
+    return out.to(grad_values.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# segment_reduce
+
+
+@cuda.jit(cache=True)
+def _segment_reduce(values, offsets, mode, out, argmax):
+    """One thread per (row, column); ``mode`` 0 sum, 1 mean, 2 max."""
+    width = values.shape[1]
+    start_cell, stride = cuda.grid(1), cuda.gridsize(1)
+    for cell in range(start_cell, out.shape[0] * width, stride):
+        b = cell // width
+        d = cell - b * width
+        start = offsets[b]
+        end = offsets[b + 1]
+        if mode == 2:
+            if end == start:
+                argmax[b, d] = -1
+                continue
+            best = values[start, d]
+            at = start
+            for p in range(start + 1, end):
+                v = values[p, d]
+                if best == best and (v > best or v != v):
+                    best = v
+                    at = p
+            out[b, d] = best
+            argmax[b, d] = at
+        else:
+            acc = out[b, d]
+            for p in range(start, end):
+                acc += values[p, d]
+            if mode == 1 and end > start:
+                acc /= end - start
+            out[b, d] = acc
+
+
+@cuda.jit(cache=True)
+def _segment_reduce_backward(grad_out, offsets, mode, argmax, grad_values):
+    width = grad_out.shape[1]
+    start_cell, stride = cuda.grid(1), cuda.gridsize(1)
+    for cell in range(start_cell, grad_out.shape[0] * width, stride):
+        b = cell // width
+        d = cell - b * width
+        g = grad_out[b, d]
+        if mode == 2:
+            at = argmax[b, d]
+            if at >= 0:
+                grad_values[at, d] = g
+            continue
+        start = offsets[b]
+        end = offsets[b + 1]
+        if mode == 1 and end > start:
+            g /= end - start
+        for p in range(start, end):
+            grad_values[p, d] = g
+
+
+_MODE_CODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+def segment_reduce(
+    values: torch.Tensor, offsets: torch.Tensor, mode: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CUDA form of :func:`recpipe.kernels.segment_reduce`; returns ``(out, argmax or None)``."""
+    device = values.device
+    num_rows = offsets.shape[0] - 1
+    acc_dtype = compute_dtype(values.dtype)
+    values2d = flat2d(values.detach().to(acc_dtype))
+    width = values2d.shape[1]
+    out = torch.zeros((num_rows, width), dtype=acc_dtype, device=device)
+    argmax = torch.empty((num_rows, width), dtype=torch.int64, device=device)
+    cells = num_rows * width
+    if cells:
+        threads = _threads()
+        _segment_reduce[_blocks(cells, threads), threads, torch_stream(device)](
+            as_device_array(values2d),
+            as_device_array(offsets),
+            _MODE_CODES[mode],
+            as_device_array(out),
+            as_device_array(argmax),
+        )
+    out = out.reshape(num_rows, *values.shape[1:]).to(values.dtype)
+    return out, argmax if mode == "max" else None
+
+
+def segment_reduce_backward(
+    grad_out: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    *,
+    argmax: torch.Tensor | None,
+    num_values: int,
+) -> torch.Tensor:
+    """CUDA form of :func:`recpipe.kernels.cpu.segment_reduce_backward`."""
+    device = grad_out.device
+    acc_dtype = compute_dtype(grad_out.dtype)
+    grad2d = flat2d(grad_out.to(acc_dtype))
+    num_rows, width = grad2d.shape
+    fill = torch.zeros if mode == "max" else torch.empty
+    grad_values = fill((num_values, width), dtype=acc_dtype, device=device)
+    if argmax is None:
+        argmax = torch.empty((0, 0), dtype=torch.int64, device=device)
+    cells = num_rows * width
+    if cells:
+        threads = _threads()
+        _segment_reduce_backward[_blocks(cells, threads), threads, torch_stream(device)](
+            as_device_array(grad2d),
+            as_device_array(offsets),
+            _MODE_CODES[mode],
+            as_device_array(argmax),
+            as_device_array(grad_values),
+        )
+    return grad_values.reshape(num_values, *grad_out.shape[1:]).to(grad_out.dtype)

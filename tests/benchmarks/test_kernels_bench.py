@@ -1,0 +1,32 @@
+"""Smoke test of benchmarks/kernels.py at a tiny size (correctness of the script, not timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+
+
+@pytest.mark.slow
+def test_kernels_benchmark_writes_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "kernels.json"
+    argv = ["--rows", "64", "--batches", "2", "--repeats", "1", "--dim", "4", "--out", str(out)]
+    assert module.main(argv) == 0
+    result = json.loads(out.read_text())
+    for key in (
+        "dedup_rows_per_s",
+        "dedup_rows_per_s_3_features",
+        "jagged_index_select_speedup",
+        "peak_memory_ratio",
+        "vs_fbgemm_jagged_index_select",
+    ):
+        assert key in result
+    assert result["dedup_rows_per_s"] > 0 and result["dedup_factor"] >= 1
+    assert "dedup_rows_per_s" in capsys.readouterr().out

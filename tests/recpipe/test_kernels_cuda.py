@@ -1,0 +1,183 @@
+"""The Numba-CUDA kernels against the CPU kernels and the NumPy references.
+
+On a GPU the tensors live on ``cuda`` and the public dispatchers pick the CUDA forms by device.
+Without one, under ``NUMBA_ENABLE_CUDASIM=1`` (CI), the registry is pointed at the CUDA module for
+CPU tensors, so the same tests (autograd included) run every CUDA kernel in the simulator. The
+simulator runs each GPU thread as Python: sizes stay tiny.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from recpipe.kernels import (
+    cpu,
+    dedup_rows,
+    jagged_index_add,
+    jagged_index_select,
+    partial_dedup,
+    registry,
+    segment_reduce,
+)
+from tests.recpipe.kernel_reference import (
+    ref_dedup_rows,
+    ref_jagged_index_select,
+    ref_partial_dedup,
+    ref_segment_reduce,
+)
+from tests.recpipe.test_kernels import groups, id_lists, jagged, reduce_cases, select_cases
+
+pytestmark = pytest.mark.cuda
+
+SIM_SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def _simulator_enabled() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+@pytest.fixture
+def device(monkeypatch) -> str:
+    """``"cuda"`` on a GPU; under the simulator ``"cpu"`` with the registry routed to CUDA forms."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not _simulator_enabled():
+        pytest.skip("no GPU and NUMBA_ENABLE_CUDASIM is not set")
+    monkeypatch.setitem(registry.BACKENDS, "cpu", "recpipe.kernels.cuda")
+    monkeypatch.setattr(registry, "_CACHE", {})
+    return "cpu"
+
+
+def test_routing_reaches_the_cuda_forms(device):
+    from recpipe.kernels import cuda
+
+    assert registry.get_kernel("dedup_rows", device) is cuda.dedup_rows
+
+
+@SIM_SETTINGS
+@given(groups(), st.sampled_from([-1, 0]))
+def test_dedup_rows_cuda(device, group, hash_mask):
+    keys, dtypes = group
+    keys = [k[:8] for k in keys]
+    tensors = [jagged(lists, dtype) for lists, dtype in zip(keys, dtypes)]
+    values = [v for v, _ in tensors]
+    offsets = [o for _, o in tensors]
+    unique, inverse = dedup_rows(
+        [v.to(device) for v in values], [o.to(device) for o in offsets], hash_mask=hash_mask
+    )
+    cpu_unique, cpu_inverse = cpu.dedup_rows(values, offsets)
+    ref_unique, ref_inverse = ref_dedup_rows(
+        [v.numpy() for v in values], [o.numpy() for o in offsets]
+    )
+    assert torch.equal(unique.cpu(), cpu_unique) and torch.equal(inverse.cpu(), cpu_inverse)
+    np.testing.assert_array_equal(unique.cpu().numpy(), ref_unique)
+    np.testing.assert_array_equal(inverse.cpu().numpy(), ref_inverse)
+
+
+def test_dedup_rows_cuda_forced_collisions(device):
+    keys = [[[1, 2], [1, 2], [1, 2], [1, 3], [1, 2], []], [[9], [8], [9], [9], [9], []]]
+    values = [jagged(k)[0].to(device) for k in keys]
+    offsets = [jagged(k)[1].to(device) for k in keys]
+    unique, inverse = dedup_rows(values, offsets, hash_mask=0)
+    assert unique.tolist() == [0, 1, 3, 5]
+    assert inverse.tolist() == [0, 1, 0, 2, 0, 3]
+
+
+@SIM_SETTINGS
+@given(id_lists(max_rows=8), st.sampled_from([torch.int32, torch.int64]))
+def test_partial_dedup_cuda(device, lists, dtype):
+    values, offsets = jagged(lists, dtype)
+    got = partial_dedup(values.to(device), offsets.to(device))
+    want = cpu.partial_dedup(values, offsets)
+    ref = ref_partial_dedup(values.numpy(), offsets.numpy())
+    for g, w, r in zip(got, want, ref):
+        assert torch.equal(g.cpu(), w)
+        np.testing.assert_array_equal(g.cpu().numpy(), r)
+
+
+def _small(case):
+    """Trim a select/reduce case so the simulator stays fast (very long rows become 40 long)."""
+    values, offsets, extra = case
+    lengths = (offsets[1:] - offsets[:-1]).clamp(max=40)
+    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    keep = (
+        torch.cat(
+            [
+                torch.arange(int(offsets[b]), int(offsets[b]) + int(lengths[b]))
+                for b in range(len(lengths))
+            ]
+        )
+        if len(lengths)
+        else torch.zeros(0, dtype=torch.int64)
+    )
+    return values[keep], new_offsets, extra
+
+
+@SIM_SETTINGS
+@given(select_cases())
+def test_jagged_index_select_and_add_cuda(device, case):
+    values, offsets, indices = _small(case)
+    out, out_offsets = jagged_index_select(
+        values.to(device), offsets.to(device), indices.to(device)
+    )
+    want, want_offsets = cpu.jagged_index_select(values, offsets, indices)
+    assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
+    ref_values = values.double().numpy() if values.dtype == torch.bfloat16 else values.numpy()
+    ref_out, _ = ref_jagged_index_select(ref_values, offsets.numpy(), indices.numpy())
+    np.testing.assert_array_equal(out.cpu().double().numpy(), ref_out.astype(np.float64))
+    if values.dtype.is_floating_point:
+        grad = want + 0.5
+        got = jagged_index_add(
+            grad.to(device), out_offsets, offsets.to(device), indices.to(device), values.shape[0]
+        )
+        expect = cpu.jagged_index_add(grad, want_offsets, offsets, indices, values.shape[0])
+        tol = 1e-2 if values.dtype in (torch.float16, torch.bfloat16) else 1e-6
+        torch.testing.assert_close(got.cpu(), expect, rtol=tol, atol=tol)
+
+
+@SIM_SETTINGS
+@given(reduce_cases())
+def test_segment_reduce_cuda(device, case):
+    values, offsets, mode = _small(case)
+    values = values[:, :2] if values.dim() == 2 else values
+    got = segment_reduce(values.to(device), offsets.to(device), mode)
+    want, _ = cpu.segment_reduce(values, offsets, mode)
+    ref, _ = ref_segment_reduce(values.numpy(), offsets.numpy(), mode)
+    tol = 1e-2 if values.dtype == torch.float16 else 1e-6
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got.cpu().double().numpy(), ref, rtol=tol, atol=tol)
+
+
+def test_jagged_index_select_gradcheck_cuda(device):
+    values = torch.randn(7, 2, dtype=torch.float64, device=device, requires_grad=True)
+    offsets = torch.tensor([0, 2, 2, 7], device=device)
+    indices = torch.tensor([2, 0, 2, 1], device=device)
+    assert torch.autograd.gradcheck(
+        lambda v: jagged_index_select(v, offsets, indices)[0], (values,)
+    )
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_segment_reduce_gradcheck_cuda(device, mode):
+    values = torch.randperm(12, dtype=torch.float64).reshape(6, 2).to(device).requires_grad_(True)
+    offsets = torch.tensor([0, 2, 2, 6], device=device)
+    assert torch.autograd.gradcheck(lambda v: segment_reduce(v, offsets, mode), (values,))
+
+
+def test_cuda_forms_refuse_cpu_tensors_without_simulator(monkeypatch):
+    from recpipe.errors import DependencyError
+    from recpipe.kernels import cuda
+
+    monkeypatch.setattr(cuda, "is_simulator", lambda: False)
+    with pytest.raises(DependencyError, match="the CUDA kernels need CUDA tensors"):
+        cuda.as_device_array(torch.zeros(2))
