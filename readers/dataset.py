@@ -1,0 +1,468 @@
+"""``torch.utils.data`` integration: a sharded, resumable ``IterableDataset`` of batches.
+
+Sharding: the splits (row groups) of the dataset are dealt to trainer ranks (``rank``,
+``world_size``) and, inside a rank, to DataLoader workers (found in ``__iter__`` with
+``torch.utils.data.get_worker_info()``); see :func:`readers.source.plan_splits`. Every row is
+delivered exactly once per epoch across all ranks and workers.
+
+Resumable state that works with DataLoader workers: each worker's stream is deterministic, so its
+position is two integers (the window start in its split list and the rows delivered from that
+window, :class:`~readers.source.SourcePosition`). Workers run ahead of the consumer (prefetching),
+so the position that matters is the one of the last batch the *consumer received*. Each batch
+therefore travels with its :class:`ReaderPosition`; :class:`StatefulLoader` (what
+:func:`make_dataloader` returns) strips it off, records it per worker, and its ``state_dict()``
+is the position of everything handed to the training loop. Loading that state into a new loader
+(same ``num_workers``, ``world_size`` and ``rank``) resumes every worker right after its last
+delivered batch: nothing lost, nothing repeated. Without worker processes
+(``num_workers=0``) the dataset itself tracks its position as it yields.
+
+An epoch that finishes moves the state to the start of the next epoch (shuffles are seeded with
+``(seed, epoch)``); :meth:`ParquetBatchDataset.set_epoch` chooses one explicitly.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from readers.convert import BatchConverter
+from readers.source import DatasetSource, ReaderConfig, SourcePosition, plan_splits
+from readers.transforms import Pipeline, PipelineSource, Transform
+from recpipe.errors import DataError
+
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+    from schemas import DatasetSchema
+
+__all__ = [
+    "ParquetBatchDataset",
+    "ReaderPosition",
+    "StatefulLoader",
+    "dataset_schema",
+    "iter_batches",
+    "make_dataloader",
+]
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReaderPosition:
+    """Where one reader (a worker of a rank) is after the batch it travels with.
+
+    Attributes:
+        epoch: the epoch of the batch.
+        worker_id: the DataLoader worker that produced it (0 without workers).
+        num_workers: workers of the loader (1 without workers).
+        split_pos: window start in the worker's split list (see :class:`SourcePosition`).
+        row: rows of that window delivered, this batch included.
+        rows: rows in the batch.
+        skipped: splits this worker skipped so far with ``on_error="skip"``.
+    """
+
+    epoch: int
+    worker_id: int
+    num_workers: int
+    split_pos: int
+    row: int
+    rows: int
+    skipped: int = 0
+
+
+def dataset_schema(source: str | os.PathLike[str] | Sequence[Any]) -> DatasetSchema:
+    """The schema of a clustered dataset: its ``_manifest.json`` ``schema``, else the default."""
+    from schemas import default_schema, parse_schema
+
+    if isinstance(source, str | os.PathLike) and Path(source).is_dir():
+        manifest = Path(source) / "_manifest.json"
+        if manifest.is_file():
+            try:
+                text = json.loads(manifest.read_text())["schema"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                msg = f"{manifest}: cannot read the `schema` of the manifest: {exc}"
+                raise DataError(msg) from exc
+            return parse_schema(text, source=f"{manifest} (schema)")
+    return default_schema()
+
+
+def _pipeline(
+    transforms: Pipeline | PipelineSource | Sequence[Transform], schema: DatasetSchema
+) -> Pipeline | None:
+    """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file)."""
+    if transforms is None:
+        return None
+    if isinstance(transforms, Pipeline):
+        return transforms
+    is_list = isinstance(transforms, Sequence) and not isinstance(transforms, str)
+    if is_list and transforms and all(isinstance(t, Transform) for t in transforms):
+        return Pipeline(list(transforms), schema=schema)
+    return Pipeline.from_config(transforms, schema=schema)
+
+
+def _start_position(
+    start_state: Mapping[str, Any] | SourcePosition | None,
+    *,
+    worker_id: int,
+    num_workers: int,
+    rank: int,
+    world_size: int,
+) -> tuple[int | None, SourcePosition | None]:
+    """(epoch, position) of this worker in a state dict (``None`` entries: not given)."""
+    if start_state is None:
+        return None, None
+    if isinstance(start_state, SourcePosition):
+        return None, start_state
+    _check_state(start_state, num_workers=num_workers, rank=rank, world_size=world_size)
+    entry = start_state["positions"].get(str(worker_id))
+    pos = None if entry is None else SourcePosition(int(entry[0]), int(entry[1]))
+    return int(start_state["epoch"]), pos
+
+
+def _check_state(state: Mapping[str, Any], *, num_workers: int, rank: int, world_size: int) -> None:
+    if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+        msg = f"`state` is not a reader state_dict (version {_STATE_VERSION}): {state!r}"
+        raise DataError(msg)
+    for name, want in (("num_workers", num_workers), ("rank", rank), ("world_size", world_size)):
+        if state[name] != want:
+            msg = (
+                f"`state` was saved with {name}={state[name]!r} but this reader runs with "
+                f"{name}={want!r}; resume with the same layout"
+            )
+            raise DataError(msg)
+
+
+def _produce(
+    source: DatasetSource,
+    converter: BatchConverter,
+    pipeline: Pipeline | None,
+    *,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    worker_id: int,
+    num_workers: int,
+    start: SourcePosition | None,
+    end_marker: bool = False,
+) -> Iterator[tuple[Batch | None, ReaderPosition]]:
+    """The (batch, position) stream of one reader; with ``end_marker`` a final ``(None, pos)``
+    tells a consumer that the worker finished (and how many splits it skipped)."""
+    source = copy.copy(source)
+    source.skipped = []
+    splits = plan_splits(
+        source.splits, config=source.config, epoch=epoch, rank=rank, world_size=world_size,
+        worker_id=worker_id, num_workers=num_workers,
+    )  # fmt: skip
+    pos = start or SourcePosition()
+    for table, pos in source.iter_tables(splits, epoch=epoch, start=start):
+        batch = converter(table)
+        if pipeline is not None:
+            batch = pipeline(batch)
+        yield batch, ReaderPosition(
+            epoch, worker_id, num_workers, pos.split_pos, pos.row, table.num_rows,
+            len(source.skipped),
+        )  # fmt: skip
+    if end_marker:
+        yield (
+            None,
+            ReaderPosition(
+                epoch, worker_id, num_workers, pos.split_pos, pos.row, 0, len(source.skipped)
+            ),
+        )
+
+
+def iter_batches(
+    dataset_dir: str | os.PathLike[str] | Sequence[Any],
+    *,
+    schema: DatasetSchema | None = None,
+    config: ReaderConfig | None = None,
+    transforms: Pipeline | PipelineSource = None,
+    dedup: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    worker_id: int = 0,
+    num_workers: int = 1,
+    start_state: Mapping[str, Any] | SourcePosition | None = None,
+    epoch: int = 0,
+    with_positions: bool = False,
+) -> Iterator[Batch] | Iterator[tuple[Batch, ReaderPosition]]:
+    """Produce the preprocessed batches of one reader: worker ``worker_id`` of ``rank``.
+
+    This is what the reader service runs in each reader process.
+
+    Args:
+        dataset_dir: dataset directory, file, glob, or list of them.
+        schema: the dataset schema (default: the manifest's, see :func:`dataset_schema`).
+        config: batch size, shuffling, error policy.
+        transforms: a :class:`Pipeline`, a list of transforms, or a pipeline config (dict,
+            ``[[preprocess]]`` entries, or a TOML file: see :meth:`Pipeline.from_config`).
+        dedup: build one IKJT per schema dedup group (``False``: everything in one KJT).
+        rank, world_size: the trainer rank and how many there are.
+        worker_id, num_workers: this reader among the rank's readers.
+        start_state: a :meth:`ParquetBatchDataset.state_dict` (its epoch and this worker's
+            position are used) or a :class:`SourcePosition`.
+        epoch: the epoch when ``start_state`` does not give one.
+        with_positions: yield ``(batch, ReaderPosition)`` pairs instead of batches.
+    """
+    schema = schema or dataset_schema(dataset_dir)
+    source = DatasetSource(dataset_dir, schema=schema, config=config)
+    state_epoch, start = _start_position(
+        start_state, worker_id=worker_id, num_workers=num_workers, rank=rank,
+        world_size=world_size,
+    )  # fmt: skip
+    stream = _produce(
+        source, BatchConverter(schema, dedup=dedup), _pipeline(transforms, schema),
+        epoch=epoch if state_epoch is None else state_epoch, rank=rank, world_size=world_size,
+        worker_id=worker_id, num_workers=num_workers, start=start,
+    )  # fmt: skip
+    if with_positions:
+        return stream
+    return (batch for batch, _ in stream)
+
+
+class ParquetBatchDataset(IterableDataset):
+    """Session-packed, preprocessed :class:`~recpipe.batch.Batch` objects of a clustered dataset.
+
+    Use with ``DataLoader(dataset, batch_size=None, ...)`` (batches are already batched), or
+    through :func:`make_dataloader`, whose loader tracks the position of what it delivered.
+
+    Args:
+        source: dataset directory, file, glob, or list of them.
+        schema: the dataset schema (default: the manifest's).
+        config: batch size, shuffling, error policy.
+        transforms: a :class:`Pipeline` or its config.
+        dedup: IKJTs for the schema's dedup groups (``False``: one plain KJT).
+        rank, world_size: the trainer rank and how many there are.
+
+    Example::
+
+        ds = ParquetBatchDataset("data/demo/dataset", config=ReaderConfig(batch_size=4096))
+        for batch in DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True):
+            ...
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Sequence[Any],
+        *,
+        schema: DatasetSchema | None = None,
+        config: ReaderConfig | None = None,
+        transforms: Pipeline | PipelineSource = None,
+        dedup: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if world_size < 1 or not 0 <= rank < world_size:
+            msg = f"`rank` must be in [0, world_size={world_size}), got {rank!r}"
+            raise DataError(msg)
+        self.schema = schema or dataset_schema(source)
+        self.config = config or ReaderConfig()
+        self.source = DatasetSource(source, schema=self.schema, config=self.config)
+        self.converter = BatchConverter(self.schema, dedup=dedup)
+        self.pipeline = _pipeline(transforms, self.schema)
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.emit_positions = False
+        self._managed = False  # a StatefulLoader advances the epoch
+        self._resume: dict[str, Any] | None = None
+        self._positions: dict[int, ReaderPosition] = {}
+        self._num_workers = 1
+
+    @property
+    def skipped(self) -> list:
+        """Files left out at open time by ``on_error="skip"`` (see ``SkippedInput``)."""
+        return list(self.source.skipped)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (shuffles are seeded with it)."""
+        self.epoch = int(epoch)
+        self._resume = None
+        self._positions = {}
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        start = None
+        if self._resume is not None:
+            _check_state(self._resume, num_workers=num_workers, rank=self.rank,
+                         world_size=self.world_size)  # fmt: skip
+            entry = self._resume["positions"].get(str(worker_id))
+            start = None if entry is None else SourcePosition(int(entry[0]), int(entry[1]))
+        stream = _produce(
+            self.source, self.converter, self.pipeline, epoch=self.epoch, rank=self.rank,
+            world_size=self.world_size, worker_id=worker_id, num_workers=num_workers, start=start,
+            end_marker=self.emit_positions,
+        )  # fmt: skip
+        if info is not None:  # end markers only come with emit_positions
+            yield from (item if self.emit_positions else item[0] for item in stream)
+            return
+        self._num_workers = 1
+        for batch, pos in stream:
+            if batch is not None:
+                self._positions[0] = pos
+            yield (batch, pos) if self.emit_positions else batch
+        if not self._managed:
+            self.set_epoch(self.epoch + 1)
+
+    def _state(self, positions: Mapping[int, ReaderPosition], num_workers: int) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_workers": num_workers,
+            "positions": {str(w): [p.split_pos, p.row] for w, p in sorted(positions.items())},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position of the batches this dataset yielded in-process (``num_workers=0``).
+
+        With DataLoader workers use :class:`StatefulLoader` (:func:`make_dataloader`): only the
+        consumer knows which batches it received.
+        """
+        if self._resume is not None and not self._positions:
+            return dict(self._resume)
+        merged = {} if self._resume is None else _positions_of(self._resume)
+        merged.update(self._positions)
+        return self._state(merged, self._num_workers)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a :meth:`state_dict` (or a :meth:`StatefulLoader.state_dict`)."""
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            msg = f"`state` is not a reader state_dict (version {_STATE_VERSION}): {state!r}"
+            raise DataError(msg)
+        self.epoch = int(state["epoch"])
+        self._resume = dict(state)
+        self._positions = {}
+        self._num_workers = int(state["num_workers"])
+
+
+def _positions_of(state: Mapping[str, Any]) -> dict[int, ReaderPosition]:
+    epoch, nw = int(state["epoch"]), int(state["num_workers"])
+    return {
+        int(w): ReaderPosition(epoch, int(w), nw, int(p[0]), int(p[1]), 0)
+        for w, p in state["positions"].items()
+    }
+
+
+class StatefulLoader:
+    """A ``DataLoader`` over a :class:`ParquetBatchDataset` that knows what it delivered.
+
+    Iterating yields :class:`~recpipe.batch.Batch` objects (pinned with ``pin_memory=True``).
+    ``state_dict()`` at any point is the position right after the last batch handed out;
+    ``load_state_dict()`` (before iterating) resumes there. Leaving a loop early and iterating
+    again goes on from there too; epochs advance when one finishes.
+
+    Args:
+        dataset: the dataset.
+        num_workers: DataLoader worker processes (0: read in this process).
+        **loader_kwargs: passed to ``DataLoader`` (``pin_memory``, ``prefetch_factor``, ...;
+            ``batch_size`` is always ``None``).
+    """
+
+    def __init__(self, dataset: ParquetBatchDataset, *, num_workers: int = 0, **loader_kwargs: Any):
+        if "batch_size" in loader_kwargs and loader_kwargs["batch_size"] is not None:
+            msg = (
+                f"`batch_size` is set by the dataset's config, got {loader_kwargs['batch_size']!r}"
+            )
+            raise DataError(msg)
+        loader_kwargs.pop("batch_size", None)
+        self.dataset = dataset
+        self.num_workers = num_workers
+        dataset.emit_positions = True
+        dataset._managed = True
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **loader_kwargs)
+        self._positions: dict[int, ReaderPosition] = {}
+        self.rows_delivered = 0
+        self.batches_delivered = 0
+        self.skipped_splits = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        dataset = self.dataset
+        workers = max(self.num_workers, 1)
+        if self._positions:  # a loop left early: go on from what was handed out
+            dataset.load_state_dict(self.state_dict())
+        if dataset._resume is not None:
+            _check_state(dataset._resume, num_workers=workers, rank=dataset.rank,
+                         world_size=dataset.world_size)  # fmt: skip
+            self._positions = _positions_of(dataset._resume)
+        skipped: dict[int, int] = {}
+        for batch, pos in self.loader:
+            skipped[pos.worker_id] = pos.skipped
+            self.skipped_splits = sum(skipped.values())
+            if batch is None:  # the worker finished
+                continue
+            self._positions[pos.worker_id] = pos
+            self.rows_delivered += pos.rows
+            self.batches_delivered += 1
+            yield batch
+        dataset.set_epoch(dataset.epoch + 1)
+        self._positions = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position right after the last batch this loader handed out."""
+        dataset = self.dataset
+        if not self._positions and dataset._resume is not None:
+            return dict(dataset._resume)
+        return dataset._state(self._positions, max(self.num_workers, 1))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a :meth:`state_dict` at the next iteration."""
+        _check_state(state, num_workers=max(self.num_workers, 1), rank=self.dataset.rank,
+                     world_size=self.dataset.world_size)  # fmt: skip
+        self.dataset.load_state_dict(state)
+        self._positions = _positions_of(state)
+
+
+def _accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def make_dataloader(
+    source: str | os.PathLike[str] | Sequence[Any],
+    *,
+    schema: DatasetSchema | None = None,
+    config: ReaderConfig | None = None,
+    transforms: Pipeline | PipelineSource = None,
+    dedup: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    **loader_kwargs: Any,
+) -> StatefulLoader:
+    """A resumable loader of preprocessed batches (see :class:`StatefulLoader`).
+
+    ``pin_memory=True`` pins batches when an accelerator is present (torch cannot pin memory
+    without one; the request is then ignored instead of warning on every epoch).
+
+    Example::
+
+        loader = make_dataloader("data/demo/dataset", config=ReaderConfig(batch_size=4096),
+                                 transforms="preprocess.toml", num_workers=2, pin_memory=True)
+        for step, batch in enumerate(loader):
+            ...
+            if step % 1000 == 0:
+                torch.save({"reader": loader.state_dict(), ...}, "ckpt.pt")
+    """
+    dataset = ParquetBatchDataset(
+        source, schema=schema, config=config, transforms=transforms, dedup=dedup, rank=rank,
+        world_size=world_size,
+    )  # fmt: skip
+    if num_workers > 0:
+        loader_kwargs.setdefault("persistent_workers", False)
+    return StatefulLoader(
+        dataset, num_workers=num_workers, pin_memory=pin_memory and _accelerator_available(),
+        **loader_kwargs,
+    )  # fmt: skip

@@ -1,0 +1,481 @@
+"""Splits of a clustered dataset and session-packed batches of Arrow rows.
+
+A *split* is one Parquet row group. The ETL writes row groups that never cut a session (unless
+a session alone exceeds the row-group size), so splits can be shuffled and handed to different
+readers without breaking sessions.
+
+The stream one reader produces is fully determined by ``(splits, config, epoch, rank,
+world_size, worker_id, num_workers)``::
+
+    all splits (dataset order)                    s0 s1 s2 s3 s4 s5 s6 s7
+    shuffled with rng(seed, epoch) if shuffle     s5 s2 s7 s0 s3 s6 s1 s4
+    rank r takes [r::world_size]     (rank 0)     s5    s7    s3    s1
+    worker w takes [w::num_workers]  (worker 1)      s7          s1
+    windows: consecutive splits until they hold >= shuffle_buffer sessions
+    sessions of a window permuted with rng(seed, epoch, first split) if shuffle
+    rows cut every batch_size rows -> batches (a session is split only at a batch boundary)
+
+Rows of a session are never reordered or separated except at a batch boundary. Because the stream
+is deterministic, a reader's position is just ``(split_pos, row)``: the window that starts at
+position ``split_pos`` of the reader's split list and the number of its (permuted) rows already
+delivered. Resuming rebuilds that window and skips ``row`` rows.
+
+Last batch policy: ``last_batch="partial"`` emits the final rows of a reader's stream as a
+smaller batch; ``"drop"`` drops them (every batch then has exactly ``batch_size`` rows).
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recpipe.errors import CorruptInputError, DataError
+
+if TYPE_CHECKING:
+    from schemas import DatasetSchema
+
+__all__ = [
+    "DatasetSource",
+    "ReaderConfig",
+    "SkippedInput",
+    "SourcePosition",
+    "Split",
+    "discover_files",
+    "plan_splits",
+]
+
+_log = logging.getLogger("recpipe.readers")
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass
+class ReaderConfig:
+    """How a reader turns splits into batches.
+
+    Attributes:
+        batch_size: rows per batch (B).
+        shuffle: shuffle row groups and, inside a shuffle buffer, whole sessions (seeded).
+        seed: seed of every shuffle; the epoch number is mixed in.
+        shuffle_buffer: sessions mixed together at least: consecutive splits are read into one
+            window until it holds this many sessions (only used when ``shuffle``).
+        last_batch: ``"partial"`` keeps a short final batch, ``"drop"`` drops it.
+        on_error: ``"raise"`` on a corrupt file / bad schema, or ``"skip"`` it and count it.
+        use_threads: let Arrow decode with its thread pool (off: one core per reader).
+    """
+
+    batch_size: int = 4096
+    shuffle: bool = False
+    seed: int = 0
+    shuffle_buffer: int = 4096
+    last_batch: Literal["partial", "drop"] = "partial"
+    on_error: Literal["raise", "skip"] = "raise"
+    use_threads: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            msg = f"`batch_size` must be a positive integer, got {self.batch_size!r}"
+            raise DataError(msg)
+        if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 1:
+            msg = f"`shuffle_buffer` must be a positive integer (sessions), got {self.shuffle_buffer!r}"
+            raise DataError(msg)
+        if self.last_batch not in ("partial", "drop"):
+            msg = f"`last_batch` must be 'partial' or 'drop', got {self.last_batch!r}"
+            raise DataError(msg)
+        if self.on_error not in ("raise", "skip"):
+            msg = f"`on_error` must be 'raise' or 'skip', got {self.on_error!r}"
+            raise DataError(msg)
+        if not isinstance(self.seed, int):
+            msg = f"`seed` must be an integer, got {self.seed!r}"
+            raise DataError(msg)
+
+
+@dataclass(frozen=True)
+class Split:
+    """One row group of one Parquet file.
+
+    Attributes:
+        path: the Parquet file.
+        row_group: index of the row group in the file.
+        num_rows: rows in the row group.
+        index: position of the split in the dataset order (files sorted by path).
+        compressed_bytes: compressed size of the columns a reader reads.
+        partition: Hive partition values from the path (``dt=2024-01-01-00`` -> {"dt": ...}).
+    """
+
+    path: str
+    row_group: int
+    num_rows: int
+    index: int
+    compressed_bytes: int = 0
+    partition: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class SkippedInput:
+    """An input that ``on_error="skip"`` left out, and why."""
+
+    path: str
+    row_group: int | None
+    rows: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SourcePosition:
+    """Where a reader is in its stream: window start (in its split list) and rows delivered."""
+
+    split_pos: int = 0
+    row: int = 0
+
+
+def _is_hidden(part: str) -> bool:
+    return part.startswith(("_", "."))
+
+
+def discover_files(source: PathLike | Sequence[PathLike]) -> list[Path]:
+    """Expand a dataset location into its Parquet files, sorted by path.
+
+    Args:
+        source: a dataset directory (searched recursively, Hive ``key=value`` folders included,
+            folders starting with ``_`` or ``.`` such as ``_quarantine/`` skipped), a Parquet
+            file, a glob (``data/dt=2024-01-*/*.parquet``), or a list of these.
+
+    Returns:
+        The distinct files in path order.
+
+    Raises:
+        DataError: a path does not exist or a glob matches nothing.
+    """
+    items = [source] if isinstance(source, str | os.PathLike) else list(source)
+    files: set[Path] = set()
+    for item in items:
+        text = os.fspath(item)
+        path = Path(text)
+        if any(ch in text for ch in "*?["):
+            matched = [Path(p) for p in _glob.glob(text, recursive=True)]
+            found = [p for p in matched if p.is_file() and p.suffix == ".parquet"]
+            for p in matched:
+                if p.is_dir():
+                    found.extend(_files_under(p))
+            if not found:
+                msg = f"`source` glob {text!r} matches no Parquet file"
+                raise DataError(msg)
+            files.update(found)
+        elif path.is_dir():
+            found = _files_under(path)
+            if not found:
+                msg = f"`source` directory {text!r} holds no Parquet file"
+                raise DataError(msg)
+            files.update(found)
+        elif path.is_file():
+            files.add(path)
+        else:
+            msg = f"`source` path {text!r} does not exist"
+            raise DataError(msg)
+    return sorted(files, key=lambda p: os.fspath(p))
+
+
+def _files_under(root: Path) -> list[Path]:
+    out = []
+    for p in root.rglob("*.parquet"):
+        rel = p.relative_to(root).parts
+        if not any(_is_hidden(part) for part in rel):
+            out.append(p)
+    return out
+
+
+def _partition_of(path: Path) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for part in path.parent.parts:
+        if "=" in part and not _is_hidden(part):
+            key, _, value = part.partition("=")
+            pairs.append((key, value))
+    return tuple(pairs)
+
+
+class DatasetSource:
+    """The splits of a clustered dataset, validated once, and a reader of their rows.
+
+    Opening a source reads every file's footer, checks that each file has the columns the schema
+    needs with the right types, and lists the row groups. Nothing is validated again per batch.
+
+    Args:
+        source: dataset directory, file, glob, or a list of them (see :func:`discover_files`).
+        schema: the dataset schema; the columns read are its session key, label, dense and sparse
+            features (the timestamp is not needed by the batches).
+        config: reader options (``on_error`` decides what a bad file does).
+    """
+
+    def __init__(
+        self,
+        source: PathLike | Sequence[PathLike],
+        *,
+        schema: DatasetSchema,
+        config: ReaderConfig | None = None,
+    ) -> None:
+        self.schema = schema
+        self.config = config or ReaderConfig()
+        self.files = discover_files(source)
+        expected = schema.arrow_schema()
+        names = [schema.session_key, schema.label_key, *schema.dense_names, *schema.sparse_names]
+        self.columns: list[str] = names
+        self.expected_types: dict[str, pa.DataType] = {n: expected.field(n).type for n in names}
+        self.skipped: list[SkippedInput] = []
+        self.splits: list[Split] = []
+        for path in self.files:
+            try:
+                self.splits.extend(self._file_splits(path, start=len(self.splits)))
+            except DataError as exc:
+                if self.config.on_error == "raise":
+                    raise
+                self._skip(SkippedInput(os.fspath(path), None, 0, str(exc)))
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in all (not skipped) splits."""
+        return sum(s.num_rows for s in self.splits)
+
+    def _skip(self, item: SkippedInput) -> None:
+        self.skipped.append(item)
+        _log.warning("skipped input (on_error='skip'): %s", item.reason)
+
+    def _file_splits(self, path: Path, *, start: int) -> list[Split]:
+        try:
+            meta = pq.read_metadata(path)
+        except (pa.ArrowException, OSError) as exc:
+            msg = f"{path}: not a readable Parquet file: {exc}"
+            raise CorruptInputError(msg) from exc
+        arrow = meta.schema.to_arrow_schema()
+        for name, want in self.expected_types.items():
+            idx = arrow.get_field_index(name)
+            if idx < 0:
+                msg = f"{path}: column `{name}` is missing (expected type {want})"
+                raise DataError(msg)
+            got = arrow.field(idx).type
+            if not got.equals(want):
+                msg = f"{path}: column `{name}` has type {got}, expected {want}"
+                raise DataError(msg)
+        wanted_leaves = [
+            i
+            for i in range(meta.num_columns)
+            if meta.schema.column(i).path.split(".")[0] in self.expected_types
+        ]
+        partition = _partition_of(path)
+        splits = []
+        for rg in range(meta.num_row_groups):
+            group = meta.row_group(rg)
+            size = sum(group.column(i).total_compressed_size for i in wanted_leaves)
+            splits.append(
+                Split(
+                    path=os.fspath(path),
+                    row_group=rg,
+                    num_rows=group.num_rows,
+                    index=start + len(splits),
+                    compressed_bytes=size,
+                    partition=partition,
+                )
+            )
+        return splits
+
+    def read_split(self, split: Split, *, handle: pq.ParquetFile | None = None) -> pa.Table:
+        """Read one split's columns.
+
+        Raises:
+            CorruptInputError: the row group cannot be decoded; the message names the file, the
+                row group and (when it can be found) the column.
+        """
+        try:
+            pf = handle or pq.ParquetFile(split.path)
+            table = pf.read_row_group(
+                split.row_group, columns=self.columns, use_threads=self.config.use_threads
+            )
+        except (pa.ArrowException, OSError) as exc:
+            column = self._find_bad_column(split)
+            where = f" column `{column}`" if column else ""
+            msg = f"{split.path}: row group {split.row_group}{where} cannot be decoded: {exc}"
+            raise CorruptInputError(msg) from exc
+        if table.num_rows != split.num_rows:
+            msg = (
+                f"{split.path}: row group {split.row_group} has {table.num_rows} rows, "
+                f"its footer says {split.num_rows}"
+            )
+            raise CorruptInputError(msg)
+        return table
+
+    def _find_bad_column(self, split: Split) -> str | None:
+        try:
+            pf = pq.ParquetFile(split.path)
+        except (pa.ArrowException, OSError):
+            return None
+        for name in self.columns:
+            try:
+                pf.read_row_group(split.row_group, columns=[name], use_threads=False)
+            except (pa.ArrowException, OSError):
+                return name
+        return None
+
+    def iter_tables(
+        self,
+        splits: Sequence[Split],
+        *,
+        epoch: int = 0,
+        start: SourcePosition | None = None,
+    ) -> Iterator[tuple[pa.Table, SourcePosition]]:
+        """Yield session-packed batches of rows from ``splits`` in order.
+
+        Args:
+            splits: this reader's split list (see :func:`plan_splits`).
+            epoch: mixed into the session shuffle seed.
+            start: resume position; ``None`` starts at the beginning.
+
+        Yields:
+            ``(table, position)``: a table of ``batch_size`` rows (the last one may be shorter with
+            ``last_batch="partial"``) and the position just after it.
+        """
+        cfg = self.config
+        bsz = cfg.batch_size
+        pos = start or SourcePosition()
+        handles: dict[str, pq.ParquetFile] = {}
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        split_pos = pos.split_pos
+        skip_rows = pos.row
+        while split_pos < len(splits):
+            window, next_pos = self._read_window(splits, split_pos, handles)
+            window_start = split_pos
+            split_pos = next_pos
+            if window is None:
+                continue
+            if cfg.shuffle:
+                window = _shuffle_sessions(
+                    window,
+                    self.schema.session_key,
+                    np.random.default_rng([cfg.seed, epoch, splits[window_start].index]),
+                )
+            offset, n = skip_rows, window.num_rows
+            skip_rows = 0
+            while offset < n:
+                take = min(bsz - pending_rows, n - offset)
+                pending.append(window.slice(offset, take))
+                pending_rows += take
+                offset += take
+                if pending_rows == bsz:
+                    here = (
+                        SourcePosition(window_start, offset)
+                        if offset < n
+                        else SourcePosition(split_pos, 0)
+                    )
+                    yield _concat(pending), here
+                    pending, pending_rows = [], 0
+        if pending_rows and cfg.last_batch == "partial":
+            yield _concat(pending), SourcePosition(len(splits), 0)
+
+    def _read_window(
+        self, splits: Sequence[Split], split_pos: int, handles: dict[str, pq.ParquetFile]
+    ) -> tuple[pa.Table | None, int]:
+        """Read splits from ``split_pos`` until the window holds enough sessions."""
+        tables = []
+        sessions = 0
+        need = self.config.shuffle_buffer if self.config.shuffle else 1
+        while split_pos < len(splits) and sessions < need:
+            split = splits[split_pos]
+            split_pos += 1
+            try:
+                handle = handles.get(split.path)
+                if handle is None:
+                    if len(handles) >= 8:
+                        handles.clear()
+                    handle = handles[split.path] = pq.ParquetFile(split.path)
+                table = self.read_split(split, handle=handle)
+            except (DataError, pa.ArrowException, OSError) as exc:
+                if self.config.on_error == "raise":
+                    if isinstance(exc, DataError):
+                        raise
+                    msg = f"{split.path}: row group {split.row_group} cannot be read: {exc}"
+                    raise CorruptInputError(msg) from exc
+                self._skip(SkippedInput(split.path, split.row_group, split.num_rows, str(exc)))
+                continue
+            tables.append(table)
+            if self.config.shuffle:
+                sessions += _count_sessions(table.column(self.schema.session_key))
+            else:
+                sessions = need
+        if not tables:
+            return None, split_pos
+        return _concat(tables), split_pos
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
+def _session_bounds(column: pa.ChunkedArray) -> np.ndarray:
+    """Start row of every run of equal session ids, plus the row count at the end."""
+    sid = column.to_numpy()
+    n = len(sid)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    change = np.flatnonzero(sid[1:] != sid[:-1]) + 1
+    return np.concatenate(([0], change, [n])).astype(np.int64)
+
+
+def _count_sessions(column: pa.ChunkedArray) -> int:
+    return len(_session_bounds(column)) - 1
+
+
+def _shuffle_sessions(table: pa.Table, session_key: str, rng: np.random.Generator) -> pa.Table:
+    """Permute whole sessions (runs of equal session id) of ``table``; rows of a run stay in order."""
+    bounds = _session_bounds(table.column(session_key))
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    if len(starts) <= 1:
+        return table
+    perm = rng.permutation(len(starts))
+    new_lengths = lengths[perm]
+    new_starts = np.concatenate(([0], np.cumsum(new_lengths)[:-1]))
+    # row i of the output comes from starts[perm][s] + (i - new_starts[s]) for its session s
+    indices = np.repeat(starts[perm] - new_starts, new_lengths) + np.arange(
+        table.num_rows, dtype=np.int64
+    )
+    return table.take(pa.array(indices))
+
+
+def plan_splits(
+    splits: Sequence[Split],
+    *,
+    config: ReaderConfig,
+    epoch: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    worker_id: int = 0,
+    num_workers: int = 1,
+) -> list[Split]:
+    """The splits one reader (a worker of a rank) reads in an epoch, in order.
+
+    Every split goes to exactly one ``(rank, worker_id)``: the (seeded, per-epoch) shuffled list
+    is dealt round-robin to ranks, then each rank's share round-robin to its workers. Ranks may
+    get different row counts when row groups differ in size.
+
+    Raises:
+        DataError: ``rank``/``worker_id`` out of range.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        msg = f"`rank` must be in [0, world_size={world_size}), got {rank!r}"
+        raise DataError(msg)
+    if num_workers < 1 or not 0 <= worker_id < num_workers:
+        msg = f"`worker_id` must be in [0, num_workers={num_workers}), got {worker_id!r}"
+        raise DataError(msg)
+    order = list(splits)
+    if config.shuffle:
+        perm = np.random.default_rng([config.seed, epoch]).permutation(len(order))
+        order = [order[i] for i in perm]
+    return order[rank::world_size][worker_id::num_workers]

@@ -1,0 +1,692 @@
+"""Preprocessing transforms written once against jagged values/offsets, and their pipeline.
+
+A sparse transform rewrites one feature's jagged rows::
+
+    values  [N]    ids of all rows, row after row
+    offsets [R+1]  row r is values[offsets[r]:offsets[r+1]]
+
+and a dense transform rewrites a ``[B, F]`` float32 block (the columns of its features).
+
+**Row-wise contract.** Output row ``r`` may depend only on input row ``r`` (and the transform's
+own parameters), never on other rows or batch statistics. That is what makes deduplicated
+preprocessing exact: on an :class:`~recpipe.jagged.InverseKeyedJaggedTensor` the pipeline runs a
+sparse transform on the ``U`` unique rows only and keeps the inverse lookup, and expanding the
+result equals running the transform on the ``B`` expanded rows.
+
+Writing a custom transform: subclass :class:`SparseTransform` (implement ``apply_jagged``) or
+:class:`DenseTransform` (implement ``apply_dense``), make it a dataclass (parameters are its
+fields, checked in ``validate()``), and register it so that configs can name it. Keep it row-wise,
+return new tensors (inputs may share read-only Arrow buffers: never write into them), and keep
+the values dtype::
+
+    from dataclasses import dataclass
+
+    import torch
+
+    from readers.transforms import SparseTransform, lengths_to_offsets, register_transform
+
+    @register_transform
+    @dataclass
+    class DropIds(SparseTransform):
+        '''Drop every id >= ``limit`` from each list.'''
+
+        limit: int = 1000
+
+        def apply_jagged(self, values, offsets):
+            keep = values < self.limit
+            lengths = torch.diff(offsets)
+            row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+            new_lengths = torch.bincount(row[keep], minlength=len(lengths))
+            return values[keep], lengths_to_offsets(new_lengths)
+
+A pipeline is configured from a dict, a TOML file (``[[preprocess]]`` tables), or the
+``[[preprocess]]`` tables of the schema file::
+
+    [[preprocess]]
+    transform = "HashModulo"
+    features = ["item_id", "item_tags"]
+    params = { modulus = 1_000_000 }
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from numba import njit
+
+from recpipe.batch import Batch
+from recpipe.errors import DataError, SchemaError
+from recpipe.ikjt import InverseKeyedJaggedTensor
+from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+
+if TYPE_CHECKING:
+    from schemas import DatasetSchema
+
+__all__ = [
+    "Bucketize",
+    "Clamp",
+    "DenseTransform",
+    "FillMissing",
+    "HashModulo",
+    "Log1p",
+    "Normalize",
+    "Pipeline",
+    "SparseTransform",
+    "Transform",
+    "Truncate",
+    "VocabLookup",
+    "lengths_to_offsets",
+    "load_preprocess_entries",
+    "register_transform",
+    "transform_from_config",
+    "transform_registry",
+]
+
+_REGISTRY: dict[str, type[Transform]] = {}
+
+
+def register_transform(cls: type[Transform]) -> type[Transform]:
+    """Class decorator: make a transform nameable in configs by its class name."""
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def transform_registry() -> dict[str, type[Transform]]:
+    """Name -> class of every registered transform."""
+    return dict(_REGISTRY)
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``[R]`` lengths -> ``[R+1]`` int64 offsets starting at 0."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+@dataclass
+class Transform:
+    """Base of every transform: the features it applies to.
+
+    Attributes:
+        features: names of the features (all sparse, or all dense) the transform rewrites.
+    """
+
+    features: tuple[str, ...] = ()
+    applies_to: ClassVar[frozenset[str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.features, str):
+            self.features = (self.features,)
+        self.features = tuple(self.features)
+        if not self.features:
+            msg = f"{type(self).__name__}: `features` must name at least one feature"
+            raise SchemaError(msg)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the parameters; raise :class:`SchemaError` naming the bad one."""
+
+
+@dataclass
+class SparseTransform(Transform):
+    """A row-wise rewrite of jagged id lists. Implement :meth:`apply_jagged`."""
+
+    applies_to: ClassVar[frozenset[str]] = frozenset({"sparse"})
+
+    def apply_jagged(
+        self, values: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rewrite rows: ``values`` [N], ``offsets`` [R+1] -> new (values, offsets) of R rows."""
+        raise NotImplementedError
+
+
+@dataclass
+class DenseTransform(Transform):
+    """A row-wise rewrite of dense features. Implement :meth:`apply_dense`."""
+
+    applies_to: ClassVar[frozenset[str]] = frozenset({"dense"})
+
+    def apply_dense(self, dense: torch.Tensor) -> torch.Tensor:
+        """Rewrite a ``[B, F]`` float32 block, column j being ``features[j]``."""
+        raise NotImplementedError
+
+
+def _check(cond: bool, cls: object, name: str, value: object, why: str) -> None:
+    if not cond:
+        msg = f"{type(cls).__name__}: `{name}` {why}, got {value!r}"
+        raise SchemaError(msg)
+
+
+_MASK_64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _MASK_64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor, salt: int) -> torch.Tensor:
+    """splitmix64 finaliser over int64 (wrapping arithmetic), vectorised (any device)."""
+    x = x + _signed(0x9E3779B97F4A7C15 * (salt + 1))
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+@njit(cache=True, nogil=True)
+def _hash_modulo_kernel(ids: np.ndarray, add: np.uint64, modulus: np.int64, out: np.ndarray):
+    """``out[i] = mix64(ids[i]) mod modulus`` (Python's non-negative remainder); ids as uint64."""
+    for i in range(ids.shape[0]):
+        x = ids[i] + add
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+        out[i] = np.int64(x) % modulus
+
+
+def _hash_modulo(ids: torch.Tensor, salt: int, modulus: int) -> torch.Tensor:
+    """``mix64(ids, salt) mod modulus`` for int64 ids: one Numba pass on CPU, torch elsewhere."""
+    if ids.device.type != "cpu":
+        return torch.remainder(_mix64(ids, salt), modulus)
+    out = np.empty(ids.shape[0], dtype=np.int64)
+    add = np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & _MASK_64)
+    _hash_modulo_kernel(ids.contiguous().numpy().view(np.uint64), add, np.int64(modulus), out)
+    return torch.from_numpy(out)
+
+
+@register_transform
+@dataclass
+class HashModulo(SparseTransform):
+    """Map ids into ``[0, modulus)``: ``mix64(id, salt) mod modulus`` (or plain modulo).
+
+    Attributes:
+        modulus: size of the id space after the transform (an embedding table's rows).
+        salt: seeds the hash, so two features can hash differently.
+        hash: ``False`` gives the plain ``id mod modulus`` (non-negative).
+    """
+
+    modulus: int = 1 << 20
+    salt: int = 0
+    hash: bool = True
+
+    def validate(self) -> None:
+        _check(
+            isinstance(self.modulus, int) and self.modulus >= 1, self, "modulus", self.modulus,
+            "must be a positive integer",
+        )  # fmt: skip
+
+    def apply_jagged(self, values, offsets):
+        ids = values.to(torch.int64)
+        if self.hash:
+            out = _hash_modulo(ids, self.salt, self.modulus)
+        else:
+            out = torch.remainder(ids, self.modulus)
+        return out.to(values.dtype), offsets
+
+
+@register_transform
+@dataclass
+class Truncate(SparseTransform):
+    """Keep at most ``max_len`` ids per row: the last ones (most recent) or the first ones."""
+
+    max_len: int = 50
+    keep: Literal["last", "first"] = "last"
+
+    def validate(self) -> None:
+        _check(
+            isinstance(self.max_len, int) and self.max_len >= 0, self, "max_len", self.max_len,
+            "must be a non-negative integer",
+        )  # fmt: skip
+        _check(self.keep in ("last", "first"), self, "keep", self.keep, "must be 'last' or 'first'")
+
+    def apply_jagged(self, values, offsets):
+        lengths = torch.diff(offsets)
+        if len(lengths) == 0 or int(lengths.max()) <= self.max_len:
+            return values, offsets
+        new_lengths = lengths.clamp(max=self.max_len)
+        new_offsets = lengths_to_offsets(new_lengths)
+        starts = offsets[1:] - new_lengths if self.keep == "last" else offsets[:-1]
+        # output position i of row r reads values[starts[r] + (i - new_offsets[r])]
+        index = torch.repeat_interleave(starts - new_offsets[:-1], new_lengths)
+        index += torch.arange(int(new_offsets[-1]), dtype=torch.int64, device=values.device)
+        return values[index], new_offsets
+
+
+@register_transform
+@dataclass
+class VocabLookup(SparseTransform):
+    """Replace raw ids by their index in a vocabulary; unknown ids go to OOV buckets.
+
+    The vocabulary is a text file with one integer id per line (line order = index; blank lines
+    and lines starting with ``#`` ignored), or an inline ``vocab`` list. Index ``i`` of the
+    vocabulary maps to ``i``; an id not in it maps to ``V + mix64(id) mod num_oov_buckets``.
+
+    Attributes:
+        path: the vocabulary file.
+        vocab: inline vocabulary (instead of ``path``).
+        num_oov_buckets: buckets for out-of-vocabulary ids (>= 1).
+    """
+
+    path: str | None = None
+    vocab: Sequence[int] | None = None
+    num_oov_buckets: int = 1
+    _keys: torch.Tensor = field(init=False, repr=False, compare=False)
+    _index: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def validate(self) -> None:
+        _check(
+            (self.path is None) != (self.vocab is None), self, "path", self.path,
+            "or `vocab` must be given (exactly one of them)",
+        )  # fmt: skip
+        _check(
+            isinstance(self.num_oov_buckets, int) and self.num_oov_buckets >= 1, self,
+            "num_oov_buckets", self.num_oov_buckets, "must be a positive integer",
+        )  # fmt: skip
+        ids = self._load() if self.path is not None else torch.tensor(list(self.vocab or ()))
+        ids = ids.to(torch.int64)
+        keys, order = torch.sort(ids, stable=True)
+        if len(keys) > 1 and bool((keys[1:] == keys[:-1]).any()):
+            dup = int(keys[1:][keys[1:] == keys[:-1]][0])
+            msg = f"VocabLookup: vocabulary {self.path or 'vocab'!r} lists id {dup} twice"
+            raise SchemaError(msg)
+        self._keys, self._index = keys, order
+
+    @property
+    def size(self) -> int:
+        """Output id space: vocabulary size + OOV buckets."""
+        return len(self._keys) + self.num_oov_buckets
+
+    def _load(self) -> torch.Tensor:
+        path = os.fspath(self.path)  # type: ignore[arg-type]
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            msg = f"VocabLookup: cannot read vocabulary file `path` {path!r}: {exc}"
+            raise SchemaError(msg) from exc
+        ids = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                ids.append(int(line))
+            except ValueError:
+                msg = f"{path}: line {lineno}: vocabulary id {line!r} is not an integer"
+                raise DataError(msg) from None
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def apply_jagged(self, values, offsets):
+        ids = values.to(torch.int64)
+        vocab_size = len(self._keys)
+        if vocab_size == 0:
+            out = vocab_size + _hash_modulo(ids, 0, self.num_oov_buckets)
+            return out.to(values.dtype), offsets
+        pos = torch.searchsorted(self._keys, ids).clamp_(max=vocab_size - 1)
+        found = self._keys[pos] == ids
+        if self.num_oov_buckets == 1:
+            oov = torch.full_like(ids, vocab_size)
+        else:
+            oov = vocab_size + _hash_modulo(ids, 0, self.num_oov_buckets)
+        return torch.where(found, self._index[pos], oov).to(values.dtype), offsets
+
+
+@dataclass
+class _Elementwise(SparseTransform, DenseTransform):
+    """A value-by-value rewrite; applies to sparse ids and to dense columns alike."""
+
+    applies_to: ClassVar[frozenset[str]] = frozenset({"sparse", "dense"})
+
+    def _map(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_jagged(self, values, offsets):
+        return self._map(values).to(values.dtype), offsets
+
+    def apply_dense(self, dense):
+        return self._map(dense).to(dense.dtype)
+
+
+@register_transform
+@dataclass
+class Bucketize(_Elementwise):
+    """Replace a value by its bucket: ``i`` such that ``boundaries[i-1] <= x < boundaries[i]``.
+
+    Values below ``boundaries[0]`` go to bucket 0, at or above the last boundary to
+    ``len(boundaries)``. Dense outputs are the bucket index as float32.
+    """
+
+    boundaries: Sequence[float] = ()
+
+    def validate(self) -> None:
+        b = list(self.boundaries)
+        _check(
+            len(b) > 0 and all(x < y for x, y in itertools.pairwise(b)), self, "boundaries", b,
+            "must be a non-empty, strictly increasing list",
+        )  # fmt: skip
+        self.boundaries = tuple(b)
+
+    def _map(self, x):
+        b = torch.tensor(self.boundaries, dtype=torch.float64, device=x.device)
+        return torch.bucketize(x.to(torch.float64), b, right=True)
+
+
+@register_transform
+@dataclass
+class Clamp(_Elementwise):
+    """Clamp values into ``[min, max]`` (either bound may be omitted)."""
+
+    min: float | None = None
+    max: float | None = None
+
+    def validate(self) -> None:
+        _check(
+            self.min is not None or self.max is not None, self, "min", self.min,
+            "or `max` must be given",
+        )  # fmt: skip
+        if self.min is not None and self.max is not None:
+            _check(self.min <= self.max, self, "min", self.min, f"must be <= `max` ({self.max})")
+
+    def _map(self, x):
+        if x.is_floating_point():
+            return x.clamp(min=self.min, max=self.max)
+        lo = None if self.min is None else math.ceil(self.min)
+        hi = None if self.max is None else math.floor(self.max)
+        return x.clamp(min=lo, max=hi)
+
+
+@register_transform
+@dataclass
+class Log1p(DenseTransform):
+    """``log(1 + max(x, 0))``: compresses heavy-tailed counts (DLRM's dense preprocessing)."""
+
+    def apply_dense(self, dense):
+        return torch.log1p(dense.clamp(min=0.0))
+
+
+@register_transform
+@dataclass
+class Normalize(DenseTransform):
+    """``(x - mean) / std`` with fixed statistics (scalars or one per feature)."""
+
+    mean: float | Sequence[float] = 0.0
+    std: float | Sequence[float] = 1.0
+
+    def validate(self) -> None:
+        n = len(self.features)
+        for name in ("mean", "std"):
+            v = getattr(self, name)
+            vals = list(v) if isinstance(v, Sequence) else [v] * n
+            _check(len(vals) == n, self, name, v, f"must be a number or a list of {n} numbers")
+            _check(all(math.isfinite(x) for x in vals), self, name, v, "must be finite")
+            setattr(self, name, tuple(float(x) for x in vals))
+        _check(all(s > 0 for s in self.std), self, "std", self.std, "must be > 0")
+
+    def apply_dense(self, dense):
+        mean = torch.tensor(self.mean, dtype=dense.dtype, device=dense.device)
+        std = torch.tensor(self.std, dtype=dense.dtype, device=dense.device)
+        return (dense - mean) / std
+
+
+@register_transform
+@dataclass
+class FillMissing(SparseTransform, DenseTransform):
+    """Fill missing values: NaN dense values, and empty sparse rows (which become ``[value]``).
+
+    Attributes:
+        value: the fill; ``None`` on dense features uses each feature's schema ``fill``.
+    """
+
+    applies_to: ClassVar[frozenset[str]] = frozenset({"sparse", "dense"})
+    value: float | None = None
+    dense_fill: tuple[float, ...] | None = field(default=None, repr=False)
+
+    def validate(self) -> None:
+        if self.value is not None:
+            _check(math.isfinite(self.value), self, "value", self.value, "must be finite")
+
+    def bind_schema(self, schema: DatasetSchema) -> None:
+        """Take the dense fills from the schema when ``value`` is not given."""
+        if self.value is None and all(n in schema.dense_names for n in self.features):
+            self.dense_fill = tuple(float(schema.feature(n).fill) for n in self.features)
+
+    def apply_dense(self, dense):
+        if self.value is not None:
+            fill = torch.full((dense.shape[1],), float(self.value), dtype=dense.dtype)
+        elif self.dense_fill is not None:
+            fill = torch.tensor(self.dense_fill, dtype=dense.dtype)
+        else:
+            fill = torch.zeros(dense.shape[1], dtype=dense.dtype)
+        return torch.where(torch.isnan(dense), fill.to(dense.device), dense)
+
+    def apply_jagged(self, values, offsets):
+        lengths = torch.diff(offsets)
+        empty = lengths == 0
+        if not bool(empty.any()):
+            return values, offsets
+        fill = 0 if self.value is None else int(self.value)
+        new_lengths = torch.where(empty, torch.ones_like(lengths), lengths)
+        new_offsets = lengths_to_offsets(new_lengths)
+        out = torch.full((int(new_offsets[-1]),), fill, dtype=values.dtype, device=values.device)
+        # copy every non-empty row to its new place; the empty ones keep the fill
+        shift = torch.repeat_interleave(new_offsets[:-1] - offsets[:-1], lengths)
+        out[torch.arange(len(values), device=values.device) + shift] = values
+        return out, new_offsets
+
+
+def transform_from_config(entry: Mapping[str, Any], *, where: str = "preprocess") -> Transform:
+    """Build one transform from ``{"transform": name, "features": [...], "params": {...}}``.
+
+    Raises:
+        SchemaError: unknown transform or key, or bad parameters (the message names ``where``).
+    """
+    known = {"transform", "features", "params"}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        msg = f"{where}: unknown key(s) {unknown}; expected {sorted(known)}"
+        raise SchemaError(msg)
+    name = entry.get("transform")
+    cls = _REGISTRY.get(str(name))
+    if cls is None:
+        msg = f"{where}: unknown `transform` {name!r}; registered: {sorted(_REGISTRY)}"
+        raise SchemaError(msg)
+    features = entry.get("features")
+    if isinstance(features, str):
+        features = [features]
+    if not isinstance(features, list | tuple) or not features:
+        msg = f"{where}: `features` must be a non-empty list of feature names, got {features!r}"
+        raise SchemaError(msg)
+    params = dict(entry.get("params") or {})
+    allowed = {f.name for f in fields(cls) if f.init and not f.name.startswith("_")} - {
+        "features",
+        "dense_fill",
+    }
+    bad = sorted(set(params) - allowed)
+    if bad:
+        msg = f"{where}: {name} has no parameter(s) {bad}; it takes {sorted(allowed)}"
+        raise SchemaError(msg)
+    try:
+        return cls(features=tuple(features), **params)
+    except SchemaError as exc:
+        msg = f"{where}: {exc}"
+        raise SchemaError(msg) from exc
+    except (TypeError, ValueError) as exc:
+        msg = f"{where}: bad parameters for {name}: {exc}"
+        raise SchemaError(msg) from exc
+
+
+def load_preprocess_entries(source: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read the ``[[preprocess]]`` tables of a TOML file (a pipeline config or a schema file).
+
+    Relative vocabulary paths are resolved against the file's folder.
+    """
+    path = Path(source)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        msg = f"{path}: cannot read the preprocessing config: {exc}"
+        raise SchemaError(msg) from exc
+    entries = data.get("preprocess", [])
+    if not isinstance(entries, list):
+        msg = f"{path}: `preprocess` must be an array of tables ([[preprocess]])"
+        raise SchemaError(msg)
+    out = []
+    for entry in entries:
+        entry = dict(entry)
+        params = dict(entry.get("params") or {})
+        vocab_path = params.get("path")
+        if isinstance(vocab_path, str) and not os.path.isabs(vocab_path):
+            params["path"] = os.fspath(path.parent / vocab_path)
+        if params:
+            entry["params"] = params
+        out.append(entry)
+    return out
+
+
+PipelineSource = Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | os.PathLike[str] | None
+
+
+class Pipeline:
+    """An ordered list of transforms applied to batches, deduplicated groups on unique rows.
+
+    For each sparse feature the steps naming it run in config order on its (values, offsets):
+    on the B rows when the feature is in ``batch.kjt``, on the U unique rows when it is in a
+    dedup group (the IKJT keeps its inverse lookup). Dense steps rewrite their columns of
+    ``batch.dense``. Everything is checked against the schema once, here.
+
+    Args:
+        transforms: the steps, in order.
+        schema: the dataset schema (feature kinds, dense column order, dense fills).
+
+    Raises:
+        SchemaError: a step names an unknown feature or one of the wrong kind.
+    """
+
+    def __init__(self, transforms: Sequence[Transform], *, schema: DatasetSchema) -> None:
+        self.transforms = list(transforms)
+        self.schema = schema
+        dense_index = {n: i for i, n in enumerate(schema.dense_names)}
+        sparse = set(schema.sparse_names)
+        self._sparse: dict[str, list[SparseTransform]] = {}
+        self._dense: list[tuple[DenseTransform, torch.Tensor]] = []
+        for i, step in enumerate(self.transforms):
+            where = f"preprocess step {i + 1} ({type(step).__name__})"
+            if not isinstance(step, Transform):
+                msg = f"{where}: not a Transform: {step!r}"
+                raise SchemaError(msg)
+            kinds = {"dense" if n in dense_index else "sparse" if n in sparse else None
+                     for n in step.features}  # fmt: skip
+            if None in kinds:
+                bad = [n for n in step.features if n not in dense_index and n not in sparse]
+                msg = f"{where}: unknown feature(s) {bad}; the schema has {schema.feature_names}"
+                raise SchemaError(msg)
+            if len(kinds) > 1:
+                msg = f"{where}: `features` mixes dense and sparse features {list(step.features)}"
+                raise SchemaError(msg)
+            kind = kinds.pop()
+            if kind not in step.applies_to:
+                msg = (
+                    f"{where}: applies to {sorted(step.applies_to)} features, but "
+                    f"{list(step.features)} are {kind}"
+                )
+                raise SchemaError(msg)
+            if isinstance(step, FillMissing):
+                step.bind_schema(schema)
+            if kind == "dense":
+                cols = torch.tensor([dense_index[n] for n in step.features], dtype=torch.int64)
+                self._dense.append((step, cols))  # type: ignore[arg-type]
+            else:
+                for name in step.features:
+                    self._sparse.setdefault(name, []).append(step)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_config(cls, config: PipelineSource, *, schema: DatasetSchema) -> Pipeline:
+        """Build from ``[[preprocess]]`` entries: a dict with a ``preprocess`` list, a list of
+        entries, a TOML file (a pipeline config, or a schema file with ``[[preprocess]]``
+        tables), or ``None`` (no steps)."""
+        if config is None:
+            entries: Sequence[Mapping[str, Any]] = []
+        elif isinstance(config, str | os.PathLike):
+            entries = load_preprocess_entries(config)
+        elif isinstance(config, Mapping):
+            entries = config.get("preprocess", [])
+        else:
+            entries = config
+        steps = [
+            transform_from_config(e, where=f"[[preprocess]] #{i + 1}")
+            for i, e in enumerate(entries)
+        ]
+        return cls(steps, schema=schema)
+
+    def __len__(self) -> int:
+        return len(self.transforms)
+
+    @property
+    def sparse_features(self) -> tuple[str, ...]:
+        """Sparse features some step rewrites."""
+        return tuple(self._sparse)
+
+    def apply_jagged(
+        self, name: str, values: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every step of sparse feature ``name`` on its rows, in order."""
+        for step in self._sparse.get(name, ()):
+            values, offsets = step.apply_jagged(values, offsets)
+        return values, offsets
+
+    def apply_dense(self, dense: torch.Tensor) -> torch.Tensor:
+        """Run the dense steps on a ``[B, F]`` block (a new tensor; the input is not changed)."""
+        if not self._dense:
+            return dense
+        dense = dense.clone()
+        for step, cols in self._dense:
+            dense[:, cols] = step.apply_dense(dense[:, cols])
+        return dense
+
+    def _apply_kjt(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        touched = [k for k in kjt.keys if k in self._sparse]
+        if not touched:
+            return kjt
+        features = kjt.to_dict()
+        for key in touched:
+            jt = features[key]
+            values, offsets = self.apply_jagged(key, jt.values, jt.offsets)
+            features[key] = JaggedTensor(values, offsets, validate=False)
+        return KeyedJaggedTensor.from_jagged_dict(features, stride=kjt.stride)
+
+    def __call__(self, batch: Batch) -> Batch:
+        """Preprocess one batch; IKJT groups are rewritten on their unique rows only."""
+        if not self.transforms:
+            return batch
+        ikjts = {}
+        for name, group in batch.ikjts.items():
+            if not any(k in self._sparse for k in group.keys):
+                ikjts[name] = group
+                continue
+            if not isinstance(group, InverseKeyedJaggedTensor):
+                msg = f"preprocessing supports IKJT groups, `ikjts[{name!r}]` is {type(group).__name__}"
+                raise DataError(msg)
+            unique = self._apply_kjt(group.unique)
+            ikjts[name] = InverseKeyedJaggedTensor.from_unique(
+                unique, group.inverse_lookup, validate=False
+            )
+        return Batch(
+            dense=self.apply_dense(batch.dense),
+            labels=batch.labels,
+            kjt=self._apply_kjt(batch.kjt),
+            ikjts=ikjts,
+            session_ids=batch.session_ids,
+        )

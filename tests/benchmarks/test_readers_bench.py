@@ -1,0 +1,52 @@
+"""Smoke test of `benchmarks/readers.py` at a tiny size: it runs end to end and writes its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "readers.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_readers", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help(capsys):
+    bench = _load()
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--requests" in out and "--batch-size" in out and "reader_speedup_vs_baseline" in out
+    args = bench.parse_args([])
+    assert (args.requests, args.batch_size) == (200_000, 4096)
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_results(tmp_path, capsys):
+    for module in ("etl.synth", "etl.build"):
+        pytest.importorskip(module)
+    bench = _load()
+    out = tmp_path / "readers.json"
+    argv = ["--requests", "3000", "--batch-size", "256", "--repeats", "1", "--vocab-size", "100"]
+    assert bench.main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    for key in ("reader_speedup_vs_baseline", "ikjt_vs_kjt_samples_per_s", "convert_overhead"):
+        assert results[key] > 0, key
+    rb = results["read_bytes_per_sample"]
+    assert rb["time_ordered"] > rb["clustered"] > 0
+    assert results["settings"]["rows"] == 3000
+    clustered = results["dedup_factor_per_group"]["clustered"]
+    assert all(f >= 1.0 for f in clustered.values())
+    table = capsys.readouterr().out
+    assert "reader_speedup_vs_baseline" in table and "convert_overhead" in table
+
+    measured = bench.measure_inprocess(tmp_path / "work" / "clustered", batch_size=512)
+    assert measured["samples"] == 3000 and measured["batches"] == 6
