@@ -14,6 +14,8 @@ SCHEMA ?=
 OUT ?= data/demo
 REQUESTS ?= 200000
 SHARDS ?= 8
+PORT ?= 7777
+READERS ?= 2
 
 .PHONY: setup demo etl stats serve train bench test test-fast lint format clean help
 
@@ -48,6 +50,9 @@ etl: setup  ## raw logs -> clustered zstd Parquet + stats (INPUT=..., EVENTS=...
 
 stats: setup  ## DuckDB duplication statistics of OUT/dataset
 	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats
+
+serve: setup  ## serve OUT/dataset's preprocessed batches over TCP (127.0.0.1; PORT=..., READERS=...)
+	$(RECPIPE) serve $(OUT)/dataset --port $(PORT) --readers $(READERS)
 
 bench: setup  ## run every benchmark; JSON lands in benchmarks/results/
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -27,6 +27,10 @@ __all__ = [
     "Pipeline",
     "ReaderConfig",
     "ReaderPosition",
+    "ReaderServer",
+    "ServiceClient",
+    "ServiceConfig",
+    "ServiceDataset",
     "SourcePosition",
     "SparseTransform",
     "Split",
@@ -54,6 +58,7 @@ _WHERE = {
         "ParquetBatchDataset", "ReaderPosition", "StatefulLoader", "dataset_schema",
         "iter_batches", "make_dataloader",
     ),
+    "readers.service": ("ReaderServer", "ServiceClient", "ServiceConfig", "ServiceDataset"),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 

@@ -101,14 +101,22 @@ def as_index_tensor(array: Any, *, name: str, device: torch.device | None = None
 
 
 def tensors_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Exact equality: same dtype, same shape, same elements (``None`` equals only ``None``)."""
+    """Exact equality: same dtype, same shape, same elements (``None`` equals only ``None``).
+
+    NaNs in the same positions count as equal (a dense feature without a fill is NaN, and a
+    batch must equal itself).
+    """
     if a is None or b is None:
         return a is None and b is None
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.device != b.device:
         b = b.to(a.device)
-    return bool(torch.equal(a, b))
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
 def quote(value: Any, *, limit: int = 8) -> str:

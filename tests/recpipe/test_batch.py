@@ -109,3 +109,16 @@ def test_bad_batches_are_refused(batch, change, match):
     }
     with pytest.raises(DataError, match=match):
         Batch(**{**fields, **change})
+
+
+def test_batch_with_nan_dense_equals_itself():
+    from recpipe._tensors import tensors_equal
+
+    a = torch.tensor([[1.0, float("nan")], [0.0, 2.0]])
+    assert tensors_equal(a, a.clone())
+    b = a.clone()
+    b[1, 1] = 3.0
+    assert not tensors_equal(a, b)
+    c = a.clone()
+    c[0, 1] = 5.0  # a number where the other has NaN
+    assert not tensors_equal(a, c)

@@ -1,0 +1,289 @@
+"""Reader service: bytes on the wire (KJT vs IKJT) and service vs in-process throughput.
+
+Generates the default synthetic logs and builds the clustered dataset (`etl.synth`,
+`etl.build`), or uses `--dataset`. The reader pipeline is the one of benchmarks/readers.py
+(its `preprocess_config`: hash-modulo, truncation, a vocabulary lookup of the liked-items
+history, dense fill/log1p/normalisation), run by `recpipe serve`'s `ReaderServer` with
+`--readers` reader processes; a `ServiceClient` in this process reads over loopback TCP.
+
+Figures (written to benchmarks/results/service.json):
+  sent_bytes_per_sample   bytes on the wire per sample (framing included) for a whole epoch,
+                          plain KJT (`--dedup off`) vs IKJT (`--dedup on`), same pipeline.
+                          RecD: 837 -> 713 GB.
+  service_vs_inprocess    samples/s delivered to the client by the service / samples/s of the
+                          same pipeline run in this process (`readers.dataset.iter_batches`),
+                          IKJT path. Wall clock, steady state: from the first batch received
+                          (reader start-up is reported apart). Target >= 0.8.
+
+Every thread pool is limited to one thread (OMP/Numba/Arrow), in this process and in the
+reader processes, so `--readers 1` compares one reader core with one reader core. Cases are
+alternated and the median of `--repeats` is kept, so drift and other load hit both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "service.json"
+TARGET_SERVICE_VS_INPROCESS = 0.8
+
+__all__ = ["main", "measure_inprocess", "measure_service", "parse_args", "run"]
+
+
+def _bench_readers() -> Any:
+    """benchmarks/readers.py, loaded by path (its name clashes with the `readers` package)."""
+    path = Path(__file__).resolve().parent / "readers.py"
+    spec = importlib.util.spec_from_file_location("recpipe_bench_readers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_dataset(work: Path, *, requests: int, seed: int) -> Path:
+    """Synthetic logs -> the clustered dataset (session order), under ``work``."""
+    from etl.build import BuildConfig, build
+    from etl.synth import SynthConfig, generate
+    from schemas import default_schema
+
+    logs = generate(work / "raw", SynthConfig(num_requests=requests, seed=seed), progress=True)
+    out = work / "clustered"
+    build(
+        logs.features,
+        out,
+        events=logs.events,
+        schema=default_schema(),
+        config=BuildConfig(),
+        overwrite=True,
+        progress=True,
+    )
+    return out
+
+
+def measure_inprocess(
+    dataset: Path, *, batch_size: int, preprocess: Any, dedup: bool, max_batches: int | None
+) -> dict[str, float]:
+    """Run the reader pipeline in this process; steady-state wall clock from the first batch."""
+    from readers.dataset import iter_batches
+    from readers.source import ReaderConfig
+
+    stream = iter_batches(
+        dataset, config=ReaderConfig(batch_size=batch_size), transforms=preprocess, dedup=dedup
+    )
+    return _timed(stream, max_batches, lambda: 0)
+
+
+def measure_service(
+    dataset: Path,
+    *,
+    batch_size: int,
+    preprocess: Any,
+    dedup: bool,
+    readers: int,
+    queue_depth: int,
+    max_batches: int | None,
+) -> dict[str, float]:
+    """Serve the same pipeline over loopback TCP and read it with a client in this process."""
+    from readers.service import DatasetProducer, ReaderServer, ServiceClient, ServiceConfig
+
+    producer = DatasetProducer(
+        str(dataset), batch_size=batch_size, dedup=dedup, preprocess=preprocess
+    )
+    config = ServiceConfig(readers=readers, queue_depth=queue_depth, report_every_s=0)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+        client = ServiceClient(*server.address, read_timeout_s=600)
+        result = _timed(iter(client), max_batches, lambda: client.bytes_received)
+        client.close()
+    return result
+
+
+def _timed(stream: Any, max_batches: int | None, received: Any) -> dict[str, float]:
+    start = time.perf_counter()
+    first_at = first_bytes = None
+    samples = batches = 0
+    for batch in stream:
+        if first_at is None:  # steady state starts after the first batch
+            first_at, first_bytes = time.perf_counter(), received()
+        else:
+            samples += batch.batch_size
+        batches += 1
+        if max_batches is not None and batches >= max_batches:
+            break
+    end = time.perf_counter()
+    if first_at is None or batches < 2:
+        msg = "the benchmark needs at least 2 batches; lower --batch-size or raise --requests"
+        raise SystemExit(msg)
+    total_bytes = received()
+    return {
+        "batches": batches,
+        "samples_after_first": samples,
+        "startup_s": first_at - start,
+        "steady_s": end - first_at,
+        "samples_per_s": samples / (end - first_at),
+        "bytes": total_bytes,
+        "bytes_after_first": total_bytes - first_bytes,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build (or reuse) the dataset, run every measurement, return the results dict."""
+    from tqdm import tqdm
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="recpipe-bench-service-"))
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = args.dataset or build_dataset(work, requests=args.requests, seed=args.seed)
+    preprocess = _bench_readers().preprocess_config(
+        dataset, work / "liked_items.vocab", vocab_size=args.vocab_size
+    )
+    common = {
+        "batch_size": args.batch_size,
+        "preprocess": preprocess,
+        "max_batches": args.max_batches,
+    }
+    service = {"readers": args.readers, "queue_depth": args.queue_depth}
+    cases = {
+        "inprocess_ikjt": lambda: measure_inprocess(dataset, dedup=True, **common),
+        "service_ikjt": lambda: measure_service(dataset, dedup=True, **common, **service),
+        "service_kjt": lambda: measure_service(dataset, dedup=False, **common, **service),
+    }
+    measure_inprocess(dataset, dedup=True, **{**common, "max_batches": 2})  # warm up Numba, cache
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    with tqdm(total=args.repeats * len(cases), desc="service timings", file=sys.stderr) as bar:
+        for _ in range(args.repeats):
+            for name, fn in cases.items():  # alternated, so drift hits every case alike
+                runs[name].append(fn())
+                bar.update()
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    def per_sample(name: str) -> float:
+        return median(name, "bytes_after_first") / max(median(name, "samples_after_first"), 1)
+
+    kjt, ikjt = per_sample("service_kjt"), per_sample("service_ikjt")
+    ratio = median("service_ikjt", "samples_per_s") / median("inprocess_ikjt", "samples_per_s")
+    return {
+        "sent_bytes_per_sample": {"kjt": kjt, "ikjt": ikjt, "ratio_kjt_over_ikjt": kjt / ikjt},
+        "service_vs_inprocess": ratio,
+        "samples_per_s": {name: median(name, "samples_per_s") for name in cases},
+        "startup_s": {name: median(name, "startup_s") for name in cases},
+        "targets": {"service_vs_inprocess": TARGET_SERVICE_VS_INPROCESS},
+        "meets_target": ratio >= TARGET_SERVICE_VS_INPROCESS,
+        "settings": {
+            "dataset": str(dataset),
+            "requests": None if args.dataset else args.requests,
+            "batch_size": args.batch_size,
+            "readers": args.readers,
+            "queue_depth": args.queue_depth,
+            "max_batches": args.max_batches,
+            "repeats": args.repeats,
+            "vocab_size": args.vocab_size,
+            "seed": args.seed,
+            "cpu_count": os.cpu_count(),
+            "timing": "median wall-clock samples/s after the first batch; 1 thread per process",
+        },
+        "raw": runs,
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The figures as a small table."""
+    sent = results["sent_bytes_per_sample"]
+    rates = results["samples_per_s"]
+    rows = [
+        ("sent bytes/sample, KJT", f"{sent['kjt']:,.1f}"),
+        ("sent bytes/sample, IKJT", f"{sent['ikjt']:,.1f}"),
+        ("KJT / IKJT bytes", f"{sent['ratio_kjt_over_ikjt']:.2f}x"),
+        ("in-process samples/s (IKJT)", f"{rates['inprocess_ikjt']:,.0f}"),
+        ("service samples/s (IKJT)", f"{rates['service_ikjt']:,.0f}"),
+        ("service samples/s (KJT)", f"{rates['service_kjt']:,.0f}"),
+        (
+            "service_vs_inprocess",
+            f"{results['service_vs_inprocess']:.2f} (target >= {TARGET_SERVICE_VS_INPROCESS})",
+        ),
+        ("service start-up (s)", f"{results['startup_s']['service_ikjt']:.2f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = ["benchmark: reader service", "-" * (width + 24)]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see ``--help``)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--requests", type=int, default=200_000, help="synthetic requests (default 200000)"
+    )
+    parser.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        help="use this clustered dataset instead of generating one",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=4096, help="rows per batch (default 4096)"
+    )
+    parser.add_argument(
+        "--readers",
+        type=int,
+        default=1,
+        help="reader processes of the service (default 1; 0 = a thread)",
+    )
+    parser.add_argument(
+        "--queue-depth", type=int, default=8, help="service queue depth (default 8)"
+    )
+    parser.add_argument(
+        "--max-batches",
+        type=int,
+        default=None,
+        help="batches per timing (default: the whole epoch)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats per case, median kept (default 3)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=50_000, help="liked-items vocabulary size (default 50000)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="synthetic data seed (default 0)")
+    parser.add_argument(
+        "--work", type=Path, default=None, help="working directory (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, write the JSON, print the table."""
+    args = parse_args(argv)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(var, "1")  # before torch/numba load; reader processes inherit it
+    results = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(format_table(results))
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    # the script's folder holds readers.py: import the `readers` package, not that script
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    sys.path.insert(0, str(here.parent))
+    sys.exit(main())

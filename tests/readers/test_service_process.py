@@ -1,0 +1,149 @@
+"""`recpipe serve` as a real process: reader processes, DataLoader workers, SIGTERM, server death."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from torch.utils.data import DataLoader
+
+from readers.service import ServiceClient, ServiceDataset, SyntheticProducer, register_cli
+from readers.wire import ServiceError
+from recpipe.errors import DataError
+
+TIMEOUT = 120.0
+_SERVE = (
+    "import sys, argparse; from readers import service; p = argparse.ArgumentParser(); "
+    "service.register_cli(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); "
+    "sys.exit(a.func(a))"
+)
+
+
+class ServerProcess:
+    """`serve` in a child process; the port is read from its 'listening on' line."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, "-c", _SERVE, "serve", "--report-every", "0", *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.port = int(self.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+
+    def wait_for(self, pattern: str) -> re.Match:
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + TIMEOUT
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stderr, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=deadline - time.monotonic()):
+                    break
+                line = self.proc.stderr.readline()
+                if not line:
+                    break
+                self.lines.append(line)
+                found = re.search(pattern, line)
+                if found:
+                    return found
+        pytest.fail(f"server never printed {pattern!r}; stderr so far:\n{''.join(self.lines)}")
+
+    def rest_of_stderr(self) -> str:
+        assert self.proc.stderr is not None
+        return "".join(self.lines) + self.proc.stderr.read()
+
+    def client(self, **options: object) -> ServiceClient:
+        return ServiceClient("127.0.0.1", self.port, read_timeout_s=TIMEOUT, **options)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+@pytest.fixture
+def server_process() -> Iterator[type[ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        server = ServerProcess(*args)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def _rows(batches: list) -> list[int]:
+    return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
+
+
+@pytest.mark.slow
+def test_reader_processes_and_sigterm(server_process) -> None:
+    server = server_process("--synthetic", "100000", "--batch-size", "16", "--readers", "2")
+    producer = SyntheticProducer(num_batches=100000, batch_size=16)
+    client = server.client().connect()
+    stream = iter(client)
+    got = [next(stream) for _ in range(8)]  # both reader processes are up
+    indices = [int(b.dense[0, 0]) // 16 for b in got]
+    assert len(set(indices)) == 8
+    assert all(b.equals(producer.make_batch(i)) for b, i in zip(got, indices))
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert len(children) >= 2  # the readers (and multiprocessing's resource tracker)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(TIMEOUT) == 0
+    with pytest.raises(ServiceError, match="the reader service is shutting down"):
+        for _ in range(100_000):  # bounded: what was in flight, then the ERROR frame
+            next(stream)
+    _, alive = psutil.wait_procs(children, timeout=TIMEOUT)
+    assert alive == []
+    stderr = server.rest_of_stderr()
+    assert "2 reader processes per client" in stderr and "shutting down" in stderr
+    assert "recpipe serve: summary" in stderr and "1 stopped" in stderr
+
+
+@pytest.mark.slow
+def test_dataloader_workers_then_server_death(server_process) -> None:
+    server = server_process("--synthetic", "2000", "--batch-size", "8", "--readers", "0")
+    # 2 DataLoader workers x world size 50 = 100 shards; rank 0 reads shards 0 and 1
+    ds = ServiceDataset("127.0.0.1", server.port, rank=0, world_size=50, read_timeout_s=TIMEOUT)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=TIMEOUT)
+    expected = [r for i in range(2000) if i % 100 in (0, 1) for r in range(i * 8, i * 8 + 8)]
+    assert sorted(_rows(list(loader))) == expected
+
+    stream = iter(server.client().connect())
+    next(stream)
+    server.proc.kill()
+    server.proc.wait(TIMEOUT)
+    with pytest.raises(
+        ServiceError,
+        match=r"lost the reader service at 127\.0\.0\.1:\d+ after \d+ batches \(the server died",
+    ):
+        for _ in range(2000):  # bounded: frames already in the socket, then EOF
+            next(stream)
+    with pytest.raises(ServiceError, match="cannot connect to the reader service"):
+        server.client(connect_timeout_s=5).connect()
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_cli_refuses_a_missing_dataset(tmp_path) -> None:
+    with pytest.raises(DataError, match="`dataset` is required"):
+        args = _parse()
+        args.func(args)
+    args = _parse(str(tmp_path / "nope"))
+    with pytest.raises(DataError, match="is not a directory"):
+        args.func(args)
+    assert _parse("x", "--dedup", "off", "--readers", "3").readers == 3
