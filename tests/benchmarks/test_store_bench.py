@@ -1,0 +1,62 @@
+"""Smoke test of benchmarks/store.py at a tiny size (correctness of the script, not timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "store.py"
+
+
+@pytest.mark.slow
+def test_store_benchmark_writes_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_store", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "store.json"
+    argv = [
+        "--batch",
+        "64",
+        "--pooling",
+        "4",
+        "--vocab",
+        "2000",
+        "--dim",
+        "8",
+        "--steps",
+        "2",
+        "--ckpt-steps",
+        "6",
+        "--ckpt-every",
+        "3",
+        "--index-rows",
+        "1000",
+        "--miss-steps",
+        "6",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert module.main(argv) == 0
+    result = json.loads(out.read_text())
+    for key in (
+        "index_ids_per_s_per_core",
+        "index_ids_per_s_per_core_10pct_new",
+        "pull_push_rows_per_s",
+        "pull_push_rows_per_s_hot",
+        "step_vs_fbgemm_tbe",
+        "rho",
+        "chosen_hot_rows",
+        "checkpoint_overhead",
+        "recovery_speedup",
+        "miss_rate",
+    ):
+        assert key in result
+    assert set(result["rho"]) == {"1000", "10000", "65536"}
+    assert {"1%", "10%", "50%"} <= set(result["miss_rate"])
+    assert 0.0 <= result["miss_rate"]["10%"]["miss_rate"] <= 1.0
+    assert "checkpoint overhead" in capsys.readouterr().out

@@ -1,0 +1,207 @@
+"""The persistent tier: checkpoints, recovery of uncommitted work, corrupted and truncated files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from recpipe.cli import main
+from recpipe.errors import StoreError
+from trainer.store import EmbeddingStore, StoreConfig, inspect_store, open_store
+
+DIM = 4
+
+
+def train(store: EmbeddingStore, steps: range, *, seed: int = 0) -> None:
+    import torch
+
+    rng = np.random.default_rng([seed, steps.start])
+    for _ in steps:
+        ids = rng.integers(-50, 50, 30) * 1_000_003
+        loc = store.prefetch(ids)
+        rows = store.pull(loc)
+        store.push(loc, torch.ones_like(rows) * 0.1 + rows)
+        store.update()
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    path = tmp_path / "s"
+    cfg = StoreConfig(
+        dim=DIM, optimizer="rowwise_adagrad", chunk_rows=8, cache_rows=40, pin_window=1
+    )
+    with EmbeddingStore.create(path, cfg) as store:
+        train(store, range(10))
+        store.reshard(5)
+        store.checkpoint(9)
+        snapshot = store.export()
+        written = store.stats().written_back
+        train(store, range(10, 20))  # uncommitted work, written to disk by evictions
+        assert store.stats().written_back > written
+    return path, snapshot
+
+
+def test_open_restores_the_last_checkpoint_exactly(store_dir):
+    path, (ids, values) = store_dir
+    with open_store(path, cache_rows=40, pin_window=1, verify=True) as store:
+        got_ids, got_values = store.export()
+        assert store.stats().last_checkpoint_step == 9
+        assert store.stats().hot_rows == 5
+    np.testing.assert_array_equal(got_ids, ids)
+    assert got_values.tobytes() == values.tobytes()
+
+
+def test_a_checkpoint_writes_only_changed_rows(tmp_path):
+    cfg = StoreConfig(dim=DIM, chunk_rows=8)
+    with EmbeddingStore.create(tmp_path / "s", cfg) as store:
+        train(store, range(5))
+        first = store.checkpoint(4).result()
+        assert first["rows_written"] == store.num_rows
+        loc = store.prefetch(np.array([0, 1_000_003]))  # two existing ids
+        store.push(loc, store.pull(loc))
+        store.update()
+        assert store.checkpoint(5, wait=False).result()["rows_written"] == 2
+        assert store.checkpoint(6).result()["rows_written"] == 0
+
+
+def test_new_store_refuses_an_existing_directory(store_dir):
+    path, _ = store_dir
+    with pytest.raises(StoreError, match="already holds a store"):
+        EmbeddingStore.create(path, StoreConfig(dim=DIM))
+
+
+def test_truncated_row_file_is_detected(store_dir):
+    path, _ = store_dir
+    with open(path / "rows.bin", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 10)
+    with pytest.raises(StoreError, match="truncated"):
+        open_store(path)
+
+
+def test_truncated_ids_file_is_detected(store_dir):
+    path, _ = store_dir
+    with open(path / "ids.bin", "r+b") as f:
+        f.truncate(16)
+    with pytest.raises(StoreError, match=r"ids\.bin.*truncated"):
+        open_store(path)
+
+
+def _flip_row_byte(path, row: int) -> None:
+    """Flip a bit in both on-disk copies of ``row`` (so the committed one is hit)."""
+    meta = json.loads((path / "meta.json").read_text())
+    copy_bytes = (meta["dim"] + meta["state_dim"] + 1) * 4
+    with open(path / "rows.bin", "r+b") as f:
+        for pos in (2 * row, 2 * row + 1):
+            f.seek(pos * copy_bytes + 3)
+            b = f.read(1)
+            f.seek(pos * copy_bytes + 3)
+            f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupted_row_is_detected_on_verify_and_on_read(store_dir):
+    path, (ids, _) = store_dir
+    _flip_row_byte(path, 3)
+    with pytest.raises(StoreError, match="row 3 fails its checksum"):
+        open_store(path, verify=True)
+    with open_store(path) as store, pytest.raises(StoreError, match="checksum"):
+        store.prefetch(ids[3:4])
+
+
+@pytest.mark.parametrize("name", ["CURRENT", "meta.json"])
+def test_corrupted_commit_record_or_meta_is_detected(store_dir, name):
+    path, _ = store_dir
+    text = (path / name).read_text()
+    (path / name).write_text(
+        text.replace('"', "'", 1) if name == "meta.json" else text.replace("9", "8", 1)
+    )
+    with pytest.raises(StoreError, match="corrupted"):
+        open_store(path)
+
+
+def test_corrupted_or_missing_copy_bitmap_is_detected(store_dir):
+    path, _ = store_dir
+    (bitmap,) = path.glob("copies-*.bin")
+    data = bytearray(bitmap.read_bytes())
+    data[0] ^= 0x01
+    bitmap.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"copies-\d+\.bin.*corrupted"):
+        open_store(path)
+    bitmap.unlink()
+    with pytest.raises(StoreError, match="missing"):
+        open_store(path)
+
+
+def test_uncommitted_writes_never_touch_the_committed_copy(store_dir):
+    """Reopening twice (a crash during recovery) gives the same checkpoint."""
+    path, (_, values) = store_dir
+    for _ in range(2):
+        with open_store(path, cache_rows=40, pin_window=1) as store:
+            assert store.export()[1].tobytes() == values.tobytes()
+            train(store, range(30, 33))  # and more uncommitted work, dropped
+
+
+def test_inspect_and_cli(store_dir, capsys):
+    path, (ids, _) = store_dir
+    info = inspect_store(path)
+    assert info["rows"] == ids.size
+    assert info["hot_rows"] == 5
+    assert info["last_checkpoint"]["step"] == 9
+    assert info["chunks"] >= -(-ids.size // 8)
+    assert main(["store", str(path), "--json", "--verify"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verified_rows"] == ids.size
+    assert main(["store", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "last checkpoint" in text and "step 9" in text
+
+
+def test_cli_reports_a_missing_store(tmp_path, capsys):
+    assert main(["store", str(tmp_path / "nope")]) == 1
+    assert "not a store directory" in capsys.readouterr().err
+
+
+def test_background_checkpoint_copies_on_write(tmp_path):
+    """Rows updated while a background checkpoint is being written are saved as they were."""
+    import threading
+
+    import torch
+
+    cfg = StoreConfig(dim=DIM, chunk_rows=8)
+    ids = np.arange(20) * 7919 - 50
+    with EmbeddingStore.create(tmp_path / "s", cfg) as store:
+        train(store, range(3))
+        store.checkpoint(2)  # starts the writer thread
+        loc = store.prefetch(ids)
+        store.push(loc, store.pull(loc) + 1.0)
+        store.update()
+        expected = store.export()
+        gate = threading.Event()
+        store._executor.submit(gate.wait)  # hold the writer so the next checkpoint queues
+        future = store.checkpoint(3, wait=False)
+        assert store._frozen.any()
+        loc = store.prefetch(ids)
+        store.push(loc, torch.full((loc.num_unique, DIM), 5.0))
+        store.update()  # touches frozen rows: their images are saved first
+        assert store._cow_has.any()
+        gate.set()
+        assert future.result()["step"] == 3
+    with open_store(tmp_path / "s") as store:
+        got = store.export()
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1].tobytes() == expected[1].tobytes()
+
+
+def test_saved_index_is_used_and_checked(store_dir):
+    path, (ids, _) = store_dir
+    info = inspect_store(path)["saved_index"]
+    assert info is not None and info["rows"] <= ids.size
+    with open_store(path) as store:
+        np.testing.assert_array_equal(store.lookup_rows(ids), np.arange(ids.size))
+    index_file = path / f"index-{info['epoch']}.bin"
+    data = bytearray(index_file.read_bytes())
+    data[-5] ^= 0x01
+    index_file.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="index file is corrupted"):
+        open_store(path)

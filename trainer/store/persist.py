@@ -1,0 +1,330 @@
+"""The persistent tier: the on-disk home of every row, batch-consistent checkpoints, recovery.
+
+A store directory::
+
+    meta.json          static settings (dim, optimizer, seed, chunk size), with a CRC
+    rows.bin           uint32 [capacity, 2, W + 1]: two copies of each row r, each = its D floats
+                       (+ optimizer state) then a checksum of (position, words); grows by whole
+                       chunks of `chunk_rows` rows; memory-mapped, rows are read/written in place
+    copies-<epoch>.bin one bit per row: which copy checkpoint <epoch> committed
+    ids.bin            int64 [rows]: the id of row r (append-only)
+    index-<epoch>.bin  the id index as of checkpoint <epoch> (saved when the table grew by 1/4
+                       since the last one); recovery loads it and indexes only the newer ids
+    hot-<epoch>.bin    ids of the hot set at checkpoint <epoch>
+    CURRENT            the commit record: step, epoch, rows, CRCs of the files above; written to
+                       a temporary file, fsynced and renamed, so it is either old or new
+    checkpoints.jsonl  one line per completed checkpoint (for `recpipe store`)
+
+Shadow copies: between two checkpoints every write of a row (an eviction from memory, or the
+checkpoint itself) goes to the copy that is *not* committed, so the committed copy of every row
+stays intact on disk until the next commit. ``checkpoint(step)`` writes only the rows changed
+since the last checkpoint, fsyncs, writes the new copy bitmap and renames a new CURRENT: that
+rename is the commit. ``open`` reads CURRENT and its bitmap and cuts ``rows.bin`` / ``ids.bin``
+to the committed row count: exactly the last completed checkpoint, with no log to replay and no
+row read (rows are checked against their checksums when they are first read). The price is
+twice the disk space of the table; the gain is one write per changed row (an undo or redo log
+writes each twice).
+
+This module imports numpy only (no torch), so ``recpipe store`` inspects a store cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recpipe.errors import StoreError
+from trainer.store import _kernels as K
+
+__all__ = ["CommitRecord", "StoreMeta", "inspect_store"]
+
+FORMAT_VERSION = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc_json(payload: dict[str, Any]) -> int:
+    return zlib.crc32(json.dumps(payload, sort_keys=True).encode())
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any], *, sync: bool) -> None:
+    """Write ``payload`` + its CRC to ``path`` via a temporary file and a rename."""
+    body = dict(payload, crc=_crc_json(payload))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(body, f, sort_keys=True, indent=1)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync:
+        _fsync_dir(path.parent)
+
+
+def read_json_checked(path: Path) -> dict[str, Any]:
+    """Read a JSON file written by :func:`write_json_atomic`, checking its CRC."""
+    try:
+        body = json.loads(path.read_text())
+    except FileNotFoundError:
+        msg = f"store file {str(path)!r} is missing; is this a store directory?"
+        raise StoreError(msg) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        msg = f"store file {str(path)!r} is corrupted (not valid JSON: {exc})"
+        raise StoreError(msg) from None
+    if not isinstance(body, dict) or "crc" not in body:
+        msg = f"store file {str(path)!r} is corrupted (no checksum)"
+        raise StoreError(msg)
+    crc = body.pop("crc")
+    if crc != _crc_json(body):
+        msg = f"store file {str(path)!r} is corrupted (checksum mismatch)"
+        raise StoreError(msg)
+    return body
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """Settings fixed when a store is created (``meta.json``)."""
+
+    dim: int
+    state_dim: int
+    optimizer: str
+    eps: float
+    seed: int
+    init_scale: float
+    chunk_rows: int
+
+    @property
+    def width(self) -> int:
+        """Floats per row in memory: the embedding then the optimizer state."""
+        return self.dim + self.state_dim
+
+    @property
+    def disk_width(self) -> int:
+        """uint32 words per row on disk: the row then its checksum."""
+        return self.width + 1
+
+    def save(self, root: Path, *, sync: bool) -> None:
+        payload = {"format": FORMAT_VERSION, **self.__dict__}
+        write_json_atomic(root / "meta.json", payload, sync=sync)
+
+    @classmethod
+    def load(cls, root: Path) -> StoreMeta:
+        body = read_json_checked(root / "meta.json")
+        if body.pop("format", None) != FORMAT_VERSION:
+            msg = f"store {str(root)!r} has an unknown format version"
+            raise StoreError(msg)
+        return cls(**body)
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The last completed checkpoint (``CURRENT``)."""
+
+    step: int
+    epoch: int
+    num_rows: int
+    ids_crc: int
+    num_hot: int
+    hot_crc: int
+    copies_crc: int = 0
+    index: dict[str, int] | None = None  # the saved index: epoch, rows, shards, slots, checksum
+
+    def save(self, root: Path, *, sync: bool) -> None:
+        write_json_atomic(root / "CURRENT", dict(self.__dict__), sync=sync)
+
+    @classmethod
+    def load(cls, root: Path) -> CommitRecord:
+        if not (root / "CURRENT").exists():
+            return cls(step=-1, epoch=0, num_rows=0, ids_crc=0, num_hot=0, hot_crc=0)
+        return cls(**read_json_checked(root / "CURRENT"))
+
+
+class RowFile:
+    """``rows.bin``: uint32 [capacity * 2, W + 1] (two copies per row), memory-mapped, grown by
+    whole chunks. Positions are ``2 * row + copy``."""
+
+    def __init__(self, path: Path, meta: StoreMeta) -> None:
+        self.path = path
+        self.meta = meta
+        self._row_bytes = 2 * meta.disk_width * 4
+        if not path.exists():
+            path.touch()
+        self._fd = os.open(path, os.O_RDWR)
+        size = os.fstat(self._fd).st_size
+        if size % (self._row_bytes * meta.chunk_rows):
+            os.close(self._fd)
+            msg = (
+                f"store file {str(path)!r} is truncated: {size} bytes is not a whole number "
+                f"of {meta.chunk_rows}-row chunks"
+            )
+            raise StoreError(msg)
+        self.capacity = size // self._row_bytes
+        self._map()
+
+    def _map(self) -> None:
+        if self.capacity:
+            shape = (2 * self.capacity, self.meta.disk_width)
+            self._mm = np.memmap(self.path, dtype=np.uint32, mode="r+", shape=shape)
+            self.words = np.asarray(self._mm)  # a plain ndarray view, for the Numba kernels
+        else:
+            self._mm = None
+            self.words = np.zeros((0, self.meta.disk_width), dtype=np.uint32)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.capacity // self.meta.chunk_rows
+
+    def ensure(self, num_rows: int) -> None:
+        """Grow the file (whole chunks) so that rows [0, num_rows) exist."""
+        if num_rows <= self.capacity:
+            return
+        chunks = -(-num_rows // self.meta.chunk_rows)
+        self.capacity = chunks * self.meta.chunk_rows
+        os.ftruncate(self._fd, self.capacity * self._row_bytes)
+        self._map()
+
+    def shrink(self, num_rows: int) -> None:
+        """Cut the file to the chunks that hold rows [0, num_rows) (recovery)."""
+        chunks = -(-num_rows // self.meta.chunk_rows)
+        if chunks * self.meta.chunk_rows < self.capacity:
+            self.words = np.zeros((0, self.meta.disk_width), dtype=np.uint32)
+            self._mm = None
+            self.capacity = chunks * self.meta.chunk_rows
+            os.ftruncate(self._fd, self.capacity * self._row_bytes)
+            self._map()
+
+    def write(self, src_words: np.ndarray, src_index: np.ndarray, pos: np.ndarray) -> None:
+        """Write rows ``src_words[src_index]`` at positions ``pos``, with their checksums."""
+        K.write_rows(src_words, src_index, pos, self.words)
+
+    def read(self, pos: np.ndarray, dst_words: np.ndarray, dst_index: np.ndarray) -> None:
+        """Read positions ``pos`` into ``dst_words[dst_index]``, checking checksums."""
+        bad = K.read_rows(self.words, pos, dst_words, dst_index)
+        if bad >= 0:
+            msg = (
+                f"store file {str(self.path)!r} is corrupted: row {int(pos[bad]) // 2} fails "
+                "its checksum"
+            )
+            raise StoreError(msg)
+
+    def sync(self) -> None:
+        if self._mm is not None:
+            self._mm.flush()
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        self.words = np.zeros((0, self.meta.disk_width), dtype=np.uint32)
+        self._mm = None
+        os.close(self._fd)
+
+
+def write_file(path: Path, data: bytes, *, sync: bool) -> None:
+    """Write a whole small file (fsynced with ``sync``); named by epoch, so never overwritten
+    while committed."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+
+
+def read_copies(path: Path, commit: CommitRecord) -> np.ndarray:
+    """The committed copy (0 or 1) of each of the ``commit.num_rows`` rows."""
+    n = commit.num_rows
+    if n == 0:
+        return np.zeros(0, dtype=np.int8)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StoreError(f"store file {str(path)!r} is missing") from None
+    if len(data) != -(-n // 8) or zlib.crc32(data) != commit.copies_crc:
+        msg = f"store file {str(path)!r} is corrupted or truncated (checksum mismatch)"
+        raise StoreError(msg)
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n)
+    return bits.astype(np.int8)
+
+
+def read_ids(path: Path, num_rows: int, crc: int) -> np.ndarray:
+    """The committed prefix of ``ids.bin``, checked against the commit record."""
+    need = num_rows * 8
+    size = path.stat().st_size if path.exists() else 0
+    if size < need:
+        msg = (
+            f"store file {str(path)!r} is truncated: {size} bytes, the last checkpoint needs {need}"
+        )
+        raise StoreError(msg)
+    with open(path, "rb") as f:
+        data = f.read(need)
+    if zlib.crc32(data) != crc:
+        msg = f"store file {str(path)!r} is corrupted (checksum mismatch)"
+        raise StoreError(msg)
+    return np.frombuffer(data, dtype=np.int64).copy()
+
+
+def read_hot(path: Path, num_hot: int, crc: int) -> np.ndarray:
+    """The hot-set ids of the last checkpoint."""
+    if num_hot == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        msg = f"store file {str(path)!r} is missing"
+        raise StoreError(msg) from None
+    if len(data) != num_hot * 8 or zlib.crc32(data) != crc:
+        msg = f"store file {str(path)!r} is corrupted or truncated (checksum mismatch)"
+        raise StoreError(msg)
+    return np.frombuffer(data, dtype=np.int64).copy()
+
+
+def inspect_store(path: str | os.PathLike[str], *, history: int = 5) -> dict[str, Any]:
+    """Describe a store directory without loading it: rows, chunks, hot set, checkpoints, sizes.
+
+    Args:
+        path: the store directory.
+        history: how many of the latest checkpoints to list.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        msg = f"`path` {str(path)!r} is not a store directory"
+        raise StoreError(msg)
+    meta = StoreMeta.load(root)
+    commit = CommitRecord.load(root)
+    sizes = {p.name: p.stat().st_size for p in sorted(root.iterdir()) if p.is_file()}
+    chunk_bytes = meta.chunk_rows * 2 * meta.disk_width * 4
+    hot = read_hot(root / f"hot-{commit.epoch}.bin", commit.num_hot, commit.hot_crc)
+    lines: list[dict[str, Any]] = []
+    if (root / "checkpoints.jsonl").exists():
+        for line in (root / "checkpoints.jsonl").read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn informational line; the commit record is authoritative
+    return {
+        "path": str(root),
+        "dim": meta.dim,
+        "optimizer": meta.optimizer,
+        "row_bytes_on_disk": 2 * meta.disk_width * 4,
+        "rows": commit.num_rows,
+        "chunk_rows": meta.chunk_rows,
+        "chunks": sizes.get("rows.bin", 0) // chunk_bytes,
+        "hot_rows": int(hot.size),
+        "hot_ids_head": hot[:8].tolist(),
+        "last_checkpoint": {"step": commit.step, "epoch": commit.epoch},
+        "saved_index": commit.index,
+        "checkpoints": len(lines),
+        "recent_checkpoints": lines[-history:],
+        "sizes": sizes,
+        "total_bytes": sum(sizes.values()),
+    }
