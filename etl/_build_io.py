@@ -1,0 +1,380 @@
+"""Input and output plumbing of ``etl build``: input files, integrity checks, the Parquet writer.
+
+The Parquet writer streams sorted Arrow batches and cuts row groups only at session boundaries
+(a session straddles two row groups only when it alone is larger than a row group), rolls over
+to a new ``part-NNNNN.parquet`` when a file passes its size cap, and optionally splits rows into
+Hive-style ``dt=YYYY-MM-DD-HH/`` partitions. Nothing time- or host-dependent goes into the
+files, so the same rows and settings give byte-identical Parquet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from etl.rawio import UNROUTABLE_NAME, expand_inputs
+from recpipe.errors import CorruptInputError, DataError
+
+__all__ = [
+    "InputFile",
+    "SessionAlignedWriter",
+    "check_structure",
+    "choose_dictionary",
+    "digest",
+    "iter_partitioned",
+    "list_inputs",
+    "source_sql",
+]
+
+INPUT_PATTERNS: tuple[str, ...] = ("*.jsonl", "*.jsonl.zst", "*.parquet")
+_ZSTD_MAGIC = 0xFD2FB528
+_PARQUET_MAGIC = b"PAR1"
+_NO_DELIM = "\\x01"  # the line reader's delimiter: a control byte that JSON text never holds raw
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file and how to read it."""
+
+    path: Path
+    kind: str  # "jsonl" | "parquet" | "unroutable"
+
+
+def list_inputs(inputs: str | Path | Iterable[str | Path]) -> list[InputFile]:
+    """Expand ``inputs`` (files, directories, globs) into files in a stable order.
+
+    A directory written by ``etl shard`` also yields its ``_unroutable.jsonl.zst``, whose lines
+    are validated (and usually quarantined) with their original file and line number.
+    """
+    items = [inputs] if isinstance(inputs, str | Path) else list(inputs)
+    files = [
+        InputFile(p, "parquet" if p.name.endswith(".parquet") else "jsonl")
+        for p in expand_inputs(items, patterns=INPUT_PATTERNS)
+    ]
+    for item in items:
+        extra = Path(item) / UNROUTABLE_NAME
+        if Path(item).is_dir() and extra.is_file():
+            files.append(InputFile(extra, "unroutable"))
+    for f in files:
+        if f.path.name == UNROUTABLE_NAME and f.kind != "unroutable":
+            files[files.index(f)] = InputFile(f.path, "unroutable")
+    return files
+
+
+def _check_zstd_frames(path: Path, fh: io.BufferedReader, size: int) -> None:
+    """Walk the zstd frame and block headers (no decompression) to catch a truncated file.
+
+    DuckDB's reader silently stops at a truncated frame; this walk does not.
+    """
+    pos = 0
+    while pos < size:
+        fh.seek(pos)
+        head = fh.read(4)
+        if len(head) < 4:
+            raise CorruptInputError(f"{path}: truncated zstd file (partial frame at byte {pos})")
+        magic = int.from_bytes(head, "little")
+        if magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
+            n = int.from_bytes(fh.read(4), "little")
+            pos += 8 + n
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise CorruptInputError(
+                f"{path}: not a zstd file or corrupt (bad frame magic {head!r} at byte {pos})"
+            )
+        fhd_b = fh.read(1)
+        if not fhd_b:
+            raise CorruptInputError(f"{path}: truncated zstd file (frame header at byte {pos})")
+        fhd = fhd_b[0]
+        single = (fhd >> 5) & 1
+        fcs = (0 if not single else 1, 2, 4, 8)[fhd >> 6]
+        header = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs
+        checksum = 4 if (fhd >> 2) & 1 else 0
+        pos += header
+        while True:
+            fh.seek(pos)
+            bh = fh.read(3)
+            if len(bh) < 3:
+                raise CorruptInputError(
+                    f"{path}: truncated zstd file (the last frame ends early at byte {pos} of "
+                    f"{size}); the file is incomplete"
+                )
+            h = int.from_bytes(bh, "little")
+            btype = (h >> 1) & 3
+            if btype == 3:
+                raise CorruptInputError(f"{path}: corrupt zstd data (reserved block at byte {pos})")
+            pos += 3 + (1 if btype == 1 else h >> 3)
+            if h & 1:
+                break
+        pos += checksum
+        if pos > size:
+            raise CorruptInputError(
+                f"{path}: truncated zstd file (the last frame ends early: needs {pos} bytes, "
+                f"has {size}); the file is incomplete"
+            )
+
+
+def check_structure(f: InputFile) -> None:
+    """Fail fast, before parsing, on a file DuckDB would misread or reject obscurely.
+
+    Catches a truncated zstd file (DuckDB reads it silently up to the cut), a ``.parquet``
+    that is not Parquet, a Parquet file handed in as JSON Lines and a ``.zst`` that is not zstd.
+
+    Raises:
+        CorruptInputError: naming the file.
+    """
+    path = f.path
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+            if f.kind == "parquet":
+                fh.seek(max(size - 4, 0))
+                if size < 12 or head != _PARQUET_MAGIC or fh.read(4) != _PARQUET_MAGIC:
+                    raise CorruptInputError(
+                        f"{path}: not a Parquet file (missing PAR1 magic bytes); the file is "
+                        "corrupt, truncated or mislabelled"
+                    )
+            elif head == _PARQUET_MAGIC:
+                raise CorruptInputError(
+                    f"{path}: is a Parquet file, not JSON Lines; name it `*.parquet`"
+                )
+            elif len(head) == 4 and int.from_bytes(head, "little") == _ZSTD_MAGIC:
+                _check_zstd_frames(path, fh, size)
+            elif path.name.endswith(".zst") and size:
+                raise CorruptInputError(
+                    f"{path}: not a zstd file (bad magic bytes {head!r}); corrupt or renamed"
+                )
+    except OSError as exc:
+        raise DataError(f"cannot read input {str(path)!r}: {exc}") from None
+
+
+def digest(f: InputFile) -> dict:
+    """``{path, bytes, sha256}`` of one input file (for the manifest)."""
+    h = hashlib.sha256()
+    try:
+        with open(f.path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+        size = f.path.stat().st_size
+    except OSError as exc:
+        raise DataError(f"cannot read input {str(f.path)!r}: {exc}") from None
+    return {"path": str(f.path), "bytes": size, "sha256": h.hexdigest()}
+
+
+def source_sql(f: InputFile, file_id: int, sql_str) -> str:
+    """A relation ``(file_id, line_no, line, source)`` over one input file, in file order.
+
+    JSON Lines are read as raw text by DuckDB's CSV reader with a delimiter, quote and escape
+    that never occur, so every line is one VARCHAR (zstd handled by DuckDB); Parquet rows are
+    turned back into JSON objects so one validator serves both.
+    """
+    path = sql_str(str(f.path))
+    if f.kind == "jsonl":
+        return (
+            f"(SELECT {int(file_id)} AS file_id, row_number() OVER () AS line_no, line, "
+            f"NULL::VARCHAR AS source "
+            f"FROM read_csv({path}, columns={{'line': 'VARCHAR'}}, delim='{_NO_DELIM}', "
+            f"quote='', escape='', header=false, auto_detect=false, strict_mode=false, "
+            f"compression='auto'))"
+        )
+    if f.kind == "parquet":
+        return (
+            f"(SELECT {int(file_id)} AS file_id, row_number() OVER () AS line_no, "
+            f"to_json(t)::VARCHAR AS line, "
+            f"NULL::VARCHAR AS source FROM read_parquet({path}) t)"
+        )
+    return (  # unroutable records of `etl shard`: the raw line and where it came from
+        f"(SELECT {int(file_id)} AS file_id, line AS line_no, "
+        f"coalesce(raw, '\\x' || raw_hex) AS line, source "
+        f"FROM read_json({path}, format='newline_delimited', columns={{'source': 'VARCHAR', "
+        f"'line': 'BIGINT', 'reason': 'VARCHAR', 'raw': 'VARCHAR', 'raw_hex': 'VARCHAR'}}))"
+    )
+
+
+def choose_dictionary(table: pa.Table, *, level: int, min_gain: float = 0.02) -> dict[str, dict]:
+    """Measure, per column, zstd bytes with and without dictionary encoding on ``table``.
+
+    Returns:
+        ``{column: {"dict": bytes, "plain": bytes, "use": bool}}``; a column uses dictionary
+        encoding when that saves at least ``min_gain`` of its plain size.
+    """
+    out = {}
+    for name in table.column_names:
+        sizes = {}
+        col = table.select([name])
+        for use in (True, False):
+            buf = io.BytesIO()
+            pq.write_table(
+                col, buf, compression="zstd", compression_level=level, use_dictionary=use
+            )
+            sizes[use] = buf.tell()
+        out[name] = {
+            "dict": sizes[True],
+            "plain": sizes[False],
+            "use": sizes[True] <= (1.0 - min_gain) * sizes[False],
+        }
+    return out
+
+
+@dataclass
+class _FileStats:
+    path: str
+    rows: int = 0
+    row_groups: int = 0
+    bytes: int = 0
+    sessions: int = 0
+
+
+@dataclass
+class SessionAlignedWriter:
+    """Write sorted batches as ``part-NNNNN.parquet`` files with session-aligned row groups.
+
+    Args:
+        root: dataset directory (the temporary one).
+        schema: Arrow schema of the files.
+        session_col: the session id column; row groups are cut where it changes.
+        row_group_size: target rows per row group (a row group ends at the last session
+            boundary at or before it; a longer single session is split).
+        zstd_level: zstd compression level.
+        dictionary: columns that use dictionary encoding (``None``: measure on the first
+            row group with :func:`choose_dictionary`).
+        max_file_bytes: start a new file once one passes this size.
+        align_sessions: False for the time-ordered baseline (cut every ``row_group_size``).
+    """
+
+    root: Path
+    schema: pa.Schema
+    session_col: str
+    row_group_size: int
+    zstd_level: int
+    dictionary: Sequence[str] | None = None
+    max_file_bytes: int = 256 << 20
+    align_sessions: bool = True
+    files: list[_FileStats] = field(default_factory=list)
+    dictionary_measured: dict[str, dict] | None = None
+    _pending: list[pa.Table] = field(default_factory=list)
+    _pending_rows: int = 0
+    _partition: str | None = None
+    _writer: pq.ParquetWriter | None = None
+    _sink: pa.OSFile | None = None
+    _last_session: int | None = None
+
+    def write(self, batch: pa.RecordBatch | pa.Table, *, partition: str | None = None) -> None:
+        """Append sorted rows (all of one partition; ``partition`` is e.g. ``dt=2024-...``)."""
+        if partition != self._partition:
+            self._flush(final=True)
+            self._close_file()
+            self._partition = partition
+        table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+        if table.num_rows == 0:
+            return
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        self._flush(final=False)
+
+    def close(self) -> list[dict]:
+        """Flush what is buffered, close the last file; return per-file statistics."""
+        self._flush(final=True)
+        self._close_file()
+        return [vars(f).copy() for f in self.files]
+
+    def _flush(self, *, final: bool) -> None:
+        r = self.row_group_size
+        while self._pending_rows > r or (final and self._pending_rows):
+            table = pa.concat_tables(self._pending).combine_chunks()
+            self._pending = []
+            self._pending_rows = 0
+            while table.num_rows > r or (final and table.num_rows):
+                cut = self._cut(table) if table.num_rows > r else table.num_rows
+                self._write_group(table.slice(0, cut))
+                table = table.slice(cut)
+            if table.num_rows:
+                self._pending = [table]
+                self._pending_rows = table.num_rows
+
+    def _cut(self, table: pa.Table) -> int:
+        """Rows of the next row group: up to the last session start at or before the target."""
+        r = self.row_group_size
+        if not self.align_sessions:
+            return r
+        sid = table.column(self.session_col).slice(0, r + 1).to_numpy()
+        starts = np.flatnonzero(sid[1:] != sid[:-1]) + 1  # row i starts a new session
+        return int(starts[-1]) if starts.size else r
+
+    def _write_group(self, group: pa.Table) -> None:
+        if self._writer is None:
+            self._open_file(group)
+        assert self._writer is not None and self._sink is not None
+        self._writer.write_table(group, row_group_size=group.num_rows)
+        stats = self.files[-1]
+        stats.rows += group.num_rows
+        stats.row_groups += 1
+        sid = group.column(self.session_col).to_numpy()
+        new = int(np.count_nonzero(sid[1:] != sid[:-1])) + 1
+        if self._last_session is not None and sid[0] == self._last_session:
+            new -= 1
+        stats.sessions += new
+        self._last_session = int(sid[-1])
+        if self._sink.tell() >= self.max_file_bytes:
+            self._close_file()
+
+    def _open_file(self, first_group: pa.Table) -> None:
+        if self.dictionary is None:
+            sample = first_group.slice(0, min(first_group.num_rows, 32768))
+            self.dictionary_measured = choose_dictionary(sample, level=self.zstd_level)
+            self.dictionary = [c for c, m in self.dictionary_measured.items() if m["use"]]
+        folder = self.root / self._partition if self._partition else self.root
+        folder.mkdir(parents=True, exist_ok=True)
+        index = sum(1 for f in self.files if Path(f.path).parent == Path(self._partition or "."))
+        rel = Path(self._partition or ".") / f"part-{index:05d}.parquet"
+        self._sink = pa.OSFile(str(self.root / rel), "wb")
+        sorting = (
+            [pq.SortingColumn(0), pq.SortingColumn(1)]
+            if self.align_sessions
+            else [pq.SortingColumn(1)]
+        )
+        self._writer = pq.ParquetWriter(
+            self._sink,
+            self.schema,
+            compression="zstd",
+            compression_level=self.zstd_level,
+            use_dictionary=list(self.dictionary),
+            write_statistics=True,
+            sorting_columns=sorting,
+        )
+        self.files.append(_FileStats(path=rel.as_posix()))
+
+    def _close_file(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        assert self._sink is not None
+        self._sink.close()
+        self.files[-1].bytes = os.path.getsize(self.root / self.files[-1].path)
+        self._writer = None
+        self._sink = None
+
+
+def iter_partitioned(
+    reader: pa.RecordBatchReader, *, column: str | None
+) -> Iterator[tuple[str | None, pa.RecordBatch]]:
+    """Split sorted batches where ``column`` (a partition label) changes; drop that column."""
+    for batch in reader:
+        if column is None:
+            yield None, batch
+            continue
+        labels = batch.column(column).to_numpy(zero_copy_only=False)
+        data = batch.drop_columns([column])
+        edges = np.flatnonzero(labels[1:] != labels[:-1]) + 1
+        start = 0
+        for end in [*edges.tolist(), len(labels)]:
+            yield f"dt={labels[start]}", data.slice(start, end - start)
+            start = end

@@ -1,0 +1,458 @@
+"""SQL that validates raw log lines in DuckDB, in two tiers.
+
+1. The fast path (:func:`feature_select` with ``fast=True``): one typed, lenient ``from_json``
+   per line plus cheap text tests that prove no leniency was needed. Nearly every good line
+   is accepted here.
+2. The full checks (``fast=False``), run only on the lines the fast path did not accept: the
+   line is parsed into a struct whose leaves are JSON fragments, so types are checked strictly
+   (DuckDB's typed extraction would quietly turn ``"12"`` into ``12`` and ``1.5`` into ``2``).
+   The first failing check, in the order of :data:`etl.reasons.QUARANTINE_REASONS`, gives the
+   record's reason and a detail that names the field; a line passing them all is good.
+
+Good rows keep typed, flattened columns and no raw text; bad rows keep the raw line.
+"""
+
+from __future__ import annotations
+
+from etl import reasons
+from schemas import DatasetSchema
+
+__all__ = ["PENDING", "event_select", "feature_columns", "feature_select", "sql_str"]
+
+_INT_TYPES = "('BIGINT', 'UBIGINT')"
+_NUM_TYPES = "('BIGINT', 'UBIGINT', 'DOUBLE')"
+_ID_TYPES = "('VARCHAR', 'BIGINT', 'UBIGINT')"
+PENDING = "pending"
+"""Reason of rows the fast path could not accept; they are checked again in full."""
+_INT_LIST_RE = r"\[(-?[0-9]+(,-?[0-9]+)*)?\]"
+_TRAILING_COMMA_RE = r",\s*[\]}]"  # DuckDB's JSON reader accepts `[1,]`; strict JSON does not
+_FLOAT32_MAX = "3.4028234663852886e38"
+
+
+def sql_str(text: str) -> str:
+    """Quote ``text`` as a SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _shown(fragment: str) -> str:
+    """SQL for a short, quoted rendering of a JSON fragment in a detail message."""
+    return f"left(({fragment})::VARCHAR, 60)"
+
+
+def _num(fragment: str, to: str, types: str) -> str:
+    """Cast a JSON fragment to a number only when its JSON type is one of ``types``.
+
+    (``TRY_CAST`` of a JSON string to a number raises instead of giving NULL.)
+    """
+    return f"CASE WHEN json_type({fragment}) IN {types} THEN TRY_CAST({fragment} AS {to}) END"
+
+
+def _case(checks: list[tuple[str, str, str]]) -> str:
+    """One CASE returning ``{'r': reason, 'd': detail}`` for the first failing check, else NULL."""
+    arms = "\n      ".join(
+        f"WHEN {cond} THEN {{'r': {sql_str(reason)}, 'd': {detail}}}"
+        for cond, reason, detail in checks
+    )
+    return f"CASE\n      {arms}\n    END"
+
+
+def _detail(field: str, text: str, fragment: str | None = None) -> str:
+    head = sql_str(f"field `{field}`: {text}")
+    if fragment is None:
+        return head
+    return (
+        f"{head} || ', got ' || coalesce(json_type({fragment}), '?') || ' ' || {_shown(fragment)}"
+    )
+
+
+def feature_columns(schema: DatasetSchema) -> list[str]:
+    """Internal column names of the validated feature table, dense then sparse."""
+    return [f"d{i}" for i in range(len(schema.dense))] + [
+        f"s{i}" for i in range(len(schema.sparse))
+    ]
+
+
+def feature_select(schema: DatasetSchema, src: str, *, fast: bool, guarded: bool = True) -> str:
+    """SELECT over ``src(file_id, line_no, line, source)`` yielding validated feature rows.
+
+    With ``fast``, rows that pass cheap, conservative text tests are accepted and every other
+    row gets the reason :data:`PENDING` (and keeps its raw line): run those few again without
+    ``fast``, where the full checks (slow in DuckDB even when they are not needed, so kept off
+    the main path) give the real reason, or accept the row. ``guarded=False`` (fast path only)
+    skips the ``json_valid`` guard: the statement then fails on the first malformed line, and
+    the caller retries the file guarded — an optimistic saving of one parse per clean file.
+
+    Columns: ``line_no``, ``reason``, ``detail``, ``raw`` and ``source`` (bad rows only),
+    ``request_id``, ``session_key`` (raw session id as text, or NULL), ``user_key``, ``ts``, the
+    dense columns ``d0..`` (float, filled), the sparse columns ``s0..`` (BIGINT[], truncated) and
+    ``unknown`` (names of features the schema does not know, or NULL).
+    """
+    rk, sk, uk, tk = schema_keys(schema)
+    dense_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.dense)
+    sparse_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.sparse)
+    struct = "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, sk, uk, tk))
+    struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
+    struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
+    struct = (struct + "}").replace("'", "''")
+    checks: list[tuple[str, str, str]] = [
+        ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
+        ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
+        (
+            f"regexp_matches(line, '{_TRAILING_COMMA_RE}')",
+            reasons.MALFORMED_JSON,
+            sql_str("not valid JSON (trailing comma)"),
+        ),
+        (
+            f"j.{_ident(rk)} IS NULL OR json_type(j.{_ident(rk)}) = 'NULL'",
+            reasons.MISSING_REQUEST_ID,
+            sql_str(f"field `{rk}`: missing (or the line is not a JSON object)"),
+        ),
+        (
+            f"json_type(j.{_ident(rk)}) NOT IN {_ID_TYPES}",
+            reasons.WRONG_TYPE,
+            _detail(rk, "expected a string or an integer", f"j.{_ident(rk)}"),
+        ),
+        (
+            f"j.{_ident(tk)} IS NULL OR json_type(j.{_ident(tk)}) = 'NULL'",
+            reasons.MISSING_TS,
+            sql_str(f"field `{tk}`: missing"),
+        ),
+        (
+            f"json_type(j.{_ident(tk)}) NOT IN {_INT_TYPES} "
+            f"OR {_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL",
+            reasons.WRONG_TYPE,
+            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
+        ),
+        (
+            f"j.{_ident(sk)} IS NOT NULL AND json_type(j.{_ident(sk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
+            reasons.WRONG_TYPE,
+            _detail(sk, "expected a string or an integer", f"j.{_ident(sk)}"),
+        ),
+        (
+            f"j.{_ident(uk)} IS NOT NULL AND json_type(j.{_ident(uk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
+            reasons.WRONG_TYPE,
+            _detail(uk, "expected a string or an integer", f"j.{_ident(uk)}"),
+        ),
+        (
+            "coalesce(json_type(line, '$.dense'), 'NULL') NOT IN ('NULL', 'OBJECT')",
+            reasons.WRONG_TYPE,
+            "'field `dense`: expected an object, got ' || json_type(line, '$.dense')",
+        ),
+        (
+            "coalesce(json_type(line, '$.sparse'), 'NULL') NOT IN ('NULL', 'OBJECT')",
+            reasons.WRONG_TYPE,
+            "'field `sparse`: expected an object, got ' || json_type(line, '$.sparse')",
+        ),
+    ]
+    # dense: numbers (null = missing -> fill), finite and within float32
+    for i, feat in enumerate(schema.dense):
+        v = f"j.dense[{sql_str(feat.name)}]"
+        field = f"dense.{feat.name}"
+        checks.append(
+            (
+                f"{v} IS NOT NULL AND json_type({v}) NOT IN ('NULL', 'BIGINT', 'UBIGINT', 'DOUBLE')",
+                reasons.WRONG_TYPE,
+                _detail(field, "expected a number", v),
+            )
+        )
+        checks.append(
+            (
+                f"NOT isfinite(dv{i}) OR abs(dv{i}) > {_FLOAT32_MAX}",
+                reasons.NON_FINITE,
+                _detail(field, "expected a finite float32", v),
+            )
+        )
+    # sparse: lists of int64 (null = missing -> empty list)
+    for i, feat in enumerate(schema.sparse):
+        v = f"j.sparse[{sql_str(feat.name)}]"
+        field = f"sparse.{feat.name}"
+        not_int_list = f"NOT regexp_full_match({v}::VARCHAR, '{_INT_LIST_RE}')"
+        checks.append(
+            (
+                f"{v} IS NOT NULL AND json_type({v}) = 'ARRAY' AND {not_int_list} "
+                f"AND regexp_matches({v}::VARCHAR, '[\\[,](-?Infinity|NaN)[,\\]]')",
+                reasons.NON_FINITE,
+                _detail(field, "expected finite integer ids", v),
+            )
+        )
+        checks.append(
+            (
+                f"{v} IS NOT NULL AND json_type({v}) <> 'NULL' "
+                f"AND (json_type({v}) <> 'ARRAY' OR {not_int_list})",
+                reasons.WRONG_TYPE,
+                _detail(field, "expected a list of integer ids", v),
+            )
+        )
+        checks.append(
+            (
+                f"list_count(sv{i}) < len(sv{i})",
+                reasons.ID_OUT_OF_RANGE,
+                _detail(field, "ids must fit in int64", v),
+            )
+        )
+        if not feat.truncate:
+            checks.append(
+                (
+                    f"len(sv{i}) > {int(feat.max_len)}",
+                    reasons.LIST_TOO_LONG,
+                    f"{sql_str(f'field `{field}`: ')} || len(sv{i}) || "
+                    f"{sql_str(f' ids > max_len {feat.max_len} (truncate = false)')}",
+                )
+            )
+    dense_frag = [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
+    sparse_frag = [f"j.sparse[{sql_str(f.name)}]" for f in schema.sparse]
+    typed = [f"TRY_CAST({v}::VARCHAR AS DOUBLE) AS dv{i}" for i, v in enumerate(dense_frag)]
+    typed += [f"from_json({v}, '[\"BIGINT\"]') AS sv{i}" for i, v in enumerate(sparse_frag)]
+    if fast:
+        return _fast_select(schema, src, guarded=guarded)
+
+    def text_of(col: str) -> str:
+        return f"CASE WHEN starts_with({col}::VARCHAR, '\"') THEN {col} ->> '$' ELSE {col}::VARCHAR END"
+
+    return f"""
+WITH parsed AS (
+  SELECT file_id, line_no, line, source,
+    CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
+  FROM {src}
+), typed AS (
+  SELECT *, {", ".join(typed) if typed else "NULL AS _none"} FROM parsed
+), checked AS (
+  SELECT *,
+    {_case(checks)} AS bad
+  FROM typed
+)
+SELECT
+  file_id,
+  line_no,
+  bad.r AS reason,
+  bad.d AS detail,
+  CASE WHEN bad IS NOT NULL THEN line END AS raw,
+  CASE WHEN bad IS NOT NULL THEN source END AS source,
+  CASE WHEN bad IS NULL THEN {text_of(f"j.{_ident(rk)}")} END AS request_id,
+  CASE WHEN bad IS NULL AND j.{_ident(sk)}::VARCHAR <> 'null' THEN {text_of(f"j.{_ident(sk)}")} END
+    AS session_key,
+  CASE WHEN bad IS NULL AND j.{_ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{_ident(uk)}")} END
+    AS user_key,
+  CASE WHEN bad IS NULL THEN TRY_CAST(j.{_ident(tk)}::VARCHAR AS BIGINT) END AS ts,
+{_value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown
+FROM checked
+"""
+
+
+def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool) -> str:
+    """The fast path: one typed (lenient) parse plus cheap, conservative text tests.
+
+    DuckDB's typed JSON extraction is lenient (``"12"`` -> 12, ``1.5`` -> 2 for an integer,
+    ``true`` -> 1) and its JSON-fragment extraction is slow, so a row is accepted here only
+    when plain text tests prove that no leniency was needed:
+
+    - as many ``"`` in the line as two per known key parsed plus two per string-valued id: no
+      unknown, repeated or null keys, no number written as a string,
+    - no ``true``/``false``, no trailing comma, no list where an object belongs,
+    - ids are integers or strings, ``ts`` an integer, sparse ids free of fractions and
+      negative exponents (no ``.``, ``e-``, ``E`` after the ``"sparse"`` key; an integral
+      ``1e5`` is taken as 100000), dense values finite,
+      sparse lists free of NULLs (ids outside int64, strings, nulls) and short enough.
+
+    Values are not masked for rows that fail (they are deleted after their second look).
+    Every other row is returned with the reason :data:`PENDING` and its raw line, to be
+    checked in full (:func:`feature_select` without ``fast``). Lines written in another
+    layout (pretty-printed, ``sparse`` before ``dense``) are still correct, only slower.
+    """
+    rk, sk, uk, tk = schema_keys(schema)
+    ids = (rk, sk, uk, tk)
+    dense_s = ", ".join(f'"{f.name}": "DOUBLE"' for f in schema.dense)
+    sparse_s = ", ".join(f'"{f.name}": "BIGINT[]"' for f in schema.sparse)
+    struct = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in ids)
+    struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
+    struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
+    struct = (struct + "}").replace("'", "''")
+    fields = [f"j.{_ident(k)}" for k in ids]
+    fields += ["j.dense"] if schema.dense else []
+    fields += ["j.sparse"] if schema.sparse else []
+    fields += [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
+    fields += [f"j.sparse[{sql_str(f.name)}]" for f in schema.sparse]
+    n_keys = " + ".join(f"({f} IS NOT NULL)::INTEGER" for f in fields)
+
+    def is_str(key: str) -> str:
+        a, b = sql_str(f'"{key}":"'), sql_str(f'"{key}": "')
+        return f"(contains(line, {a}) OR contains(line, {b}))"
+
+    n_str = " + ".join(f"{is_str(k)}::INTEGER" for k in (rk, sk, uk))
+
+    def id_ok(key: str) -> str:
+        col = f"j.{_ident(key)}"
+        as_int = f"(TRY_CAST({col} AS BIGINT) IS NOT NULL AND NOT contains({col}, '.'))"
+        return f"({col} IS NULL OR {is_str(key)} OR {as_int})"
+
+    tests = [
+        "j IS NOT NULL",
+        f"j.{_ident(rk)} IS NOT NULL",
+        f"TRY_CAST(j.{_ident(tk)} AS BIGINT) IS NOT NULL",
+        f"NOT (contains(j.{_ident(tk)}, '.') OR contains(lower(j.{_ident(tk)}), 'e'))",
+        f"NOT {is_str(tk)}",
+        id_ok(rk),
+        id_ok(sk),
+        id_ok(uk),
+        f"length(line) - length(replace(line, '\"', '')) = 2 * ({n_keys}) + 2 * ({n_str})",
+        "NOT (contains(line, ',}') OR contains(line, ',]') OR CASE WHEN contains(line, ', ') "
+        f"THEN regexp_matches(line, '{_TRAILING_COMMA_RE}') ELSE FALSE END)",
+        "NOT (contains(line, 'true') OR contains(line, 'false'))",
+    ]
+    for key in ("dense", "sparse"):
+        for pattern in ('"%s":[', '"%s": ['):
+            tests.append(f"NOT contains(line, {sql_str(pattern % key)})")
+    for f in schema.dense:
+        v = f"j.dense[{sql_str(f.name)}]"
+        tests.append(f"({v} IS NULL OR (isfinite({v}) AND abs({v}) <= {_FLOAT32_MAX}))")
+    for f in schema.sparse:
+        v = f"j.sparse[{sql_str(f.name)}]"
+        too_long = "" if f.truncate else f" AND len({v}) <= {int(f.max_len)}"
+        tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
+    if schema.sparse:
+        tail = "substr(line, strpos(line, '\"sparse\"'))"
+        # no fraction or negative exponent among the sparse ids
+        tests.append(
+            f"NOT (contains({tail}, '.') OR contains({tail}, 'e-') OR contains({tail}, 'E'))"
+        )
+    parse = f"from_json(line, '{struct}')"
+    if guarded:
+        parse = f"CASE WHEN json_valid(line) THEN {parse} END"
+    return f"""
+WITH parsed AS (
+  SELECT file_id, line_no, line, source,
+    {parse} AS j
+  FROM {src}
+), checked AS (
+  SELECT *, coalesce({" AND ".join(tests)}, FALSE) AS ok FROM parsed
+)
+SELECT
+  file_id,
+  line_no,
+  CASE WHEN NOT ok THEN '{PENDING}' END AS reason,
+  NULL::VARCHAR AS detail,
+  CASE WHEN NOT ok THEN line END AS raw,
+  CASE WHEN NOT ok THEN source END AS source,
+  j.{_ident(rk)} AS request_id,
+  j.{_ident(sk)} AS session_key,
+  j.{_ident(uk)} AS user_key,
+  TRY_CAST(j.{_ident(tk)} AS BIGINT) AS ts,
+{_value_columns(schema, "j.dense", "j.sparse")}
+  NULL::VARCHAR[] AS unknown
+FROM checked
+"""
+
+
+def _value_columns(schema: DatasetSchema, dense: str | None, sparse: str | None) -> str:
+    """SQL select-list lines for ``d0..`` / ``s0..``, from typed structs or from ``dv``/``sv``.
+
+    Dense: float32, missing -> ``fill``; sparse: BIGINT[], missing -> empty, longer than
+    ``max_len`` -> the last ``max_len`` ids (bad rows get meaningless values: they are
+    quarantined and never written).
+    """
+    out = []
+    for i, f in enumerate(schema.dense):
+        v = f"{dense}[{sql_str(f.name)}]" if dense else f"dv{i}"
+        out.append(f"TRY_CAST(coalesce({v}, {float(f.fill)!r}) AS FLOAT)")
+    for i, f in enumerate(schema.sparse):
+        v = f"{sparse}[{sql_str(f.name)}]" if sparse else f"sv{i}"
+        val = f"coalesce({v}, []::BIGINT[])"
+        out.append(f"{val}[-{int(f.max_len)}:]" if f.truncate else val)
+    return "".join(f"  {e} AS {n},\n" for e, n in zip(out, feature_columns(schema)))
+
+
+def _unknown_keys(schema: DatasetSchema) -> str:
+    known_dense = "[" + ", ".join(sql_str(f.name) for f in schema.dense) + "]::VARCHAR[]"
+    known_sparse = "[" + ", ".join(sql_str(f.name) for f in schema.sparse) + "]::VARCHAR[]"
+    return f"""nullif(
+    list_transform(list_filter(coalesce(json_keys(line, '$.dense'), []),
+                               lambda k: NOT list_contains({known_dense}, k)),
+                   lambda k: 'dense.' || k)
+    || list_transform(list_filter(coalesce(json_keys(line, '$.sparse'), []),
+                                  lambda k: NOT list_contains({known_sparse}, k)),
+                      lambda k: 'sparse.' || k),
+    []::VARCHAR[])"""
+
+
+def event_select(schema: DatasetSchema, src: str) -> str:
+    """SELECT over ``src(file_id, line_no, line, source)`` yielding validated event rows.
+
+    Columns: ``file_id``, ``line_no``, ``reason``, ``detail``, ``raw`` and ``source`` (bad rows
+    only), ``request_id``,
+    ``label`` (DOUBLE; booleans count as 0/1).
+    """
+    rk, _, _, tk = schema_keys(schema)
+    lk = schema.label_key
+    struct = "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, tk, lk)) + "}"
+    struct = struct.replace("'", "''")
+    lab = f"j.{_ident(lk)}"
+    checks: list[tuple[str, str, str]] = [
+        ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
+        ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
+        (
+            f"regexp_matches(line, '{_TRAILING_COMMA_RE}')",
+            reasons.MALFORMED_JSON,
+            sql_str("not valid JSON (trailing comma)"),
+        ),
+        (
+            f"j.{_ident(rk)} IS NULL OR json_type(j.{_ident(rk)}) = 'NULL'",
+            reasons.MISSING_REQUEST_ID,
+            sql_str(f"field `{rk}`: missing (or the line is not a JSON object)"),
+        ),
+        (
+            f"json_type(j.{_ident(rk)}) NOT IN {_ID_TYPES}",
+            reasons.WRONG_TYPE,
+            _detail(rk, "expected a string or an integer", f"j.{_ident(rk)}"),
+        ),
+        (
+            f"j.{_ident(tk)} IS NOT NULL AND json_type(j.{_ident(tk)}) <> 'NULL' "
+            f"AND (json_type(j.{_ident(tk)}) NOT IN {_INT_TYPES} "
+            f"OR {_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL)",
+            reasons.WRONG_TYPE,
+            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
+        ),
+        (
+            f"{lab} IS NULL OR json_type({lab}) NOT IN ('BIGINT', 'UBIGINT', 'DOUBLE', 'BOOLEAN')",
+            reasons.WRONG_TYPE,
+            _detail(lk, "expected a number", lab),
+        ),
+        (
+            f"NOT isfinite({_num(lab, 'DOUBLE', _NUM_TYPES)})",
+            reasons.NON_FINITE,
+            _detail(lk, "expected a finite number", lab),
+        ),
+    ]
+    label = (
+        f"CASE json_type({lab}) WHEN 'BOOLEAN' THEN TRY_CAST({lab} AS BOOLEAN)::DOUBLE "
+        f"ELSE {_num(lab, 'DOUBLE', _NUM_TYPES)} END"
+    )
+    rid = f"j.{_ident(rk)}"
+    return f"""
+WITH parsed AS (
+  SELECT file_id, line_no, line, source,
+    CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
+  FROM {src}
+), checked AS (
+  SELECT *, {_case(checks)} AS bad FROM parsed
+)
+SELECT
+  file_id,
+  line_no,
+  bad.r AS reason,
+  bad.d AS detail,
+  CASE WHEN bad IS NOT NULL THEN line END AS raw,
+  CASE WHEN bad IS NOT NULL THEN source END AS source,
+  CASE WHEN bad IS NULL THEN
+    CASE json_type({rid}) WHEN 'VARCHAR' THEN {rid} ->> '$' ELSE {rid}::VARCHAR END END AS request_id,
+  CASE WHEN bad IS NULL THEN {label} END AS label
+FROM checked
+"""
+
+
+def schema_keys(schema: DatasetSchema) -> tuple[str, str, str, str]:
+    """The raw record keys: request id, session id, user id, timestamp."""
+    return "request_id", schema.session_key, schema.user_key, schema.time_key
