@@ -9,7 +9,7 @@ __all__ = ["register_cli"]
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``etl`` with its ``shard`` and ``build`` subcommands."""
-    import importlib
+    from etl import build, shard
 
     parser = subparsers.add_parser(
         "etl",
@@ -21,11 +21,5 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     stages = parser.add_subparsers(dest="stage", metavar="<stage>", required=True)
-    for name in ("etl.shard", "etl.build"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # TODO(lead): make strict once both stages land
-            if exc.name == name:
-                continue
-            raise
-        module.register_cli(stages)
+    shard.register_cli(stages)
+    build.register_cli(stages)
