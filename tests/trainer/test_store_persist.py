@@ -184,7 +184,7 @@ def test_background_checkpoint_copies_on_write(tmp_path):
         loc = store.prefetch(ids)
         store.push(loc, torch.full((loc.num_unique, DIM), 5.0))
         store.update()  # touches frozen rows: their images are saved first
-        assert store._cow_has.any()
+        assert (store._cow_saved >= 0).any()
         gate.set()
         assert future.result()["step"] == 3
     with open_store(tmp_path / "s") as store:
@@ -205,3 +205,43 @@ def test_saved_index_is_used_and_checked(store_dir):
     index_file.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="index file is corrupted"):
         open_store(path)
+
+
+def test_background_checkpoint_while_the_cache_grows(tmp_path):
+    """A checkpoint in flight while prefetches grow the cache and updates touch frozen rows
+    commits exactly the rows as they were at its step."""
+    import threading
+
+    import torch
+
+    cfg = StoreConfig(dim=DIM, chunk_rows=8)
+    ids = np.arange(40) * 7919 - 50
+    with EmbeddingStore.create(tmp_path / "s", cfg) as store:
+        train(store, range(4))
+        store.checkpoint(3)
+        loc = store.prefetch(ids)
+        store.push(loc, store.pull(loc) * 0.5)
+        store.update()
+        expected = store.export()
+        gate = threading.Event()
+        store._executor.submit(gate.wait)  # hold the writer: the checkpoint below waits
+        future = store.checkpoint(4, wait=False)
+        for k in range(3):  # new ids grow the slab under the frozen rows
+            loc = store.prefetch(np.concatenate([ids, np.arange(100) + 10**12 * (k + 1)]))
+            store.push(loc, torch.full((loc.num_unique, DIM), 2.0))
+            store.update()
+        assert store._cow_pool.shape[0] >= ids.size  # grown while saving the frozen images
+        gate.set()
+        assert future.result()["step"] == 4
+    with open_store(tmp_path / "s", verify=True) as store:
+        got = store.export()
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1].tobytes() == expected[1].tobytes()
+
+
+def test_order_by_row_sorts_distinct_rows():
+    from trainer.store import _kernels as K
+
+    rows = np.random.default_rng(3).permutation(1000)[:300].astype(np.int64)
+    order = K.order_by_row(rows, 1000)
+    np.testing.assert_array_equal(rows[order], np.sort(rows))

@@ -183,6 +183,95 @@ def write_rows(src, slots, pos, dst):
 
 
 @njit(cache=True, nogil=True)
+def write_block(src, pos, dst):
+    """dst[pos[i], :w] = src[i] and dst[pos[i], w] = checksum(pos[i], words) (pos sorted: the
+    file is walked front to back, one page fault per page)."""
+    width = src.shape[1]
+    for i in range(pos.size):
+        p = pos[i]
+        for j in range(width):
+            dst[p, j] = src[i, j]
+        dst[p, width] = _row_checksum(src[i], p, width)
+
+
+@njit(cache=True, nogil=True)
+def cow_save(slab, slots, frozen, cp_pos, saved, pool, used):
+    """Copy-on-write: before ``slots`` are updated, append the image of those still frozen (not
+    yet staged by the checkpoint writer) to ``pool`` (densely, so its pages stay few and warm
+    from one checkpoint to the next), note where in ``saved`` and unfreeze them.
+
+    Returns:
+        the number of pool rows used; stops early (leaving the rest frozen) when the pool is
+        full: the caller grows it and calls again.
+    """
+    width = slab.shape[1]
+    n = used
+    for i in range(slots.size):
+        s = slots[i]
+        if frozen[s]:
+            if n >= pool.shape[0]:
+                return n
+            k = cp_pos[s]
+            for j in range(width):
+                pool[n, j] = slab[s, j]
+            saved[k] = n
+            n += 1
+            frozen[s] = False
+    return n
+
+
+@njit(cache=True, nogil=True)
+def stage_frozen(slab, slots, ks, frozen, saved, pool, out):
+    """out[i] = the snapshot value of entry ks[i]: its saved image, else its slab row (still
+    frozen, so unchanged since the snapshot); unfreezes the slots."""
+    width = out.shape[1]
+    for i in range(ks.size):
+        k = ks[i]
+        s = slots[k]
+        q = saved[k]
+        if q >= 0:
+            for j in range(width):
+                out[i, j] = pool[q, j]
+        else:
+            for j in range(width):
+                out[i, j] = slab[s, j]
+        frozen[s] = False
+
+
+@njit(cache=True, nogil=True)
+def order_by_row(rows, num_rows):
+    """The order that sorts distinct ``rows`` (all < num_rows) ascending, in O(n + num_rows)."""
+    at = np.full(num_rows, -1, dtype=np.int64)
+    for k in range(rows.size):
+        at[rows[k]] = k
+    out = np.empty(rows.size, dtype=np.int64)
+    n = 0
+    for r in range(num_rows):
+        if at[r] >= 0:
+            out[n] = at[r]
+            n += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def index_image(off, mask, table, rows, out):
+    """out = [off, mask, table] with the entries of rows >= ``rows`` blanked (saved index)."""
+    ns = off.size
+    for i in range(ns):
+        out[i] = off[i]
+        out[ns + i] = mask[i]
+    base = 2 * ns
+    for q in range(table.size // 2):
+        v = table[2 * q + 1]
+        if v >= rows:
+            out[base + 2 * q] = 0
+            out[base + 2 * q + 1] = EMPTY
+        else:
+            out[base + 2 * q] = table[2 * q]
+            out[base + 2 * q + 1] = v
+
+
+@njit(cache=True, nogil=True)
 def read_rows(src, pos, dst, slots):
     """dst[slots[i]] = src[pos[i], :w] after checking its checksum; returns the first bad i or -1."""
     width = dst.shape[1]

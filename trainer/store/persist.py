@@ -30,8 +30,10 @@ This module imports numpy only (no torch), so ``recpipe store`` inspects a store
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,8 +193,14 @@ class RowFile:
         if num_rows <= self.capacity:
             return
         chunks = -(-num_rows // self.meta.chunk_rows)
+        old = self.capacity * self._row_bytes
         self.capacity = chunks * self.meta.chunk_rows
-        os.ftruncate(self._fd, self.capacity * self._row_bytes)
+        size = self.capacity * self._row_bytes
+        os.ftruncate(self._fd, size)
+        # allocate the blocks now: the first writes into a sparse file cost ~5x more (where
+        # the file system cannot preallocate, the file stays sparse)
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fallocate(self._fd, old, size - old)
         self._map()
 
     def shrink(self, num_rows: int) -> None:
@@ -209,6 +217,10 @@ class RowFile:
         """Write rows ``src_words[src_index]`` at positions ``pos``, with their checksums."""
         K.write_rows(src_words, src_index, pos, self.words)
 
+    def write_block(self, src_words: np.ndarray, pos: np.ndarray) -> None:
+        """Write rows ``src_words[i]`` at sorted positions ``pos[i]``, with their checksums."""
+        K.write_block(src_words, pos, self.words)
+
     def read(self, pos: np.ndarray, dst_words: np.ndarray, dst_index: np.ndarray) -> None:
         """Read positions ``pos`` into ``dst_words[dst_index]``, checking checksums."""
         bad = K.read_rows(self.words, pos, dst_words, dst_index)
@@ -220,7 +232,9 @@ class RowFile:
             raise StoreError(msg)
 
     def sync(self) -> None:
-        if self._mm is not None:
+        """Make the rows written so far durable. On Linux, fsync of the file writes back the
+        pages dirtied through the shared mapping too (msync would walk them a second time)."""
+        if self._mm is not None and not sys.platform.startswith("linux"):
             self._mm.flush()
         os.fsync(self._fd)
 

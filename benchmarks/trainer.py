@@ -1,0 +1,425 @@
+"""Trainer throughput and memory, dedup on vs off, and our embedding path vs TorchRec's.
+
+Generates the default synthetic logs (`etl.synth.generate`), builds the clustered dataset
+(`etl.build.build`), reads the same batches twice through the readers (with IKJTs per dedup group,
+and as one plain KJT), and trains the same DLRM (attention-pooled user history: liked items +
+liked sellers) on both. Every figure is a ratio of two measurements taken in this run: steps are
+alternated on/off, timed in CPU seconds of this process (`time.process_time`, torch on
+`--threads` threads) and the median step is used, so other load on the machine matters little.
+
+Figures (written to benchmarks/results/trainer.json):
+  dedup_speedup            training samples/s with dedup on / off (forward + backward + optimizer
+                           step; batches preloaded, so reading is not timed). Target >= 2.5.
+  activation_memory_ratio  bytes of the embedding and attention activations, off / on. Measured
+                           with `torch.autograd.graph.saved_tensors_hooks`: every tensor saved for
+                           backward while the embedding-bag, sequence-embedding and attention
+                           modules run (parameters excluded, each storage counted once), plus
+                           those modules' outputs. Reported next to the measured dedup factors.
+  max_batch_ratio          largest batch whose activations fit `--memory-budget-mib`, on / off.
+                           Computed from the measured bytes saved for backward by the whole
+                           forward pass per sample at `--batch-size` (activations grow linearly
+                           in B), not by trying batch sizes until one fails.
+  vs_torchrec_ebc          our plain (no-dedup) EmbeddingBagCollection / TorchRec's
+                           `EmbeddingBagCollection` (torchrec 1.8.0 + fbgemm-gpu-cpu), same
+                           tables, same weights, same plain batches, forward + backward with dense
+                           gradients as TorchRec has; forward-only and our default sparse-gradient
+                           path are reported too. Target >= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "trainer.json"
+
+__all__ = ["main", "parse_args", "run"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/trainer.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--requests", type=int, default=200_000, help="synthetic requests")
+    parser.add_argument("--batch-size", type=int, default=4096, help="rows per batch")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--embedding-dim", type=int, default=16)
+    parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
+    parser.add_argument(
+        "--memory-budget-mib", type=float, default=4096.0, help="activation budget (max batch)"
+    )
+    parser.add_argument("--ebc-batches", type=int, default=10, help="batches for vs_torchrec_ebc")
+    parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
+    parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (reported separately)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    return parser.parse_args(argv)
+
+
+# -- data ---------------------------------------------------------------------------------------
+def build_dataset(work: Path, *, requests: int, seed: int) -> tuple[Path, dict[str, Any]]:
+    """Synthetic logs -> the clustered dataset; returns its path and the generator summary."""
+    from etl.build import BuildConfig, build
+    from etl.synth import SynthConfig, generate
+    from schemas import default_schema
+
+    logs = generate(work / "raw", SynthConfig(num_requests=requests, seed=seed), progress=True)
+    out = work / "clustered"
+    build(
+        logs.features, out, events=logs.events, schema=default_schema(),
+        config=BuildConfig(), overwrite=True, progress=True,
+    )  # fmt: skip
+    synth = json.loads((work / "raw" / "_synth.json").read_text())
+    return out, synth
+
+
+def load_batches(dataset: Path, *, batch_size: int, count: int, dedup: bool) -> list[Any]:
+    """The first ``count`` full batches of the dataset (shuffled sessions, fixed seed)."""
+    from readers.dataset import ParquetBatchDataset
+    from readers.source import ReaderConfig
+
+    config = ReaderConfig(batch_size=batch_size, shuffle=True, seed=1, last_batch="drop")
+    batches = []
+    for batch in ParquetBatchDataset(str(dataset), config=config, dedup=dedup):
+        batches.append(batch)
+        if len(batches) == count:
+            break
+    return batches
+
+
+# -- measurements -------------------------------------------------------------------------------
+def _cpu_time(fn: Callable[[], Any], device: Any) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def measure_speedup(
+    schema: Any, on: list[Any], off: list[Any], *, model_config: Any, warmup: int, device: Any
+) -> dict[str, Any]:
+    """Alternate training steps of two identical models on the dedup and the plain batches."""
+    from trainer.models import DLRM
+    from trainer.train import Trainer
+
+    trainers = {
+        mode: Trainer(DLRM.from_schema(schema, model_config), device=device)
+        for mode in ("on", "off")
+    }
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    losses: dict[str, list[float]] = {"on": [], "off": []}
+    for i, (b_on, b_off) in enumerate(zip(on, off)):
+        for mode, batch in (("on", b_on), ("off", b_off)):
+            batch = batch.to(device)
+            out: list[Any] = []
+            dt = _cpu_time(
+                lambda t=trainers[mode], b=batch, o=out: o.append(t.train_step(b)), device
+            )
+            losses[mode].append(float(out[0][0]))
+            if i >= warmup:
+                times[mode].append(dt)
+            print(f"  step {i} dedup {mode:3s} {dt * 1000:9.1f} ms  loss {losses[mode][-1]:.5f}",
+                  file=sys.stderr)  # fmt: skip
+    rows = on[0].batch_size
+    sps = {m: rows / statistics.median(times[m]) for m in times}
+    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["on"], losses["off"]))
+    return {
+        "dedup_speedup": sps["on"] / sps["off"],
+        "samples_per_s_on": sps["on"],
+        "samples_per_s_off": sps["off"],
+        "median_step_s_on": statistics.median(times["on"]),
+        "median_step_s_off": statistics.median(times["off"]),
+        "timed_steps": len(times["on"]),
+        "max_loss_rel_diff_on_vs_off": rel,
+    }
+
+
+@contextlib.contextmanager
+def saved_bytes_counter(model: Any, scope: list[Any]) -> Iterator[dict[str, int]]:
+    """Count bytes of tensors saved for backward: in ``scope`` modules (plus their outputs)
+    and in total. Parameters are excluded; each storage is counted once."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    counts = {"scope": 0, "total": 0, "scope_outputs": 0}
+    depth = [0]
+
+    def add(t: torch.Tensor, key: str) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_sparse:
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in params or ptr in seen or ptr == 0:
+            return
+        seen.add(ptr)
+        counts[key] += storage.nbytes()
+        counts["total"] += storage.nbytes() if key != "total" else 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        add(t, "scope" if depth[0] else "total")
+        return t
+
+    def pre(_m: Any, _inp: Any) -> None:
+        depth[0] += 1
+
+    def post(_m: Any, _inp: Any, out: Any) -> None:
+        depth[0] -= 1
+        values = out.values() if isinstance(out, dict) else [out]
+        for v in values:
+            t = getattr(v, "values", v) if not isinstance(v, torch.Tensor) else v
+            if isinstance(t, torch.Tensor):
+                add(t, "scope_outputs")
+
+    handles = []
+    for m in scope:
+        if m is not None:
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def measure_memory(
+    schema: Any, on: list[Any], off: list[Any], *, model_config: Any, budget_mib: float
+) -> dict[str, Any]:
+    """Activation bytes of the embedding + attention modules and of the whole forward."""
+    from trainer.models import DLRM
+    from trainer.train import batch_dedup_factor
+
+    model = DLRM.from_schema(schema, model_config)
+    out: dict[str, Any] = {}
+    for mode, batch in (("on", on[0]), ("off", off[0])):
+        scope = [model.ebc, model.seq, model.attention]
+        with saved_bytes_counter(model, scope) as counts:
+            model(batch).sum()
+        out[mode] = dict(counts)
+    b = on[0].batch_size
+    emb_on = out["on"]["scope"] + out["on"]["scope_outputs"]
+    emb_off = out["off"]["scope"] + out["off"]["scope_outputs"]
+    per_on, per_off = out["on"]["total"] / b, out["off"]["total"] / b
+    budget = budget_mib * 2**20
+    wanted = set(model.attention.features) if model.attention is not None else None
+    history = next((g for g in on[0].ikjts.values() if wanted and wanted <= set(g.keys)), None)
+    return {
+        "activation_memory_ratio": emb_off / emb_on,
+        "embedding_attention_bytes_on": emb_on,
+        "embedding_attention_bytes_off": emb_off,
+        "embedding_attention_saved_bytes_on": out["on"]["scope"],
+        "embedding_attention_saved_bytes_off": out["off"]["scope"],
+        "dedup_factor_sparse_values": batch_dedup_factor(on[0]),
+        "dedup_factor_history_rows": (history.batch_size / history.num_unique) if history else None,
+        "dedup_factor_history_values": history.dedup_factor if history else None,
+        "forward_saved_bytes_per_sample_on": per_on,
+        "forward_saved_bytes_per_sample_off": per_off,
+        "memory_budget_mib": budget_mib,
+        "max_batch_on": int(budget // per_on),
+        "max_batch_off": int(budget // per_off),
+        "max_batch_ratio": int(budget // per_on) / max(int(budget // per_off), 1),
+        "max_batch_method": "budget / measured forward saved-tensor bytes per sample at batch_size",
+    }
+
+
+def measure_vs_torchrec(
+    schema: Any, plain: list[Any], *, dim: int, num_embeddings: int
+) -> dict[str, Any]:
+    """Our EmbeddingBagCollection on plain KJTs vs TorchRec's, same tables and weights."""
+    import torch
+
+    from recpipe._deps import optional_import
+    from recpipe.torchrec_interop import to_torchrec
+    from trainer.modules import EmbeddingBagCollection, TableConfig
+
+    trm = optional_import("torchrec.modules.embedding_modules", purpose="vs_torchrec_ebc")
+    trc = optional_import("torchrec.modules.embedding_configs", purpose="vs_torchrec_ebc")
+    names = list(schema.sparse_names)
+    kjts = [b.kjt.map_values(lambda v: torch.remainder(v, num_embeddings)) for b in plain]
+    tr_kjts = [to_torchrec(k) for k in kjts]
+
+    def ours(sparse: bool) -> Any:
+        tables = [TableConfig(f, num_embeddings, dim, (f,), sparse_grad=sparse) for f in names]
+        return EmbeddingBagCollection(tables, seed=0)
+
+    ebc_dense, ebc_sparse = ours(False), ours(True)
+    theirs = trm.EmbeddingBagCollection(
+        tables=[
+            trc.EmbeddingBagConfig(
+                name=f, embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[f],
+                pooling=trc.PoolingType.SUM,
+            )
+            for f in names
+        ],
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    with torch.no_grad():
+        for f in names:
+            theirs.embedding_bags[f].weight.copy_(ebc_dense.tables[f].weight)
+    # same numbers first
+    with torch.no_grad():
+        ref = theirs(tr_kjts[0]).to_dict()
+        got = ebc_dense(kjts[0])
+    max_diff = max(float((ref[f] - got[f]).abs().max()) for f in names)
+
+    def step_ours(m: Any, k: Any, backward: bool) -> None:
+        out = m(k)
+        if backward:
+            m.zero_grad(set_to_none=True)
+            torch.stack(list(out.values())).sum().backward()
+
+    def step_theirs(k: Any, backward: bool) -> None:
+        out = theirs(k)
+        if backward:
+            theirs.zero_grad(set_to_none=True)
+            out.values().sum().backward()
+
+    cpu = torch.device("cpu")
+    times: dict[str, list[float]] = {}
+    for _ in range(2):  # second pass is timed (first warms up)
+        times = {
+            k: [] for k in ("ours_fb", "torchrec_fb", "ours_f", "torchrec_f", "ours_sparse_fb")
+        }
+        for k, tk in zip(kjts, tr_kjts):
+            times["ours_fb"].append(_cpu_time(lambda k=k: step_ours(ebc_dense, k, True), cpu))
+            times["torchrec_fb"].append(_cpu_time(lambda tk=tk: step_theirs(tk, True), cpu))
+            with torch.no_grad():
+                times["ours_f"].append(_cpu_time(lambda k=k: step_ours(ebc_dense, k, False), cpu))
+                times["torchrec_f"].append(_cpu_time(lambda tk=tk: step_theirs(tk, False), cpu))
+            times["ours_sparse_fb"].append(
+                _cpu_time(lambda k=k: step_ours(ebc_sparse, k, True), cpu)
+            )
+    b = plain[0].batch_size
+    sps = {k: b / statistics.median(v) for k, v in times.items()}
+    return {
+        "vs_torchrec_ebc": sps["ours_fb"] / sps["torchrec_fb"],
+        "vs_torchrec_ebc_forward": sps["ours_f"] / sps["torchrec_f"],
+        "vs_torchrec_ebc_ours_sparse_grad": sps["ours_sparse_fb"] / sps["torchrec_fb"],
+        "ebc_samples_per_s": sps,
+        "ebc_max_abs_diff_vs_torchrec": max_diff,
+        "ebc_tables": len(names),
+    }
+
+
+# -- driver -------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from readers.dataset import dataset_schema
+    from trainer.models import ModelConfig
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    with contextlib.ExitStack() as stack:
+        work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        synth = None
+        if args.data is not None:
+            dataset = args.data
+        else:
+            dataset, synth = build_dataset(work, requests=args.requests, seed=args.seed)
+        schema = dataset_schema(dataset)
+        count = args.warmup + args.steps
+        on = load_batches(dataset, batch_size=args.batch_size, count=count, dedup=True)
+        off = load_batches(dataset, batch_size=args.batch_size, count=count, dedup=False)
+        if len(on) < count:
+            msg = f"the dataset yields {len(on)} full batches of {args.batch_size}, need {count}"
+            raise SystemExit(msg)
+        model_config = ModelConfig(
+            embedding_dim=args.embedding_dim, num_embeddings=args.num_embeddings, seed=args.seed
+        )
+        print("dedup on/off training steps (alternated):", file=sys.stderr)
+        results: dict[str, Any] = {
+            "device": str(device),
+            "batch_size": args.batch_size,
+            "threads": args.threads,
+            "requests": args.requests if args.data is None else None,
+            "model": {
+                "embedding_dim": args.embedding_dim,
+                "num_embeddings": args.num_embeddings,
+                "attention": "user_liked_items + user_liked_sellers (1 encoder layer, 2 heads)",
+            },
+        }
+        results.update(
+            measure_speedup(
+                schema, on, off, model_config=model_config, warmup=args.warmup, device=device
+            )
+        )
+        results.update(
+            measure_memory(
+                schema, on, off, model_config=model_config, budget_mib=args.memory_budget_mib
+            )
+        )
+        if device.type == "cpu":
+            results.update(
+                measure_vs_torchrec(
+                    schema, off[: args.ebc_batches], dim=args.embedding_dim,
+                    num_embeddings=args.num_embeddings,
+                )
+            )  # fmt: skip
+        if synth is not None:
+            results["hidden_model_auc"] = synth.get("hidden_model_auc")
+    return results
+
+
+def _table(results: dict[str, Any]) -> str:
+    rows = [
+        ("dedup_speedup", "samples/s dedup on / off (target >= 2.5)", results["dedup_speedup"]),
+        ("activation_memory_ratio", "emb + attention activations off / on", results["activation_memory_ratio"]),
+        ("  dedup factor (values)", "sparse values expanded / stored", results["dedup_factor_sparse_values"]),
+        ("  dedup factor (history rows)", "B / U of the attention group", results["dedup_factor_history_rows"]),
+        ("max_batch_ratio", f"largest batch in {results['memory_budget_mib']:.0f} MiB, on / off", results["max_batch_ratio"]),
+        ("vs_torchrec_ebc", "our plain EBC / TorchRec EBC (fwd+bwd)", results.get("vs_torchrec_ebc")),
+        ("  forward only", "", results.get("vs_torchrec_ebc_forward")),
+        ("  ours with sparse grads", "", results.get("vs_torchrec_ebc_ours_sparse_grad")),
+    ]  # fmt: skip
+    lines = [f"{'figure':<30} {'what':<45} {'value':>8}"]
+    for name, what, value in rows:
+        text = "-" if value is None else f"{value:8.2f}"
+        lines.append(f"{name:<30} {what:<45} {text:>8}")
+    lines.append(
+        f"samples/s on {results['samples_per_s_on']:,.0f}, off {results['samples_per_s_off']:,.0f} "
+        f"(B={results['batch_size']}, {results['timed_steps']} timed steps, {results['threads']} "
+        f"thread(s), {results['device']}); max loss rel. diff on vs off "
+        f"{results['max_loss_rel_diff_on_vs_off']:.2e}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault(
+        "NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache")
+    )
+    results = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    print(_table(results))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Smoke test of `benchmarks/trainer.py` at a tiny size: it runs end to end and writes its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_trainer", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help(capsys):
+    bench = _load()
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("dedup_speedup", "activation_memory_ratio", "max_batch_ratio", "vs_torchrec_ebc"):
+        assert word in out
+    args = bench.parse_args([])
+    assert (args.requests, args.batch_size) == (200_000, 4096)
+
+
+@pytest.mark.slow
+@pytest.mark.torchrec
+def test_tiny_run_writes_results(tmp_path, capsys):
+    pytest.importorskip("torchrec")
+    bench = _load()
+    out = tmp_path / "trainer.json"
+    argv = [
+        "--requests", "4000", "--batch-size", "256", "--steps", "1", "--ebc-batches", "2",
+        "--num-embeddings", "1000", "--work", str(tmp_path / "work"), "--out", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    results = json.loads(out.read_text())
+    for key in ("dedup_speedup", "activation_memory_ratio", "max_batch_ratio", "vs_torchrec_ebc"):
+        assert results[key] > 0
+    assert results["max_loss_rel_diff_on_vs_off"] < 1e-5
+    assert results["ebc_max_abs_diff_vs_torchrec"] < 1e-5
+    assert results["dedup_factor_sparse_values"] > 1.0
+    assert "dedup_speedup" in capsys.readouterr().out

@@ -1,0 +1,582 @@
+"""Dedup-aware embedding modules (RecD O5, O6) and deduplicated attention pooling (O7).
+
+Every module here takes the sparse features of a :class:`~recpipe.batch.Batch` in either form
+and gives the same result (to float rounding) for both:
+
+* a plain :class:`~recpipe.jagged.KeyedJaggedTensor` of B rows per key (the no-dedup path);
+* an :class:`~recpipe.ikjt.InverseKeyedJaggedTensor` per dedup group: the work runs on the U
+  unique rows of the group only, and the output is expanded to the B batch rows at the end::
+
+      ikjt unique rows   u0 = [7, 3]   u1 = [5]   u2 = [9, 9, 1]         U = 3
+      inverse_lookup     [0, 0, 1, 2, 2, 2, 1]                            B = 7
+      pooled (O5)        [p0, p1, p2]                            [U, D]
+      expanded           [p0, p0, p1, p2, p2, p2, p1]            [B, D]   index_select(inverse)
+
+  The backward of the expansion (``index_select``) sums the gradients of the duplicate rows
+  into their unique row, which is exactly the gradient of the plain path.
+
+:class:`EmbeddingBagCollection` pools each feature into ``[B, D]``;
+:class:`SequenceEmbeddingCollection` keeps a feature's ``[values, D]`` jagged as
+:class:`JaggedEmbeddings` (still over unique rows; ``expand()`` runs the jagged index select,
+O6); :class:`AttentionPooling` runs a small transformer encoder layer over a group's sequences
+on the unique rows and expands its ``[U, D]`` output (O7).
+
+Embedding tables are pluggable: :class:`TableConfig` says what a table is, and a *table
+factory* builds the module that holds it (:class:`ParameterTable` by default: an ordinary
+``nn.Parameter``). Any module with ``pool(ids, offsets, mode=...)`` and ``rows(ids)`` (see
+:class:`TableBackend`) works, e.g. one backed by the hybrid embedding store of
+:mod:`trainer.store`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recpipe.batch import Batch
+from recpipe.errors import DataError, RecpipeError
+from recpipe.ikjt import PartialInverseKeyedJaggedTensor
+from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+from recpipe.kernels import jagged_index_select
+
+__all__ = [
+    "AttentionPooling",
+    "EmbeddingBagCollection",
+    "FeatureRows",
+    "JaggedEmbeddings",
+    "ParameterTable",
+    "PoolingMode",
+    "SequenceEmbeddingCollection",
+    "SparseInput",
+    "TableBackend",
+    "TableConfig",
+    "TableDict",
+    "TableFactory",
+    "locate_features",
+    "table_seed",
+]
+
+PoolingMode = Literal["sum", "mean"]
+_POOLING: tuple[str, ...] = get_args(PoolingMode)
+
+SparseInput = Batch | KeyedJaggedTensor
+"""What the modules accept: a whole Batch (KJT + IKJTs) or a plain KJT."""
+
+
+# -------------------------------------------------------------------------------------------
+# table configs and backends
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table and the features that look it up.
+
+    Args:
+        name: table name (unique in a collection).
+        num_embeddings: rows of the table.
+        dim: embedding dimension D.
+        features: sparse features that read this table; several features may share it.
+        pooling: how a bag of ids is pooled by :class:`EmbeddingBagCollection`.
+        hash_ids: take ids modulo ``num_embeddings`` in the module (for raw ids; leave off when
+            preprocessing already mapped them into range, e.g. ``readers.HashModulo``).
+        sparse_grad: produce sparse gradients for the table (only the rows looked up); the
+            optimizer must accept them (SGD, Adagrad, SparseAdam).
+
+    Raises:
+        RecpipeError: a bad value, quoted.
+    """
+
+    name: str
+    num_embeddings: int
+    dim: int
+    features: tuple[str, ...]
+    pooling: PoolingMode = "sum"
+    hash_ids: bool = False
+    sparse_grad: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
+        if not isinstance(self.name, str) or not self.name:
+            msg = f"`name` must be a non-empty string, got {self.name!r}"
+            raise RecpipeError(msg)
+        for attr in ("num_embeddings", "dim"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"table {self.name!r}: `{attr}` must be a positive integer, got {value!r}"
+                raise RecpipeError(msg)
+        if not self.features or len(set(self.features)) != len(self.features):
+            msg = (
+                f"table {self.name!r}: `features` must name at least one feature, each once, "
+                f"got {list(self.features)!r}"
+            )
+            raise RecpipeError(msg)
+        if self.pooling not in _POOLING:
+            msg = f"table {self.name!r}: `pooling` must be one of {list(_POOLING)}, got {self.pooling!r}"
+            raise RecpipeError(msg)
+
+
+class TableBackend(Protocol):
+    """What a table module must offer (an ``nn.Module``)."""
+
+    config: TableConfig
+
+    def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
+        """Pooled ``[R, D]`` embeddings of ``R`` bags (``offsets`` [R + 1] into ``ids``)."""
+        ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` embeddings of ``ids`` [n] (no pooling)."""
+        ...
+
+
+TableFactory = Callable[[TableConfig, int], nn.Module]
+"""Builds a table module from its config and the model seed."""
+
+
+def table_seed(seed: int, name: str) -> int:
+    """The init seed of table ``name``: independent of the order tables are built in."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+
+
+class ParameterTable(nn.Module):
+    """An embedding table held in an ``nn.Parameter`` (the default backend).
+
+    Initialised uniformly in ``±sqrt(1 / num_embeddings)`` (TorchRec's default) from
+    :func:`table_seed`, so the same seed gives the same table whatever else the model holds.
+
+    Args:
+        config: the table.
+        seed: the model seed.
+    """
+
+    def __init__(self, config: TableConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        gen = torch.Generator().manual_seed(table_seed(seed, config.name))
+        bound = math.sqrt(1.0 / config.num_embeddings)
+        weight = torch.empty(config.num_embeddings, config.dim)
+        weight.uniform_(-bound, bound, generator=gen)
+        self.weight = nn.Parameter(weight)
+
+    def _ids(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(torch.int64)
+        if self.config.hash_ids:
+            ids = torch.remainder(ids, self.config.num_embeddings)
+        return ids
+
+    def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
+        """Pooled ``[R, D]`` bags (one fused ``embedding_bag``)."""
+        return F.embedding_bag(
+            self._ids(ids),
+            self.weight,
+            offsets,
+            mode=mode,
+            sparse=self.config.sparse_grad,
+            include_last_offset=True,
+        )  # (R, D)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` rows of ``ids``."""
+        return F.embedding(self._ids(ids), self.weight, sparse=self.config.sparse_grad)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"{c.name!r}, {c.num_embeddings} x {c.dim}, features={list(c.features)}"
+
+
+class TableDict(nn.Module):
+    """Table modules by table name (any name without a ``.``, even ``items`` or ``keys``)."""
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self._modules[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._modules
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def add(self, name: str, module: nn.Module) -> None:
+        """Register ``module`` as table ``name``."""
+        if "." in name or not name:
+            msg = f"table `name` must be non-empty and contain no '.', got {name!r}"
+            raise RecpipeError(msg)
+        self._modules[name] = module
+
+
+def _build_tables(
+    tables: Iterable[TableConfig], factory: TableFactory | None, seed: int
+) -> tuple[TableDict, dict[str, str]]:
+    """Table modules by name and ``{feature: table name}``; checks names and feature reuse."""
+    factory = factory or ParameterTable
+    modules = TableDict()
+    feature_table: dict[str, str] = {}
+    for cfg in tables:
+        if cfg.name in modules:
+            msg = f"`tables` name {cfg.name!r} twice"
+            raise RecpipeError(msg)
+        for feature in cfg.features:
+            if feature in feature_table:
+                msg = (
+                    f"feature {feature!r} is in tables {feature_table[feature]!r} and "
+                    f"{cfg.name!r}; a feature reads exactly one table"
+                )
+                raise RecpipeError(msg)
+            feature_table[feature] = cfg.name
+        modules.add(cfg.name, factory(cfg, seed))
+    return modules, feature_table
+
+
+# -------------------------------------------------------------------------------------------
+# finding a feature's rows in a Batch
+
+
+@dataclass(frozen=True)
+class FeatureRows:
+    """Where a feature's lists are: ``jagged`` rows, and the inverse lookup when deduplicated.
+
+    Attributes:
+        jagged: the rows of the feature: U unique rows (``inverse`` [B] given) or B rows.
+        inverse: ``[B]`` unique row of every batch row, or ``None`` (``jagged`` has B rows).
+        group: the dedup group the feature came from (``None`` for the plain KJT).
+    """
+
+    jagged: JaggedTensor
+    inverse: torch.Tensor | None
+    group: str | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Batch rows B."""
+        return self.jagged.batch_size if self.inverse is None else self.inverse.numel()
+
+
+def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, FeatureRows]:
+    """Find ``keys`` in a Batch (its KJT or one of its IKJT groups) or in a plain KJT.
+
+    A :class:`~recpipe.ikjt.PartialInverseKeyedJaggedTensor` group is expanded to its B rows
+    (it has no unique rows to work on).
+
+    Raises:
+        DataError: a key is in neither.
+    """
+    if isinstance(features, KeyedJaggedTensor):
+        kjt, groups = features, {}
+    elif isinstance(features, Batch):
+        kjt, groups = features.kjt, features.ikjts
+    else:
+        msg = f"`features` must be a Batch or a KeyedJaggedTensor, got {type(features).__name__}"
+        raise DataError(msg)
+    group_of = {key: name for name, g in groups.items() for key in g.keys}
+    expanded: dict[str, KeyedJaggedTensor] = {}
+    out = {}
+    for key in keys:
+        if key in kjt:
+            out[key] = FeatureRows(kjt[key], None)
+            continue
+        name = group_of.get(key)
+        if name is None:
+            have = [*kjt.keys, *group_of]
+            msg = f"sparse feature {key!r} is not in the batch; it holds {have!r}"
+            raise DataError(msg)
+        group = groups[name]
+        if isinstance(group, PartialInverseKeyedJaggedTensor):
+            if name not in expanded:
+                expanded[name] = group.to_kjt()
+            out[key] = FeatureRows(expanded[name][key], None, name)
+        else:
+            out[key] = FeatureRows(group[key], group.inverse_lookup, name)
+    return out
+
+
+def _expand_rows(pooled: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
+    """``[U, ...]`` -> ``[B, ...]`` by the inverse lookup (backward sums duplicates, O5)."""
+    return pooled if inverse is None else pooled.index_select(0, inverse)
+
+
+# -------------------------------------------------------------------------------------------
+# embedding bags (O5)
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled embeddings of many features, deduplicated per IKJT group (RecD O5).
+
+    For a feature of an IKJT group only the U unique rows are looked up and pooled; the
+    ``[U, D]`` result is expanded to ``[B, D]`` with the group's inverse lookup. Features of the
+    plain KJT are pooled over their B rows.
+
+    Args:
+        tables: the tables; each names the features that read it.
+        seed: init seed (see :func:`table_seed`).
+        table_factory: builds each table module (default :class:`ParameterTable`).
+
+    Example::
+
+        ebc = EmbeddingBagCollection([TableConfig("items", 1000, 16, ("item_id", "liked"))])
+        out = ebc(batch)  # {"item_id": [B, 16], "liked": [B, 16]}
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        *,
+        seed: int = 0,
+        table_factory: TableFactory | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables, self.feature_table = _build_tables(tables, table_factory, seed)
+        self.features: tuple[str, ...] = tuple(self.feature_table)
+
+    def forward(self, features: SparseInput) -> dict[str, torch.Tensor]:
+        """``{feature: [B, D]}`` for every feature of the collection, in table order."""
+        out = {}
+        for key, rows in locate_features(features, self.features).items():
+            table = self.tables[self.feature_table[key]]
+            jt = rows.jagged
+            pooled = table.pool(jt.values, jt.offsets, mode=table.config.pooling)  # (R, D)
+            out[key] = _expand_rows(pooled, rows.inverse)  # (B, D)
+        return out
+
+
+# -------------------------------------------------------------------------------------------
+# sequence embeddings (O6)
+
+
+@dataclass(frozen=True)
+class JaggedEmbeddings:
+    """Per-row sequences of embeddings, possibly over the unique rows of a dedup group.
+
+    ``values`` [N, D] with ``offsets`` [R + 1]: R = U unique rows when ``inverse`` [B] is set,
+    else R = B::
+
+        unique rows   u0: [e7 e3]   u1: [e5]        values [e7 e3 e5]  offsets [0, 2, 3]
+        inverse       [0, 0, 1]                     B = 3
+        expand()      [e7 e3 | e7 e3 | e5]          jagged index select (O6)
+
+    Attributes:
+        values: ``[N, D]`` embeddings.
+        offsets: ``[R + 1]`` int64.
+        inverse: ``[B]`` int64 unique row of every batch row, or ``None``.
+        group: the dedup group (``None`` for plain rows).
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    inverse: torch.Tensor | None = None
+    group: str | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows stored, R."""
+        return self.offsets.numel() - 1
+
+    @property
+    def batch_size(self) -> int:
+        """Batch rows B."""
+        return self.num_rows if self.inverse is None else self.inverse.numel()
+
+    def expand(self) -> JaggedEmbeddings:
+        """The B batch rows (jagged index select; its backward is a jagged index add)."""
+        if self.inverse is None:
+            return self
+        values, offsets = jagged_index_select(self.values, self.offsets, self.inverse)
+        return JaggedEmbeddings(values, offsets, None, None)
+
+    def to_jagged(self) -> JaggedTensor:
+        """The stored rows as a :class:`~recpipe.jagged.JaggedTensor` of ``[N, D]`` values."""
+        return JaggedTensor(self.values, self.offsets, validate=False)
+
+
+class SequenceEmbeddingCollection(nn.Module):
+    """Un-pooled embeddings of sequence features, kept jagged (and deduplicated).
+
+    For a feature of an IKJT group the embeddings of the U unique rows are returned with the
+    group's inverse lookup (:class:`JaggedEmbeddings`); expand them with
+    :meth:`JaggedEmbeddings.expand` (O6), or pool them first and expand the pooled rows (O7).
+
+    Args:
+        tables: the tables (``pooling`` is ignored).
+        seed: init seed.
+        table_factory: builds each table module.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        *,
+        seed: int = 0,
+        table_factory: TableFactory | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables, self.feature_table = _build_tables(tables, table_factory, seed)
+        self.features: tuple[str, ...] = tuple(self.feature_table)
+
+    def forward(self, features: SparseInput) -> dict[str, JaggedEmbeddings]:
+        """``{feature: JaggedEmbeddings}`` for every feature of the collection."""
+        out = {}
+        for key, rows in locate_features(features, self.features).items():
+            table = self.tables[self.feature_table[key]]
+            jt = rows.jagged
+            out[key] = JaggedEmbeddings(table.rows(jt.values), jt.offsets, rows.inverse, rows.group)
+        return out
+
+
+# -------------------------------------------------------------------------------------------
+# attention pooling (O7)
+
+
+def _pad(seq: JaggedEmbeddings, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[R, L, D]`` padded sequences (most recent first) and a ``[R, L]`` validity mask.
+
+    Only the last ``max_len`` values of a row are kept. ``L`` is the longest kept row, so it is
+    the same for the unique rows of a group and for the batch rows they expand to.
+    """
+    values, offsets = seq.values, seq.offsets
+    rows, dim = seq.num_rows, values.shape[1]
+    lengths = offsets[1:] - offsets[:-1]  # (R,)
+    length = int(lengths.max()) if rows else 0
+    length = min(length, max_len)
+    if length == 0 or values.shape[0] == 0:
+        return values.new_zeros(rows, max(length, 0), dim), lengths.new_zeros(
+            rows, max(length, 0), dtype=torch.bool
+        )
+    row = torch.repeat_interleave(torch.arange(rows, device=values.device), lengths)  # (N,)
+    from_end = (
+        offsets[1:].index_select(0, row) - 1 - torch.arange(values.shape[0], device=row.device)
+    )
+    keep = from_end < length
+    if not bool(keep.all()):
+        values, row, from_end = values[keep], row[keep], from_end[keep]
+    flat = row * length + from_end  # (N,)
+    padded = values.new_zeros(rows * length, dim).index_copy(0, flat, values)
+    mask = torch.arange(length, device=row.device)[None, :] < lengths.clamp(max=length)[:, None]
+    return padded.view(rows, length, dim), mask  # (R, L, D), (R, L)
+
+
+class AttentionPooling(nn.Module):
+    """A transformer encoder layer over a group's sequences, pooled at a CLS token (O7).
+
+    The tokens of a row are ``[CLS, f1 values..., f2 values...]`` (each feature's values with a
+    learned feature-type embedding and a position counted from the most recent id). One or more
+    pre-norm encoder layers (multi-head self-attention and an MLP, padded positions masked out of
+    every key) run over them; the CLS token's output is the row's ``[D]`` embedding.
+
+    Deduplicated compute: when every input feature comes from the same IKJT group, the layer
+    runs on the U unique rows and its ``[U, D]`` output is expanded with the inverse lookup;
+    otherwise (plain KJT, or features of different groups) it runs on all B rows. Each row's
+    result depends on that row only (padding is masked and the padded length is the same in
+    both cases), so both paths compute the same numbers.
+
+    Args:
+        features: the sequence features, in token order.
+        dim: embedding dimension D of the sequence values (and of the output).
+        max_len: ids kept per feature (the most recent), one int or ``{feature: int}``.
+        num_heads: attention heads (must divide ``dim``).
+        num_layers: encoder layers.
+        ffn_mult: hidden width of the MLP, as a multiple of ``dim``.
+        seed: init seed.
+    """
+
+    def __init__(
+        self,
+        features: Sequence[str],
+        *,
+        dim: int,
+        max_len: int | Mapping[str, int] = 50,
+        num_heads: int = 2,
+        num_layers: int = 1,
+        ffn_mult: int = 2,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.features = tuple(features)
+        if not self.features:
+            msg = "`features` must name at least one sequence feature, got []"
+            raise RecpipeError(msg)
+        if dim < 1 or num_heads < 1 or dim % num_heads:
+            msg = f"`num_heads` must divide `dim`, got num_heads={num_heads!r}, dim={dim!r}"
+            raise RecpipeError(msg)
+        lens = {f: max_len if isinstance(max_len, int) else max_len[f] for f in self.features}
+        for f, n in lens.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                msg = f"`max_len` of {f!r} must be a positive integer, got {n!r}"
+                raise RecpipeError(msg)
+        self.max_len = lens
+        self.dim, self.num_heads = dim, num_heads
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(table_seed(seed, "attention:" + "+".join(self.features)))
+            self.cls = nn.Parameter(torch.randn(dim) * 0.02)
+            self.type_emb = nn.Parameter(torch.randn(len(self.features), dim) * 0.02)
+            self.pos_emb = nn.ParameterList(
+                nn.Parameter(torch.randn(lens[f], dim) * 0.02) for f in self.features
+            )
+            self.layers = nn.ModuleList(
+                _EncoderLayer(dim, num_heads, ffn_mult) for _ in range(num_layers)
+            )
+            self.norm = nn.LayerNorm(dim)
+
+    def forward(self, sequences: Mapping[str, JaggedEmbeddings]) -> torch.Tensor:
+        """``[B, D]`` pooled embedding of every batch row."""
+        seqs = [sequences[f] for f in self.features]
+        inverse = seqs[0].inverse
+        dedup = inverse is not None and all(s.inverse is inverse for s in seqs)
+        if not dedup:
+            seqs = [s.expand() for s in seqs]
+            inverse = None
+        pooled = self.pool_rows(seqs)  # (R, D)
+        return _expand_rows(pooled, inverse)  # (B, D)
+
+    def pool_rows(self, seqs: Sequence[JaggedEmbeddings]) -> torch.Tensor:
+        """Run the encoder on the stored rows of ``seqs`` (same R each): ``[R, D]``."""
+        rows = seqs[0].num_rows
+        tokens = [self.cls.expand(rows, 1, self.dim)]  # (R, 1, D)
+        masks = [torch.ones(rows, 1, dtype=torch.bool, device=self.cls.device)]
+        for k, seq in enumerate(seqs):
+            padded, mask = _pad(seq, self.max_len[self.features[k]])  # (R, L, D), (R, L)
+            length = padded.shape[1]
+            tokens.append(padded + self.type_emb[k] + self.pos_emb[k][:length])
+            masks.append(mask)
+        x = torch.cat(tokens, dim=1)  # (R, T, D)
+        attend = torch.cat(masks, dim=1)[:, None, None, :]  # (R, 1, 1, T)
+        for layer in self.layers:
+            x = layer(x, attend)
+        return self.norm(x[:, 0])  # (R, D)
+
+
+class _EncoderLayer(nn.Module):
+    """Pre-norm transformer encoder layer: x + MHA(LN(x)); x + MLP(LN(x))."""
+
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln1 = nn.LayerNorm(dim)
+        # no key bias: it adds the same logit to every key of a query, so its exact gradient is
+        # zero and an adaptive optimizer would only amplify rounding noise in it
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.q_bias = nn.Parameter(torch.zeros(dim))
+        self.v_bias = nn.Parameter(torch.zeros(dim))
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim)
+        )
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        rows, length, dim = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(dim, dim=-1)  # (R, T, D) each
+        q, v = q + self.q_bias, v + self.v_bias
+        shape = (rows, length, self.num_heads, dim // self.num_heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))  # (R, H, T, Dh)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)  # (R, H, T, Dh)
+        x = x + self.proj(att.transpose(1, 2).reshape(rows, length, dim))
+        return x + self.ffn(self.ln2(x))
