@@ -14,6 +14,9 @@ SCHEMA ?=
 OUT ?= data/demo
 REQUESTS ?= 200000
 SHARDS ?= 8
+EPOCHS ?= 1
+BATCH ?= 1024
+DEDUP ?= on
 PORT ?= 7777
 READERS ?= 2
 
@@ -34,8 +37,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0
 	@touch $(STAMP)
 
-demo: setup  ## synth -> shard -> build -> stats on the bundled example schema
+demo: setup  ## synth -> shard -> build -> stats -> a short training run, on the bundled schema
 	$(MAKE) --no-print-directory etl OUT=data/demo REQUESTS=$(REQUESTS)
+	$(MAKE) --no-print-directory train OUT=data/demo
 
 etl: setup  ## raw logs -> clustered zstd Parquet + stats (INPUT=..., EVENTS=..., SCHEMA=..., OUT=...)
 	@set -e; \
@@ -53,6 +57,10 @@ stats: setup  ## DuckDB duplication statistics of OUT/dataset
 
 serve: setup  ## serve OUT/dataset's preprocessed batches over TCP (127.0.0.1; PORT=..., READERS=...)
 	$(RECPIPE) serve $(OUT)/dataset --port $(PORT) --readers $(READERS)
+
+train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=...)
+	$(RECPIPE) train $(OUT)/dataset --dedup $(DEDUP) --epochs $(EPOCHS) --batch-size $(BATCH) \
+	  --checkpoint $(OUT)/checkpoints
 
 bench: setup  ## run every benchmark; JSON lands in benchmarks/results/
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -26,8 +26,20 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every available subcommand."""
+def _command_of(module_name: str) -> str:
+    return {"etl.synth": "synth", "etl.cli": "etl", "etl.stats": "stats",
+            "readers.service": "serve", "trainer.cli": "train",
+            "trainer.store.cli": "store"}[module_name]  # fmt: skip
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser.
+
+    Args:
+        command: when given, only that subcommand's module is imported (so ``recpipe etl ...``
+            never imports torch through the reader service); otherwise all of them, for
+            ``--help``.
+    """
     parser = argparse.ArgumentParser(
         prog="recpipe",
         description=(
@@ -36,20 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for module_name, _summary in _SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and module_name.startswith(exc.name):
-                continue  # that part of recpipe is not built yet
-            raise
-        module.register_cli(sub)
+    for module_name, summary in _SUBCOMMANDS:
+        name = _command_of(module_name)
+        if command is not None and name != command:
+            sub.add_parser(name, help=summary, add_help=False)
+            continue
+        importlib.import_module(module_name).register_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``recpipe`` console script."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    known = {_command_of(m) for m, _ in _SUBCOMMANDS}
+    command = argv[0] if argv and argv[0] in known else None
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()

@@ -1,0 +1,49 @@
+"""The `recpipe` command line: every subcommand is listed, and ETL never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from recpipe.cli import main
+
+COMMANDS = ["synth", "etl", "stats", "serve", "train", "store"]
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert f"    {command} " in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_subcommand_explains_itself(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert f"usage: recpipe {command}" in capsys.readouterr().out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "usage: recpipe" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["etl", "build", "--help"], ["stats", "--help"], ["synth", "--help"]])
+def test_etl_commands_do_not_import_torch(argv):
+    code = (
+        "import sys\n"
+        "from recpipe.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
