@@ -1,0 +1,558 @@
+"""ETL benchmark: what session clustering buys, measured in one run against baselines.
+
+Default mode, on ``--requests`` synthetic requests (1M by default, ``--quick``: 50k):
+
+1. ``synth``: write feature and event logs (``.jsonl.zst``).
+2. ``shard``: route the feature logs to ``--shards`` zstd shards by session, and compare their
+   bytes with shards routed by request (RecD O1).
+3. ``build`` clustered (``order="session"``) and ``build`` time-ordered (``order="time"``, the
+   pre-RecD baseline, same writer settings), each in a child process whose wall time and
+   peak RSS are measured.
+4. a DuckDB one-liner baseline in a child process: read the same JSON shards, join nothing,
+   ``ORDER BY session_id, ts``, write zstd Parquet in one ``COPY`` statement. The clustered
+   build and the one-liner run ``--repeat`` times (3), interleaved; the fastest of each counts,
+   since on a shared machine noise only ever adds time.
+5. ``stats`` on both datasets: DedupeFactor per feature at ``--batch-size`` (4096).
+
+Out-of-core mode (``--memory-limit 512MB``): synth, then only the clustered build with that
+DuckDB memory limit in a child process; reports its peak RSS and how much larger than the limit
+the raw logs are (size ``--requests`` so that they are at least 4x the limit).
+
+Results go to ``benchmarks/results/etl.json`` (the out-of-core run under the key
+``out_of_core``, kept across default runs and vice versa) and are printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runnable as `python benchmarks/etl.py` without installing
+    sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results" / "etl.json"
+TARGETS = {
+    "parquet_ratio_time_vs_clustered": (">=", 3.0),
+    "build_vs_duckdb_oneliner": ("<=", 1.5),
+}
+PEAK_RSS_TARGET_MB = 1536.0
+
+__all__ = ["main", "run_benchmark", "run_out_of_core"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=(
+            "ETL benchmark: synth -> shard -> build (clustered) -> build (time-ordered) -> stats, "
+            "against a DuckDB one-liner, in one run. With --memory-limit: the out-of-core build "
+            "alone, reporting its peak RSS."
+        ),
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="synthetic requests (default 1000000; --quick 50000)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a small run (50k requests)")
+    parser.add_argument("--seed", type=int, default=0, help="synth seed (0)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="interleaved runs of the clustered build and the one-liner; the fastest count (3)",
+    )
+    parser.add_argument("--shards", type=int, default=8, help="shards of `etl shard` (8)")
+    parser.add_argument(
+        "--batch-size", type=int, default=4096, help="B of the dedup factors (4096)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="DuckDB threads of builds, one-liner and stats"
+    )
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        help="out-of-core mode: build with this DuckDB memory limit, e.g. 512MB",
+    )
+    parser.add_argument(
+        "--work", type=Path, default=None, help="work directory (default: a temp dir)"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON ({RESULTS})")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.requests is None:
+        args.requests = 50_000 if args.quick else 1_000_000
+    if args.requests < 1:
+        parser.error(f"`--requests` must be >= 1, got {args.requests}")
+    if args.repeat < 1:
+        parser.error(f"`--repeat` must be >= 1, got {args.repeat}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Children: each measured step runs in its own process (wall time + peak RSS of that process).
+# --------------------------------------------------------------------------------------------
+
+
+def _child(spec: dict[str, Any]) -> None:
+    """Run one step described by ``spec`` and write its result JSON to ``spec['result']``."""
+    try:
+        result = _CHILD_STEPS[spec["kind"]](spec)
+    except Exception as exc:
+        Path(spec["result"]).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        raise
+    Path(spec["result"]).write_text(json.dumps(result, default=str))
+
+
+def _child_build(spec: dict[str, Any]) -> dict[str, Any]:
+    from etl.build import BuildConfig, build
+
+    config = BuildConfig(**spec["config"])
+    start = time.perf_counter()
+    manifest = build(
+        spec["features"], spec["out"], events=spec["events"], config=config, overwrite=True
+    )
+    return {"elapsed_s": time.perf_counter() - start, "manifest": manifest}
+
+
+def _child_oneliner(spec: dict[str, Any]) -> dict[str, Any]:
+    import duckdb
+
+    con = duckdb.connect(config={"threads": spec["threads"]} if spec["threads"] else {})
+    out = spec["out"].replace("'", "''")  # COPY ... TO takes no bound parameter
+    con.execute("SET VARIABLE inputs = $inputs", {"inputs": spec["features"]})
+    start = time.perf_counter()
+    con.execute(
+        "COPY (SELECT * FROM read_json(getvariable('inputs'), format = 'newline_delimited') "
+        f"ORDER BY session_id, ts) TO '{out}' (FORMAT parquet, COMPRESSION zstd)"
+    )
+    elapsed = time.perf_counter() - start
+    rows = con.execute(f"SELECT count(*) FROM read_parquet('{out}')").fetchone()[0]
+    return {"elapsed_s": elapsed, "rows": rows}
+
+
+_CHILD_STEPS = {"build": _child_build, "oneliner": _child_oneliner}
+
+
+def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run ``spec`` in a child process and measure it.
+
+    Returns the child's result plus ``ok``, ``wall_s``, ``peak_rss_mb`` (the child's
+    ``ru_maxrss`` from ``wait4`` where it is the child's own, else the polled figure) and
+    ``polled_rss_mb`` (psutil, child and descendants, every 50 ms). A failed step has
+    ``ok: False`` and ``error``.
+    """
+    import resource
+
+    import psutil
+
+    spec = {**spec, "result": str(work / f"_{spec['kind']}_{time.monotonic_ns()}.json")}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO)
+    ps = psutil.Process(proc.pid)
+    polled = 0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        try:
+            tree = [ps, *ps.children(recursive=True)]
+            polled = max(polled, sum(p.memory_info().rss for p in tree))
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    result_path = Path(spec["result"])
+    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    # exec() keeps the high-water RSS of the forked parent image, so the child's ru_maxrss is
+    # its own peak only when it exceeds the parent's; otherwise trust the polled figure.
+    child_max = usage.ru_maxrss / 1024  # KiB on Linux
+    parent_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    polled_mb = polled / 2**20
+    result.update(
+        ok=proc.returncode == 0,
+        wall_s=time.perf_counter() - start,
+        peak_rss_mb=max(child_max, polled_mb) if child_max > parent_max else polled_mb,
+        polled_rss_mb=polled_mb,
+        parent_rss_mb=parent_max,
+    )
+    if not result["ok"]:
+        result.setdefault("error", f"exit code {proc.returncode}")
+    return result
+
+
+def _require(result: dict[str, Any], step: str) -> dict[str, Any]:
+    if not result["ok"]:
+        raise RuntimeError(f"benchmark step {step!r} failed: {result['error']}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------------
+
+
+def _dir_bytes(root: Path, pattern: str) -> int:
+    return sum(p.stat().st_size for p in root.rglob(pattern) if p.is_file())
+
+
+def _uncompressed_bytes(files: list[Path]) -> int:
+    import zstandard
+
+    total = 0
+    for path in files:
+        with open(path, "rb") as fh, zstandard.ZstdDecompressor().stream_reader(fh) as reader:
+            while chunk := reader.read(1 << 24):
+                total += len(chunk)
+    return total
+
+
+def _synth(work: Path, args: argparse.Namespace):
+    from etl.synth import SynthConfig, generate
+
+    start = time.perf_counter()
+    raw = generate(
+        work / "raw", SynthConfig(num_requests=args.requests, seed=args.seed), progress=True
+    )
+    return raw, time.perf_counter() - start
+
+
+def _shard(raw, work: Path, args: argparse.Namespace) -> tuple[list[str], dict[str, Any], float]:
+    """Shard by session (comparing with routing by request); return (files, report, seconds)."""
+    from etl.shard import ShardConfig, shard
+
+    start = time.perf_counter()
+    report = shard(
+        raw.features,
+        work / "shards",
+        config=ShardConfig(num_shards=args.shards),
+        overwrite=True,
+        progress=True,
+    )
+    return [str(p) for p in report["shards"]], report, time.perf_counter() - start
+
+
+def _stats(dataset: Path, args: argparse.Namespace):
+    from etl.stats import compute_stats
+
+    return compute_stats(dataset, batch_size=args.batch_size, threads=args.threads, progress=True)
+
+
+def _build_config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"threads": args.threads, **extra}
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The default mode; returns the results dictionary."""
+    raw, t_synth = _synth(work, args)
+    shards, shard_report, t_shard = _shard(raw, work, args)
+    events = [str(p) for p in raw.events]
+
+    def build_spec(order: str, name: str) -> dict[str, Any]:
+        config = _build_config(args, order=order)
+        out = str(work / name)
+        return {"kind": "build", "features": shards, "events": events, "out": out, "config": config}
+
+    oneliner_spec = {
+        "kind": "oneliner",
+        "features": shards,
+        "out": str(work / "oneliner.parquet"),
+        "threads": args.threads,
+    }
+    # the build-vs-one-liner ratio: interleaved repeats, fastest of each (noise only adds time)
+    runs: dict[str, list[dict[str, Any]]] = {"clustered": [], "oneliner": []}
+    for i in range(args.repeat):
+        print(f"[etl bench] build clustered ({i + 1}/{args.repeat})", file=sys.stderr)
+        runs["clustered"].append(
+            _require(_run_child(build_spec("session", "clustered"), work), "build clustered")
+        )
+        print(f"[etl bench] DuckDB one-liner ({i + 1}/{args.repeat})", file=sys.stderr)
+        runs["oneliner"].append(_require(_run_child(oneliner_spec, work), "DuckDB one-liner"))
+    clustered = min(runs["clustered"], key=lambda r: r["elapsed_s"])
+    oneliner = min(runs["oneliner"], key=lambda r: r["elapsed_s"])
+    print("[etl bench] build time-ordered", file=sys.stderr)
+    timed = _require(_run_child(build_spec("time", "time_ordered"), work), "build time-ordered")
+    print("[etl bench] stats", file=sys.stderr)
+    t0 = time.perf_counter()
+    st_clustered = _stats(work / "clustered", args)
+    t_stats_clustered = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    st_timed = _stats(work / "time_ordered", args)
+    t_stats_timed = time.perf_counter() - t0
+
+    bytes_clustered = _dir_bytes(work / "clustered", "part-*.parquet")
+    bytes_timed = _dir_bytes(work / "time_ordered", "part-*.parquet")
+    bytes_oneliner = (work / "oneliner.parquet").stat().st_size
+    manifest = clustered["manifest"]
+    rows_in = int(manifest.get("rows_in", raw.num_requests))
+    users = [f for f in st_clustered.features if f.kind == "user"]
+    user_values = sum(f.values for f in users) or 1
+
+    return {
+        "requests": raw.num_requests,
+        "seed": args.seed,
+        "shards": args.shards,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "raw_bytes": _dir_bytes(raw.root, "*.zst"),
+        "rows_in": rows_in,
+        "rows_out": int(manifest.get("rows_out", st_clustered.rows)),
+        "sessions": st_clustered.sessions.sessions,
+        "parquet_bytes_clustered": bytes_clustered,
+        "parquet_bytes_time_ordered": bytes_timed,
+        "parquet_bytes_duckdb_oneliner": bytes_oneliner,
+        "parquet_ratio_time_vs_clustered": bytes_timed / bytes_clustered,
+        "shard_ratio_session_vs_request": shard_report.get("shard_ratio_session_vs_request"),
+        "shard_bytes": shard_report.get("compare"),
+        "build_s": clustered["elapsed_s"],
+        "build_time_ordered_s": timed["elapsed_s"],
+        "duckdb_oneliner_s": oneliner["elapsed_s"],
+        "repeat": args.repeat,
+        "build_s_runs": [r["elapsed_s"] for r in runs["clustered"]],
+        "duckdb_oneliner_s_runs": [r["elapsed_s"] for r in runs["oneliner"]],
+        "duckdb_oneliner_rows": oneliner["rows"],
+        "build_rows_per_s": rows_in / clustered["elapsed_s"],
+        "build_vs_duckdb_oneliner": clustered["elapsed_s"] / oneliner["elapsed_s"],
+        "build_peak_rss_mb": clustered["peak_rss_mb"],
+        "build_time_ordered_peak_rss_mb": timed["peak_rss_mb"],
+        "duckdb_oneliner_peak_rss_mb": oneliner["peak_rss_mb"],
+        "synth_s": t_synth,
+        "shard_s": t_shard,
+        "stats_clustered_s": t_stats_clustered,
+        "stats_time_ordered_s": t_stats_timed,
+        "samples_per_session_mean": st_clustered.sessions.mean,
+        "samples_per_batch_session_clustered": st_clustered.samples_per_batch_session,
+        "samples_per_batch_session_time_ordered": st_timed.samples_per_batch_session,
+        "user_exact_dup_pct": 100.0 * sum(f.d * f.values for f in users) / user_values,
+        "user_byte_share": sum(f.byte_share for f in users),
+        "dedup_factor_all_sparse_clustered": st_clustered.sparse_factor,
+        "dedup_factor_all_sparse_time_ordered": st_timed.sparse_factor,
+        "dedup_factor_clustered": st_clustered.measured_factors,
+        "dedup_factor_time_ordered": st_timed.measured_factors,
+        "dedup_factor_model_clustered": st_clustered.model_factors,
+        "dedup_factor_model_time_ordered": st_timed.model_factors,
+        "proposed_groups_clustered": [list(g) for g in st_clustered.proposed_groups],
+        "proposed_groups_time_ordered": [list(g) for g in st_timed.proposed_groups],
+        "parquet_settings": manifest.get("parquet"),
+    }
+
+
+def run_out_of_core(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Out-of-core mode: the clustered build alone under ``--memory-limit``."""
+    raw, t_synth = _synth(work, args)
+    compressed = _dir_bytes(raw.root, "*.zst")
+    uncompressed = _uncompressed_bytes([*raw.features, *raw.events])
+    limit = _parse_bytes(args.memory_limit)
+    print(f"[etl bench] out-of-core build, memory limit {args.memory_limit}", file=sys.stderr)
+    result = _run_child(
+        {
+            "kind": "build",
+            "features": [str(p) for p in raw.features],
+            "events": [str(p) for p in raw.events],
+            "out": str(work / "clustered"),
+            "config": _build_config(
+                args, order="session", memory_limit=args.memory_limit, spill_dir=str(work / "spill")
+            ),
+        },
+        work,
+    )
+    rows_in = int(result.get("manifest", {}).get("rows_in", raw.num_requests))
+    return {
+        "ok": result["ok"],
+        "error": result.get("error"),
+        "requests": raw.num_requests,
+        "memory_limit": args.memory_limit,
+        "raw_bytes_compressed": compressed,
+        "raw_bytes_uncompressed": uncompressed,
+        "raw_uncompressed_vs_limit": uncompressed / limit,
+        "raw_compressed_vs_limit": compressed / limit,
+        "rows_out": result.get("manifest", {}).get("rows_out"),
+        "build_s": result["wall_s"] if not result["ok"] else result["elapsed_s"],
+        "build_rows_per_s": rows_in / result["elapsed_s"] if result["ok"] else None,
+        "peak_rss_mb": result["peak_rss_mb"],
+        "polled_rss_mb": result["polled_rss_mb"],
+        "bench_parent_rss_mb": result["parent_rss_mb"],
+        "peak_rss_target_mb": PEAK_RSS_TARGET_MB,
+        "synth_s": t_synth,
+    }
+
+
+def _parse_bytes(text: str) -> float:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    value = text.strip().upper()
+    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if value.endswith(unit):
+            return float(value[: -len(unit)]) * scale
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def format_results(results: dict[str, Any]) -> str:
+    """A plain-text table of the headline figures and the per-feature dedup factors."""
+    lines = []
+    r = results
+    if "parquet_ratio_time_vs_clustered" in r:
+        lines.append(
+            f"ETL benchmark: {r['requests']:,} requests, {r['rows_out']:,} rows, "
+            f"{r['sessions']:,} sessions"
+        )
+        mb_time, mb_clustered = (
+            r["parquet_bytes_time_ordered"] / 1e6,
+            r["parquet_bytes_clustered"] / 1e6,
+        )
+        shard = r["shard_ratio_session_vs_request"]
+        rss_other = (
+            f"time-ordered {r['build_time_ordered_peak_rss_mb']:,.0f}, "
+            f"one-liner {r['duckdb_oneliner_peak_rss_mb']:,.0f}"
+        )
+        batch = f"B={r['batch_size']}"
+        rows = [
+            (
+                "parquet_ratio_time_vs_clustered",
+                f"{r['parquet_ratio_time_vs_clustered']:.2f}x",
+                f"{mb_time:.1f} MB / {mb_clustered:.1f} MB",
+            ),
+            (
+                "shard_ratio_session_vs_request",
+                "n/a" if shard is None else f"{shard:.2f}x",
+                "bytes routed by request / by session",
+            ),
+            ("build_rows_per_s", f"{r['build_rows_per_s']:,.0f}", f"build {r['build_s']:.1f} s"),
+            (
+                "build_vs_duckdb_oneliner",
+                f"{r['build_vs_duckdb_oneliner']:.2f}x",
+                f"{r['build_s']:.1f} s / {r['duckdb_oneliner_s']:.1f} s, fastest of {r['repeat']}",
+            ),
+            ("build_peak_rss_mb", f"{r['build_peak_rss_mb']:,.0f}", rss_other),
+            (
+                "dedup factor, all sparse",
+                f"{r['dedup_factor_all_sparse_clustered']:.2f}x",
+                f"time-ordered {r['dedup_factor_all_sparse_time_ordered']:.2f}x, {batch}",
+            ),
+            ("samples per session", f"{r['samples_per_session_mean']:.2f}", "mean"),
+            ("S per batch, clustered", f"{r['samples_per_batch_session_clustered']:.2f}", batch),
+            (
+                "S per batch, time order",
+                f"{r['samples_per_batch_session_time_ordered']:.2f}",
+                batch,
+            ),
+            ("user exact-dup %", f"{r['user_exact_dup_pct']:.1f}", "id-weighted, user features"),
+            ("user byte share", f"{100 * r['user_byte_share']:.1f}%", "of logical feature bytes"),
+        ]
+        lines += _aligned(("metric", "value", "detail"), rows)
+        for key, (op, target) in TARGETS.items():
+            value = r.get(key)
+            ok = value is not None and (value >= target if op == ">=" else value <= target)
+            lines.append(f"target {key} {op} {target}: {'met' if ok else 'MISSED'}")
+        lines += ["", f"DedupeFactor per feature at {batch} (measured; model in parentheses)"]
+        feats = [
+            (
+                name,
+                _factors(r["dedup_factor_clustered"], r["dedup_factor_model_clustered"], name),
+                _factors(
+                    r["dedup_factor_time_ordered"], r["dedup_factor_model_time_ordered"], name
+                ),
+            )
+            for name in r["dedup_factor_clustered"]
+        ]
+        lines += _aligned(("feature", "clustered", "time-ordered"), feats)
+    ooc = r.get("out_of_core")
+    if ooc:
+        met = "met" if ooc["peak_rss_mb"] < ooc["peak_rss_target_mb"] else "MISSED"
+        if not ooc.get("ok", True):
+            met = "n/a, the build failed"
+        lines += [
+            "",
+            f"out of core: {ooc['requests']:,} requests, memory limit {ooc['memory_limit']}",
+        ]
+        rows = [
+            (
+                "raw logs, uncompressed",
+                f"{ooc['raw_bytes_uncompressed'] / 1e9:.2f} GB",
+                f"{ooc['raw_uncompressed_vs_limit']:.1f}x the limit",
+            ),
+            (
+                "raw logs, zstd",
+                f"{ooc['raw_bytes_compressed'] / 1e9:.2f} GB",
+                f"{ooc['raw_compressed_vs_limit']:.1f}x the limit",
+            ),
+            (
+                "build",
+                f"{ooc['build_s']:.1f} s",
+                f"{ooc['build_rows_per_s']:,.0f} rows/s"
+                if ooc.get("ok", True)
+                else f"FAILED: {ooc['error'].splitlines()[0][:80]}",
+            ),
+            (
+                "peak RSS",
+                f"{ooc['peak_rss_mb']:,.0f} MB",
+                f"target < {ooc['peak_rss_target_mb']:,.0f} MB: {met}",
+            ),
+        ]
+        lines += _aligned(("metric", "value", "detail"), rows)
+    return "\n".join(lines)
+
+
+def _factors(measured: dict[str, float], model: dict[str, float], name: str) -> str:
+    return f"{measured[name]:.2f}x ({model[name]:.2f}x)"
+
+
+def _aligned(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    table = [header, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    out = []
+    for i, row in enumerate(table):
+        out.append(
+            "  ".join(
+                c.ljust(w) if j != 1 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child is not None:
+        _child(json.loads(args.child))
+        return 0
+    work = args.work or Path(tempfile.mkdtemp(prefix="recpipe-etl-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    try:
+        if args.memory_limit is not None:
+            results = {k: v for k, v in previous.items() if k != "out_of_core"}
+            results["out_of_core"] = run_out_of_core(args, work)
+        else:
+            results = run_benchmark(args, work)
+            if "out_of_core" in previous:
+                results["out_of_core"] = previous["out_of_core"]
+    finally:
+        if not args.keep and args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(format_results(results))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Smoke test of `benchmarks/etl.py` at a tiny size: it runs end to end and writes its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "etl.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_etl", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help(capsys):
+    bench = _load()
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--requests" in out and "--memory-limit" in out and "--quick" in out
+    assert bench.parse_args([]).requests == 1_000_000
+    assert bench.parse_args(["--quick"]).requests == 50_000
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_results(tmp_path, capsys):
+    for module in ("etl.synth", "etl.shard", "etl.build"):
+        pytest.importorskip(module)
+    bench = _load()
+    out = tmp_path / "etl.json"
+    argv = ["--requests", "3000", "--shards", "2", "--batch-size", "256", "--threads", "1"]
+    argv += ["--repeat", "1"]
+    assert bench.main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+
+    results = json.loads(out.read_text())
+    for key in (
+        "parquet_ratio_time_vs_clustered",
+        "shard_ratio_session_vs_request",
+        "build_rows_per_s",
+        "build_vs_duckdb_oneliner",
+        "build_peak_rss_mb",
+    ):
+        assert results[key] > 0, key
+    assert results["rows_out"] == results["rows_in"] == 3000
+    clustered, timed = results["dedup_factor_clustered"], results["dedup_factor_time_ordered"]
+    assert set(clustered) == set(timed) and "user_liked_items" in clustered
+    assert clustered["user_liked_items"] > timed["user_liked_items"]
+    assert (
+        results["samples_per_batch_session_clustered"]
+        > results["samples_per_batch_session_time_ordered"]
+    )
+    table = capsys.readouterr().out
+    assert "parquet_ratio_time_vs_clustered" in table and "user_liked_items" in table
+
+    # out-of-core mode adds its entry and keeps the default run's figures
+    argv = ["--requests", "2000", "--memory-limit", "256MB", "--threads", "1"]
+    assert bench.main([*argv, "--work", str(tmp_path / "ooc"), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["parquet_ratio_time_vs_clustered"] > 0
+    ooc = results["out_of_core"]
+    assert ooc["ok"] and ooc["rows_out"] == 2000 and ooc["peak_rss_mb"] > 0
+    assert ooc["raw_bytes_uncompressed"] > ooc["raw_bytes_compressed"] > 0
+
+
+def test_failed_child_step_is_reported(tmp_path):
+    pytest.importorskip("etl.build")
+    bench = _load()
+    spec = {
+        "kind": "build",
+        "features": [str(tmp_path / "missing.jsonl")],
+        "events": None,
+        "out": str(tmp_path / "out"),
+        "config": {},
+    }
+    result = bench._run_child(spec, tmp_path)
+    assert not result["ok"] and "missing.jsonl" in result["error"]
+    assert result["peak_rss_mb"] > 0
+    with pytest.raises(RuntimeError, match=r"step 'build' failed: .*missing.jsonl"):
+        bench._require(result, "build")
