@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".numba_cache"))
+os.environ.setdefault(
+    "NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".numba_cache")
+)
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +27,9 @@ def clean_synth_logs(tmp_path_factory):
     """20k synthetic requests, no bad records."""
     from etl.synth import SynthConfig, generate
 
-    return generate(tmp_path_factory.mktemp("synth_clean"), SynthConfig(num_requests=20_000, seed=7))
+    return generate(
+        tmp_path_factory.mktemp("synth_clean"), SynthConfig(num_requests=20_000, seed=7)
+    )
 
 
 @pytest.fixture(scope="session")

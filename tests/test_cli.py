@@ -34,7 +34,9 @@ def test_no_command_prints_help_and_fails(capsys):
     assert "usage: recpipe" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["etl", "build", "--help"], ["stats", "--help"], ["synth", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["etl", "build", "--help"], ["stats", "--help"], ["synth", "--help"]]
+)
 def test_etl_commands_do_not_import_torch(argv):
     code = (
         "import sys\n"
