@@ -47,8 +47,8 @@ etl: setup  ## raw logs -> clustered zstd Parquet + stats (INPUT=..., EVENTS=...
 	  $(RECPIPE) synth --out $(OUT)/raw --requests $(REQUESTS); \
 	  feats=$(OUT)/raw/features; evs=$(OUT)/raw/events; \
 	else feats="$(INPUT)"; evs="$(EVENTS)"; fi; \
-	schema_arg=$${SCHEMA:+--schema $(SCHEMA)}; \
-	$(RECPIPE) etl shard $$feats --out $(OUT)/shards --num-shards $(SHARDS) $$schema_arg; \
+	schema_arg="$(if $(SCHEMA),--schema $(SCHEMA),)"; \
+	$(RECPIPE) etl shard $$feats --out $(OUT)/shards --num-shards $(SHARDS) $$schema_arg --overwrite; \
 	$(RECPIPE) etl build $(OUT)/shards $${evs:+--events $$evs} --out $(OUT)/dataset $$schema_arg --overwrite; \
 	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats $$schema_arg
 

@@ -32,6 +32,12 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
         "6",
         "--ckpt-every",
         "3",
+        "--ckpt-warmup",
+        "3",
+        "--ckpt-repeats",
+        "2",
+        "--storage-checkpoints",
+        "2",
         "--index-rows",
         "1000",
         "--miss-steps",
@@ -52,6 +58,9 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
         "rho",
         "chosen_hot_rows",
         "checkpoint_overhead",
+        "checkpoint_overhead_first_interval",
+        "checkpoint_overhead_sync_process",
+        "storage_choice",
         "recovery_speedup",
         "miss_rate",
     ):
@@ -59,4 +68,6 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
     assert set(result["rho"]) == {"1000", "10000", "65536"}
     assert {"1%", "10%", "50%"} <= set(result["miss_rate"])
     assert 0.0 <= result["miss_rate"]["10%"]["miss_rate"] <= 1.0
+    choice = result["storage_choice"]
+    assert choice["chosen"] in choice and choice["in_place_undo_log"]["steady_seconds"] > 0
     assert "checkpoint overhead" in capsys.readouterr().out

@@ -133,9 +133,25 @@ class IdIndex:
         return self._off, self._mask, self._table, self._next_row
 
     @classmethod
-    def from_bytes(cls, data: bytes | np.ndarray, info: dict[str, int]) -> IdIndex:
-        """The index saved by :func:`saved_bytes`; StoreError if it does not match ``info``."""
-        words = np.frombuffer(data, dtype=np.int64)
+    def from_bytes(
+        cls, data: bytes | np.ndarray, info: dict[str, int], *, copy: bool = True
+    ) -> IdIndex:
+        """The index saved by :func:`saved_bytes`; StoreError if it does not match ``info``.
+
+        Args:
+            data: the saved words.
+            info: what :func:`saved_bytes` returned beside them.
+            copy: False: the index takes over ``data`` (a writable int64 array the caller
+                drops, e.g. just read from the file) instead of copying it.
+        """
+        owned = (
+            not copy
+            and isinstance(data, np.ndarray)
+            and data.dtype == np.int64
+            and data.flags.writeable
+            and data.flags.c_contiguous
+        )
+        words = data if owned else np.frombuffer(data, dtype=np.int64)
         shards, slots = info["shards"], info["slots"]
         if (
             words.size != 2 * shards + 2 * slots
@@ -146,7 +162,7 @@ class IdIndex:
         index = cls(num_shards=shards, initial_capacity=2)
         index._off = words[:shards].copy()
         index._mask = words[shards : 2 * shards].copy()
-        index._table = words[2 * shards :].copy()
+        index._table = words[2 * shards :] if owned else words[2 * shards :].copy()
         occupied = index._table[1::2] != K.EMPTY
         index._count = np.add.reduceat(occupied, index._off).astype(np.int64)
         index._next_row = info["rows"]
@@ -173,7 +189,7 @@ def saved_bytes(
 
     Entries made after the view (rows >= its row count) are dropped; they were inserted after
     every kept entry, so no kept entry's probe sequence runs through them. One Numba pass that
-    releases the GIL (the checkpoint writer calls it while training runs).
+    releases the GIL (the checkpoint writer calls it while training inserts new ids).
 
     Returns:
         (int64 words, a bytes-like object to write as is; the ``info`` of :meth:`from_bytes`).

@@ -25,6 +25,30 @@ row read (rows are checked against their checksums when they are first read). Th
 twice the disk space of the table; the gain is one write per changed row (an undo or redo log
 writes each twice).
 
+Why this storage, measured (``benchmarks/store.py``, ``storage_choice``: the write path of one
+checkpoint of the checkpoint run's size, 491,803 dirty rows of 1,359,368, D=64, 128 MB of rows,
+fsync included; steady = median of the checkpoints after the first; three runs on the 2-core box
+shared with other jobs, as ranges)::
+
+    layout                          steady s     writer CPU s   first s      file
+    shadow copies (this module)     0.23-0.30    0.10-0.16      0.38-0.72    2x table
+    in-place rows + undo log        0.31-0.41    0.16-0.19      0.41-1.16    1x table + log
+    shadow copies, sparse file      0.23-0.29    0.10-0.13      0.64-1.71    2x table
+    append-only log (not built)     0.13-0.17    0.07-0.09      0.13-0.17    1x + dead rows
+
+In-place writing has to read the old image of every dirty row and write it to a log, fsynced
+before any in-place page may reach the disk, then write the rows: each row moves twice (1.2-1.8x
+the time of shadow copies, 1.2-1.8x the CPU); an eviction between checkpoints would also have to
+log and fsync first. The file is preallocated as it grows (``posix_fallocate``: the first
+checkpoint into a sparse file costs ~2x), and rows are written in file order (in random order,
+which cache-slot order becomes once slots are reused, a micro-benchmark measured ~4x).
+
+What bounds the cost: a checkpoint rewrites whole 4 KB pages, and with a third of the rows dirty
+nearly every page of the file is dirty, so ~700 MB go through page faults and write-back for
+128 MB of rows. An append-only log writes only the 128 MB (1.4-2.3x cheaper on the write path),
+but needs a row-location table, compaction of dead rows and reads across segments; it is the next
+step if checkpoints must get cheaper. LMDB and RocksDB are not installed here; not measured.
+
 This module imports numpy only (no torch), so ``recpipe store`` inspects a store cheaply.
 """
 

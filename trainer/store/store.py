@@ -404,7 +404,10 @@ class EmbeddingStore:
             data = np.fromfile(path, dtype=np.int64)
         except FileNotFoundError:
             raise StoreError(f"store file {str(path)!r} is missing") from None
-        index = IdIndex.from_bytes(data, info)
+        if info["rows"] > ids.size:
+            msg = f"store file {str(path)!r} does not match the ids of the store; it is corrupted"
+            raise StoreError(msg)
+        index = IdIndex.from_bytes(data, info, copy=False)
         rows, _ = index.insert(ids[info["rows"] :])
         if index.num_rows != ids.size or not np.array_equal(
             rows, np.arange(info["rows"], ids.size)
@@ -816,7 +819,8 @@ class EmbeddingStore:
         a batch at a time: under the copy-on-write lock a batch is only copied to a staging
         buffer (~2 MB, a millisecond), so an ``update`` never waits for the disk; the staged
         rows are then written to the memory-mapped file with the lock released. Every heavy
-        loop is a Numba kernel that releases the GIL.
+        loop is a Numba kernel that releases the GIL. (Starting each batch's write-back at once
+        with ``sync_file_range`` was tried: 25% less writer time alone, no gain beside training.)
         """
         if not slots.size:
             return
