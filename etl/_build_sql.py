@@ -2,7 +2,8 @@
 
 1. The fast path (:func:`feature_select` with ``fast=True``): one typed, lenient ``from_json``
    per line plus cheap text tests that prove no leniency was needed. Nearly every good line
-   is accepted here.
+   is accepted here. Its text tests run either in SQL or, faster, precomputed per line by
+   :func:`etl._build_io.line_facts` (``facts=True``); both accept exactly the same lines.
 2. The full checks (``fast=False``), run only on the lines the fast path did not accept: the
    line is parsed into a struct whose leaves are JSON fragments, so types are checked strictly
    (DuckDB's typed extraction would quietly turn ``"12"`` into ``12`` and ``1.5`` into ``2``).
@@ -15,6 +16,7 @@ Good rows keep typed, flattened columns and no raw text; bad rows keep the raw l
 from __future__ import annotations
 
 from etl import reasons
+from etl._build_io import LINE_FACT_COLUMNS
 from schemas import DatasetSchema
 
 __all__ = ["PENDING", "event_select", "feature_columns", "feature_select", "sql_str"]
@@ -76,7 +78,9 @@ def feature_columns(schema: DatasetSchema) -> list[str]:
     ]
 
 
-def feature_select(schema: DatasetSchema, src: str, *, fast: bool, guarded: bool = True) -> str:
+def feature_select(
+    schema: DatasetSchema, src: str, *, fast: bool, guarded: bool = True, facts: bool = False
+) -> str:
     """SELECT over ``src(file_id, line_no, line, source)`` yielding validated feature rows.
 
     With ``fast``, rows that pass cheap, conservative text tests are accepted and every other
@@ -85,6 +89,8 @@ def feature_select(schema: DatasetSchema, src: str, *, fast: bool, guarded: bool
     the main path) give the real reason, or accept the row. ``guarded=False`` (fast path only)
     skips the ``json_valid`` guard: the statement then fails on the first malformed line, and
     the caller retries the file guarded — an optimistic saving of one parse per clean file.
+    ``facts`` (fast path only): ``src`` also carries the columns of
+    :func:`etl._build_io.line_facts`, which replace the text tests done in SQL.
 
     Columns: ``line_no``, ``reason``, ``detail``, ``raw`` and ``source`` (bad rows only),
     ``request_id``, ``session_key`` (raw session id as text, or NULL), ``user_key``, ``ts``, the
@@ -208,7 +214,7 @@ def feature_select(schema: DatasetSchema, src: str, *, fast: bool, guarded: bool
     typed = [f"TRY_CAST({v}::VARCHAR AS DOUBLE) AS dv{i}" for i, v in enumerate(dense_frag)]
     typed += [f"from_json({v}, '[\"BIGINT\"]') AS sv{i}" for i, v in enumerate(sparse_frag)]
     if fast:
-        return _fast_select(schema, src, guarded=guarded)
+        return _fast_select(schema, src, guarded=guarded, facts=facts)
 
     def text_of(col: str) -> str:
         return f"CASE WHEN starts_with({col}::VARCHAR, '\"') THEN {col} ->> '$' ELSE {col}::VARCHAR END"
@@ -243,7 +249,7 @@ FROM checked
 """
 
 
-def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool) -> str:
+def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool = False) -> str:
     """The fast path: one typed (lenient) parse plus cheap, conservative text tests.
 
     DuckDB's typed JSON extraction is lenient (``"12"`` -> 12, ``1.5`` -> 2 for an integer,
@@ -278,11 +284,23 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool) -> str:
     fields += [f"j.sparse[{sql_str(f.name)}]" for f in schema.sparse]
     n_keys = " + ".join(f"({f} IS NOT NULL)::INTEGER" for f in fields)
 
-    def is_str(key: str) -> str:
-        a, b = sql_str(f'"{key}":"'), sql_str(f'"{key}": "')
-        return f"(contains(line, {a}) OR contains(line, {b}))"
+    kind_col = dict(zip((rk, sk, uk, tk), ("kind_rk", "kind_sk", "kind_uk", "kind_tk")))
 
-    n_str = " + ".join(f"{is_str(k)}::INTEGER" for k in (rk, sk, uk))
+    def is_str(key: str) -> str:
+        if facts:  # computed by etl._build_io.line_facts
+            return f"(CASE WHEN {kind_col[key]} >= 0 THEN {kind_col[key]} = 1 END)"
+        # the first non-blank character after the first `"key":` (keys sit near the start of
+        # a line, so this reads a few bytes, not the line); NULL (-> not accepted) when the
+        # key is written another way, e.g. `"key" :`
+        pattern = sql_str('"' + key + '":')
+        at = f"instr(line, {pattern})"
+        first = f"left(ltrim(substr(line, {at} + {len(key) + 3}, 8)), 1)"
+        return f"(CASE WHEN {at} > 0 THEN {first} = '\"' END)"
+
+    def str_id(key: str) -> str:
+        return f"(j.{_ident(key)} IS NOT NULL AND {is_str(key)})"
+
+    n_str = " + ".join(f"{str_id(k)}::INTEGER" for k in (rk, sk, uk))
 
     def id_ok(key: str) -> str:
         col = f"j.{_ident(key)}"
@@ -298,14 +316,24 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool) -> str:
         id_ok(rk),
         id_ok(sk),
         id_ok(uk),
-        f"length(line) - length(replace(line, '\"', '')) = 2 * ({n_keys}) + 2 * ({n_str})",
-        "NOT (contains(line, ',}') OR contains(line, ',]') OR CASE WHEN contains(line, ', ') "
-        f"THEN regexp_matches(line, '{_TRAILING_COMMA_RE}') ELSE FALSE END)",
-        "NOT (contains(line, 'true') OR contains(line, 'false'))",
     ]
-    for key in ("dense", "sparse"):
-        for pattern in ('"%s":[', '"%s": ['):
-            tests.append(f"NOT contains(line, {sql_str(pattern % key)})")
+    if facts:
+        tests += [f"quotes = 2 * ({n_keys}) + 2 * ({n_str})", "text_ok"]
+    else:
+        tests += [
+            f"length(line) - length(replace(line, '\"', '')) = 2 * ({n_keys}) + 2 * ({n_str})",
+            "NOT (contains(line, ',}') OR contains(line, ',]') OR CASE WHEN contains(line, ', ') "
+            f"THEN regexp_matches(line, '{_TRAILING_COMMA_RE}') ELSE FALSE END)",
+            "NOT (contains(line, 'true') OR contains(line, 'false'))",
+        ]
+    # a map written as a list still parses (to a struct of NULLs): the first `"dense":` /
+    # `"sparse":` must open an object, or the key must be absent (in any spelling)
+    for key, present in (("dense", schema.dense), ("sparse", schema.sparse)):
+        if present and not facts:
+            at = f"instr(line, {sql_str(chr(34) + key + chr(34) + ':')})"
+            first = f"left(ltrim(substr(line, {at} + {len(key) + 3}, 8)), 1)"
+            absent = f"NOT contains(line, {sql_str(chr(34) + key + chr(34))})"
+            tests.append(f"(CASE WHEN {at} > 0 THEN {first} = '{{' ELSE {absent} END)")
     for f in schema.dense:
         v = f"j.dense[{sql_str(f.name)}]"
         tests.append(f"({v} IS NULL OR (isfinite({v}) AND abs({v}) <= {_FLOAT32_MAX}))")
@@ -313,18 +341,19 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool) -> str:
         v = f"j.sparse[{sql_str(f.name)}]"
         too_long = "" if f.truncate else f" AND len({v}) <= {int(f.max_len)}"
         tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
-    if schema.sparse:
+    if schema.sparse and not facts:
         tail = "substr(line, strpos(line, '\"sparse\"'))"
         # no fraction or negative exponent among the sparse ids
         tests.append(
             f"NOT (contains({tail}, '.') OR contains({tail}, 'e-') OR contains({tail}, 'E'))"
         )
+    fact_cols = (" " + ", ".join(LINE_FACT_COLUMNS) + ",") if facts else ""
     parse = f"from_json(line, '{struct}')"
     if guarded:
         parse = f"CASE WHEN json_valid(line) THEN {parse} END"
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source,
+  SELECT file_id, line_no, line, source,{fact_cols}
     {parse} AS j
   FROM {src}
 ), checked AS (

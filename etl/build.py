@@ -4,8 +4,11 @@ The whole build runs in DuckDB, out of core (``memory_limit`` + a spill director
 
 1. **parse**: each input file is read as raw lines (``read_csv`` with a delimiter that never
    occurs), numbered, parsed once with ``from_json`` and validated in SQL
-   (:mod:`etl._build_sql`). Bad lines keep their raw text and a reason; good lines keep typed,
-   flattened columns (dense filled, sparse lists truncated).
+   (:mod:`etl._build_sql`). Feature lines stream to Python in Arrow batches, where one
+   compiled pass (:func:`etl._build_io.line_facts`) does the text tests that prove the lenient
+   typed parse safe; several files are parsed at once (one DuckDB cursor each). Bad lines
+   keep their raw text and a reason; good lines keep typed, flattened columns (dense filled,
+   sparse lists truncated).
 2. **dedup**: the first record of a ``request_id`` (file order) wins; the others are
    quarantined as ``duplicate_request_id``.
 3. **join**: labels are the max over a request's events (0 without one).
@@ -35,22 +38,24 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from etl import reasons
 from etl._build_io import (
+    LINE_FACT_COLUMNS,
     InputFile,
     SessionAlignedWriter,
     check_structure,
     digest,
     iter_partitioned,
+    line_facts,
     list_inputs,
     source_sql,
 )
-from etl._build_sql import PENDING, event_select, feature_select, sql_str
+from etl._build_sql import PENDING, event_select, feature_select, schema_keys, sql_str
 from recpipe.errors import CorruptInputError, DataError, RecpipeError
 from schemas import DatasetSchema, default_schema, load_schema
 
@@ -75,6 +80,11 @@ DEFAULT_SETTINGS_NOTE = (
     "and keeps 16 groups per 1M rows to shuffle); dictionary on all columns 14.8 MB, on none "
     "9.5 MB, on the columns measured per build 9.0 MB"
 )
+
+#: raw lines per batch whose text tests run in one compiled pass (etl._build_io.line_facts)
+_FACT_BATCH_ROWS = 65_536
+#: run the fast path's text tests in Numba (True) or in SQL (False: same rows accepted, slower)
+_LINE_FACTS = True
 
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KIB|MB|MIB|GB|GIB|TB|TIB)\s*$", re.I)
 _TMP_PREFIX = ".tmp-"
@@ -323,26 +333,113 @@ def _connect(duckdb: Any, spill: Path, config: BuildConfig):
     return con, spill
 
 
-def _parse_files(con, files: list[InputFile], table: str, select, phases: _Phases, label: str):
-    """Validate every file into ``table``; returns nothing. Wraps DuckDB errors per file."""
+def _parse_workers(config: BuildConfig, n_files: int) -> int:
+    """Files parsed at once: each file's parse is one mostly single-threaded DuckDB pipeline
+    (one zstd stream, line numbers in scan order), so whole files run side by side."""
+    threads = config.threads if config.threads is not None else (os.cpu_count() or 1)
+    return max(1, min(threads, n_files))
+
+
+def _parse_one(
+    con, f: InputFile, file_id: int, table: str, select, select_facts=None, keys=()
+) -> None:
+    """Validate one file into ``table`` on its own cursor; DuckDB errors name the file.
+
+    With ``select_facts`` (feature JSON Lines), the raw lines stream through Python in
+    batches: :func:`etl._build_io.line_facts` computes their text tests in one compiled pass
+    and ``select_facts`` validates each batch with them, instead of many scans in SQL.
+    """
     import duckdb
 
-    total = sum(f.path.stat().st_size for f in files)
-    with phases.bar(f"parse {label}", total=total, unit="B", unit_scale=True) as bar:
-        for file_id, f in enumerate(files):
-            src = source_sql(f, file_id, sql_str)
+    src = source_sql(f, file_id, sql_str)
+    cur = con.cursor()
+    try:
+        if select_facts is not None and f.kind == "jsonl":
+            _parse_with_facts(con, cur, src, f"_lines_{file_id}", table, select_facts, keys)
+            return
+        try:  # optimistic: no JSON guard; a malformed line fails the statement
+            cur.execute(f"INSERT INTO {table} {select(src, guarded=False)}")
+        except duckdb.InvalidInputException as exc:
+            if "malformed json" not in str(exc).lower():
+                raise
+            cur.execute(f"INSERT INTO {table} {select(src, guarded=True)}")
+    except duckdb.OutOfMemoryException as exc:
+        raise _oom_error(exc) from None
+    except duckdb.Error as exc:
+        raise _duckdb_error(f.path, exc) from None
+    finally:
+        cur.close()
+
+
+def _parse_with_facts(con, cur, src: str, view: str, table: str, select_facts, keys) -> None:
+    """Stream ``src``'s numbered lines in Arrow batches, add :func:`line_facts`, insert each.
+
+    The lines (and their numbers) come from the same relation as the SQL-only path, so a
+    line's number, its raw text in the quarantine and the rows accepted do not depend on
+    the path taken.
+    """
+    import duckdb
+    import pyarrow as pa
+
+    reader_cur = con.cursor()
+    try:
+        reader = reader_cur.sql(f"SELECT file_id, line_no, line, source FROM {src}")
+        for batch in reader.to_arrow_reader(_FACT_BATCH_ROWS):
+            facts = line_facts(batch.column("line"), keys)
+            lines = pa.Table.from_batches([batch])
+            for name in LINE_FACT_COLUMNS:
+                lines = lines.append_column(name, pa.array(facts[name]))
+            cur.register(view, lines)
             try:
-                try:  # optimistic: no JSON guard; a malformed line fails the statement
-                    con.execute(f"INSERT INTO {table} {select(src, guarded=False)}")
+                try:  # optimistic, as in _parse_one
+                    cur.execute(f"INSERT INTO {table} {select_facts(view, guarded=False)}")
                 except duckdb.InvalidInputException as exc:
                     if "malformed json" not in str(exc).lower():
                         raise
-                    con.execute(f"INSERT INTO {table} {select(src, guarded=True)}")
-            except duckdb.OutOfMemoryException as exc:
-                raise _oom_error(exc) from None
-            except duckdb.Error as exc:
-                raise _duckdb_error(f.path, exc) from None
-            bar.update(f.path.stat().st_size)
+                    cur.execute(f"INSERT INTO {table} {select_facts(view, guarded=True)}")
+            finally:
+                cur.unregister(view)
+    finally:
+        reader_cur.close()
+
+
+def _parse_files(
+    con,
+    files: list[InputFile],
+    table: str,
+    select,
+    phases: _Phases,
+    label: str,
+    *,
+    workers: int = 1,
+    select_facts=None,
+    keys: tuple[str, ...] = (),
+) -> None:
+    """Validate every file into ``table``, ``workers`` files at a time (one cursor each).
+
+    Rows land in ``table`` in no particular order: every later step orders by
+    ``(file_id, line_no)`` explicitly, so the output does not depend on it.
+    """
+    total = sum(f.path.stat().st_size for f in files)
+    with phases.bar(f"parse {label}", total=total, unit="B", unit_scale=True) as bar:
+        if workers <= 1:
+            for file_id, f in enumerate(files):
+                _parse_one(con, f, file_id, table, select, select_facts, keys)
+                bar.update(f.path.stat().st_size)
+            return
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            jobs = {
+                pool.submit(_parse_one, con, f, file_id, table, select, select_facts, keys): f
+                for file_id, f in enumerate(files)
+            }
+            try:
+                for job in as_completed(jobs):
+                    job.result()
+                    bar.update(jobs[job].path.stat().st_size)
+            except BaseException:
+                for job in jobs:
+                    job.cancel()
+                raise
 
 
 def _build_into(
@@ -370,7 +467,28 @@ def _build_into(
     empty = "(SELECT 0 AS file_id, 0::BIGINT AS line_no, NULL::VARCHAR AS line, NULL::VARCHAR AS source)"
     feat_sel = lambda src, guarded=True: feature_select(schema, src, fast=True, guarded=guarded)  # noqa: E731
     con.execute(f"CREATE TABLE feat AS {feat_sel(empty)} LIMIT 0")
-    _parse_files(con, feat_files, "feat", feat_sel, phases, "features")
+    side_by_side = _parse_workers(config, max(len(feat_files), len(ev_files))) > 1
+    if side_by_side:  # whole files run in parallel: one DuckDB thread per statement wastes least
+        con.execute("SET threads = 1")
+    _parse_files(
+        con,
+        feat_files,
+        "feat",
+        feat_sel,
+        phases,
+        "features",
+        workers=_parse_workers(config, len(feat_files)),
+        select_facts=(
+            (
+                lambda src, guarded: feature_select(
+                    schema, src, fast=True, guarded=guarded, facts=True
+                )
+            )
+            if _LINE_FACTS
+            else None
+        ),
+        keys=schema_keys(schema),
+    )
     # the few rows the fast path did not accept: full checks on their raw lines
     pending = f"(SELECT file_id, line_no, raw AS line, source FROM feat WHERE reason = '{PENDING}')"
     con.execute(f"INSERT INTO feat {feature_select(schema, pending, fast=False)}")
@@ -378,7 +496,21 @@ def _build_into(
     ev_sel = lambda src, guarded=True: event_select(schema, src)  # noqa: E731
     con.execute(f"CREATE TABLE ev AS {ev_sel(empty)} LIMIT 0")
     if ev_files:
-        _parse_files(con, ev_files, "ev", ev_sel, phases, "events")
+        _parse_files(
+            con,
+            ev_files,
+            "ev",
+            ev_sel,
+            phases,
+            "events",
+            workers=_parse_workers(config, len(ev_files)),
+        )
+    if side_by_side:
+        con.execute(
+            f"SET threads = {int(config.threads)}"
+            if config.threads is not None
+            else "RESET threads"
+        )
     inputs = [c.result() for c in checks]
     pool.shutdown()
     t = phases.timed("parse", t)
@@ -429,6 +561,7 @@ def _build_into(
         """
     )
     chunks = _sort_chunks(con, config)
+
     with phases.bar("write parquet", total=counts["rows_out"], unit="row", unit_scale=True) as bar:
         try:
             for lo, hi in chunks:
