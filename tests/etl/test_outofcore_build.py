@@ -11,12 +11,15 @@ import pytest
 import zstandard
 
 _CHILD = """
-import json, resource, sys
+import json, sys
 from etl.build import BuildConfig, build
 root, out, limit = sys.argv[1:4]
 m = build(root + "/features", out, events=root + "/events",
           config=BuildConfig(memory_limit=limit, threads=1))
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+# VmHWM is the peak RSS of this process image since exec; ru_maxrss is not, on Linux: a child
+# inherits the forking parent's high-water mark (the pytest worker's), which made this flaky.
+with open("/proc/self/status") as status:
+    rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 print(json.dumps({"rss": rss, "rows_out": m["rows_out"], "reconciles": m["reconciles"]}))
 """
 
