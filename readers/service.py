@@ -25,10 +25,19 @@ A reader failure reaches the client as ``ERROR{message}``; shutting the server d
 ``ERROR`` too. The token is compared in constant time; it is a shared secret against
 accidental or casual use, not encryption: keep the service on loopback or a private network.
 
-**Backpressure.** Each connection has one bounded queue of ``queue_depth`` encoded frames
-between its readers and its socket. A slow or stalled client fills its socket buffers, then
-the queue, then blocks its readers: the server holds at most ``queue_depth`` frames plus one
-per reader and one being sent, per client, however long the client stalls.
+**The reader -> server hop.** Each reader writes its frames to its own socket pair with the
+session, straight from the tensors' memory (scatter-gather, no join, no pickle), from a writer
+thread so that producing the next batch overlaps sending this one; a collector
+thread per session receives each frame whole into one buffer and the session thread relays
+those bytes to the client unchanged. (Through a ``multiprocessing.Queue`` a frame was joined,
+pickled, piped, unpickled: several more copies of ~0.75 MB per B=4096 batch.)
+
+**Backpressure.** Each connection holds at most ``queue_depth`` encoded frames between its
+readers and its socket (the one being sent included): the collector receives a frame only
+once one of ``queue_depth`` credits is free, and a frame returns its credit once sent. A slow
+or stalled client fills its socket buffers, then the queue, then the readers' socket pairs
+(less than a frame each for B=4096 batches), then blocks its readers, each holding one more
+encoded frame for its writer, however long it stalls.
 
 **Shutdown.** SIGTERM or Ctrl-C closes the listener, tells every client (``ERROR``), stops and
 joins the reader processes, closes the sockets and prints a summary. A progress line goes to
@@ -44,6 +53,7 @@ import hmac
 import multiprocessing
 import os
 import queue as queue_mod
+import selectors
 import signal
 import socket
 import sys
@@ -64,8 +74,11 @@ from readers.wire import (
     ServiceError,
     batch_to_frame,
     encode_frame,
+    frame_meta,
     frame_to_batch,
     recv_frame,
+    recv_raw_frame,
+    send_buffers,
 )
 from recpipe.errors import DataError
 
@@ -319,9 +332,10 @@ class SessionStats:
         state: ``"streaming"``, ``"done"`` (END sent), ``"disconnected"`` (the client went
             away), ``"failed"`` (a reader failed; the client was told) or ``"stopped"``.
         batches, samples, bytes_sent: what was sent (bytes include framing).
-        produced: frames the readers handed to the queue.
-        peak_queued_frames, peak_queued_bytes: most frames / bytes seen waiting in the queue.
-        backpressured: the readers found the queue full at least once.
+        produced: frames the readers wrote to their sockets.
+        peak_queued_frames, peak_queued_bytes: most frames / bytes held by the session at once
+            (received from the readers, not yet sent; the one being sent included).
+        backpressured: the queue was found full at least once (the readers had to wait).
         readers_alive: reader processes/threads still running.
     """
 
@@ -384,62 +398,116 @@ def _fmt_bytes(n: float) -> str:
 
 
 # -- reader side --------------------------------------------------------------------------------
+class _SessionGone(Exception):
+    """The session closed its end of the reader's socket: stop quietly."""
+
+
+class _Writer(threading.Thread):
+    """Writes a reader's frames to its socket, so that producing the next batch overlaps
+    sending this one. Holds one frame at most, besides the one it is writing."""
+
+    def __init__(self, sock: socket.socket, counters: Any) -> None:
+        super().__init__(name="recpipe-reader-writer", daemon=True)
+        self.sock, self.counters = sock, counters
+        self.outbox: queue_mod.Queue[tuple[Sequence[memoryview | bytes], int] | None] = (
+            queue_mod.Queue(1)
+        )
+        self.gone = threading.Event()
+
+    def run(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            buffers, batch_bytes = item
+            try:
+                send_buffers(self.sock, buffers)
+            except OSError:
+                self.gone.set()
+                return
+            if batch_bytes:
+                with self.counters.get_lock():
+                    self.counters[0] += 1
+                    self.counters[1] += batch_bytes
+
+    def put(self, buffers: Sequence[memoryview | bytes] | None, *, batch_bytes: int = 0) -> None:
+        """Queue ``buffers`` (one frame; ``batch_bytes`` > 0 for a BATCH frame), or ``None``
+        to finish; blocks while the previous frame waits.
+
+        Raises:
+            _SessionGone: the session closed the socket.
+        """
+        item = None if buffers is None else (buffers, batch_bytes)
+        while not self.gone.is_set():
+            try:
+                self.outbox.put(item, timeout=0.2)
+                return
+            except queue_mod.Full:
+                continue
+        raise _SessionGone
+
+    def finish(self) -> None:
+        """Write what is queued, then stop.
+
+        Raises:
+            _SessionGone: the session closed the socket.
+        """
+        self.put(None)
+        while self.is_alive():
+            self.join(0.2)
+        if self.gone.is_set():
+            raise _SessionGone
+
+
 def _reader_main(
     producer: BatchProducer,
     spec: ShardSpec,
-    frames: Any,
+    sock: socket.socket,
     stop: Any,
-    backpressure: Any,
     counters: Any,
     narrow: bool,
     max_frame_bytes: int,
     in_process: bool,
 ) -> None:
-    """Run one reader: produce, encode and queue frames until done or told to stop.
+    """Run one reader: produce batches and write each as a wire frame to ``sock``.
 
-    Queue items: ``("batch", frame, rows)``, then ``("end", reader, batches)``, or
-    ``("error", reader, message)``.
+    ``sock`` is the reader's end of a socket pair to its session. It carries ``BATCH`` frames,
+    written straight from the tensors' memory by a writer thread (no join, no pickle), then
+    ``END{reader, batches}``, or ``ERROR{reader, message}``. A full socket blocks the reader
+    (backpressure); the session shutting its end down stops it.
     """
     if not in_process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when readers stop
+    writer = _Writer(sock, counters)
+    writer.start()
     produced = 0
     try:
-        for batch in producer(spec):
-            frame = b"".join(batch_to_frame(batch, meta={"reader": spec.reader}, narrow=narrow))
-            if len(frame) > max_frame_bytes:
-                msg = (
-                    f"a batch of {batch.batch_size} rows encodes to {len(frame)} bytes, more "
-                    f"than `max_frame_bytes`={max_frame_bytes}; lower the batch size"
-                )
-                raise DataError(msg)
-            if not _put(frames, ("batch", frame, batch.batch_size), stop, backpressure):
-                return
-            with counters.get_lock():
-                counters[0] += 1
-                counters[1] += len(frame)
-            produced += 1
-        _put(frames, ("end", spec.reader, produced), stop, backpressure)
-    except Exception as exc:
-        _put(frames, ("error", spec.reader, f"{type(exc).__name__}: {exc}"), stop, backpressure)
-    finally:
-        if not in_process and stop.is_set():
-            frames.cancel_join_thread()  # the session is gone: do not wait to flush the pipe
-
-
-def _put(frames: Any, item: tuple, stop: Any, backpressure: Any) -> bool:
-    """Put ``item``, blocking while the queue is full; False if told to stop meanwhile."""
-    try:
-        frames.put_nowait(item)
-        return True
-    except queue_mod.Full:
-        backpressure.set()
-    while not stop.is_set():
         try:
-            frames.put(item, timeout=0.2)
-            return True
-        except queue_mod.Full:
-            continue
-    return False
+            for batch in producer(spec):
+                if stop.is_set():
+                    return
+                buffers = batch_to_frame(batch, meta={"reader": spec.reader}, narrow=narrow)
+                nbytes = sum(memoryview(b).nbytes for b in buffers)
+                if nbytes > max_frame_bytes:
+                    msg = (
+                        f"a batch of {batch.batch_size} rows encodes to {nbytes} bytes, more "
+                        f"than `max_frame_bytes`={max_frame_bytes}; lower the batch size"
+                    )
+                    raise DataError(msg)
+                writer.put(buffers, batch_bytes=nbytes)
+                produced += 1
+            writer.put([encode_frame(FrameKind.END, {"reader": spec.reader, "batches": produced})])
+        except _SessionGone:
+            return
+        except Exception as exc:
+            error = {"reader": spec.reader, "message": f"{type(exc).__name__}: {exc}"}
+            with contextlib.suppress(_SessionGone):
+                writer.put([encode_frame(FrameKind.ERROR, error)])
+        with contextlib.suppress(_SessionGone):
+            writer.finish()
+    finally:
+        if writer.is_alive():  # stopped early: the writer may be blocked on a full outbox
+            with contextlib.suppress(queue_mod.Full):
+                writer.outbox.put_nowait(None)
+        if not in_process:
+            sock.close()
 
 
 # -- server side --------------------------------------------------------------------------------
@@ -460,12 +528,17 @@ class _Session:
         ] = "handshake"
         self.batches = self.samples = self.bytes_sent = 0
         self.peak_frames = self.peak_bytes = 0
-        self.frames_got = self.bytes_got = 0
+        self.held_frames = self.held_bytes = 0  # received from readers, not yet sent
         ctx = server._ctx
         self.stop = ctx.Event()
-        self.backpressure = ctx.Event()
-        self.counters = ctx.Array("q", 2)  # frames, bytes put by the readers
-        self.frames: Any = None
+        self.backpressure = threading.Event()
+        self.counters = ctx.Array("q", 2)  # frames, bytes written by the readers
+        self.ready: queue_mod.Queue[tuple[str, Any, Any]] = queue_mod.Queue()
+        self.credits = threading.Semaphore(server.config.queue_depth)
+        self.held_lock = threading.Lock()
+        self.socks: list[socket.socket] = []  # the session's ends of the readers' sockets
+        self.reader_socks: list[socket.socket] = []  # the readers' ends (reader threads only)
+        self.collector: threading.Thread | None = None
         self.workers: list[Any] = []
         self.thread = threading.Thread(
             target=self._run, name=f"recpipe-session-{peer}", daemon=True
@@ -558,14 +631,14 @@ class _Session:
     def _start_readers(self) -> None:
         cfg, ctx = self.server.config, self.server._ctx
         in_process = cfg.readers == 0
-        self.frames = queue_mod.Queue(cfg.queue_depth) if in_process else ctx.Queue(cfg.queue_depth)
         for reader in range(self.spec.num_readers):
+            mine, theirs = socket.socketpair()
+            self.socks.append(mine)
             args = (
                 self.server.producer,
                 dataclasses.replace(self.spec, reader=reader),
-                self.frames,
+                theirs,
                 self.stop,
-                self.backpressure,
                 self.counters,
                 cfg.narrow,
                 cfg.max_frame_bytes,
@@ -578,7 +651,78 @@ class _Session:
                 worker = ctx.Process(target=_reader_main, args=args, name=name, daemon=True)
             worker.start()
             self.workers.append(worker)
+            if in_process:
+                self.reader_socks.append(theirs)
+            else:
+                theirs.close()  # the child has its own copy; EOF now means the reader is gone
+        self.collector = threading.Thread(
+            target=self._collect, name=f"recpipe-collect-{self.peer}", daemon=True
+        )
+        self.collector.start()
 
+    # -- readers -> queue (the collector thread) ----------------------------------------------
+    def _collect(self) -> None:
+        """Move frames from the readers' sockets to :attr:`ready`, ``queue_depth`` at most.
+
+        Items: ``("batch", frame, rows)``, ``("end", reader, batches)``, ``("error", reader,
+        message)``. A frame is received only once a credit is free (returned when the frame
+        has been sent), so the session never holds more than ``queue_depth`` frames; beyond
+        that the readers block on their sockets.
+        """
+        with selectors.DefaultSelector() as selector:
+            for reader, sock in enumerate(self.socks):
+                selector.register(sock, selectors.EVENT_READ, reader)
+            while selector.get_map() and not self.stop.is_set():
+                for key, _ in selector.select(timeout=0.2):
+                    if not self._take_credit():
+                        return
+                    item = self._receive(key.fileobj, key.data)
+                    if item is None:
+                        return
+                    if item[0] != "batch":
+                        self.credits.release()
+                        selector.unregister(key.fileobj)
+                    self.ready.put(item)
+                    if item[0] == "error":
+                        return
+
+    def _take_credit(self) -> bool:
+        if self.credits.acquire(blocking=False):
+            return True
+        self.backpressure.set()
+        while not self.stop.is_set():
+            if self.credits.acquire(timeout=0.2):
+                return True
+        return False
+
+    def _receive(self, sock: Any, reader: int) -> tuple[str, Any, Any] | None:
+        """One item from reader ``reader``'s socket; ``None`` when the session is stopping."""
+        try:
+            kind, frame = recv_raw_frame(sock, max_frame_bytes=self.server.config.max_frame_bytes)
+            meta = frame_meta(frame)
+        except (ServiceError, OSError) as exc:
+            if self.stop.is_set():
+                return None
+            if isinstance(exc, ProtocolError):
+                return ("error", reader, f"it sent a bad frame: {exc}")
+            worker = self.workers[reader]
+            worker.join(1.0)
+            code = getattr(worker, "exitcode", None)
+            return ("error", reader, f"it went away (exit code {code}): {exc}")
+        if kind is FrameKind.BATCH:
+            with self.held_lock:
+                self.held_frames += 1
+                self.held_bytes += len(frame)
+                self.peak_frames = max(self.peak_frames, self.held_frames)
+                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            return ("batch", frame, int(meta.get("rows", 0)))
+        if kind is FrameKind.END:
+            return ("end", reader, meta.get("batches"))
+        if kind is FrameKind.ERROR:
+            return ("error", reader, meta.get("message"))
+        return ("error", reader, f"it sent an unexpected {kind.name} frame")
+
+    # -- queue -> client (the session thread) -------------------------------------------------
     def _stream(self) -> None:
         cfg = self.server.config
         ended = 0
@@ -586,7 +730,7 @@ class _Session:
             if self.server._closing.is_set():
                 raise _ShuttingDown
             try:
-                kind, payload, extra = self.frames.get(timeout=cfg.heartbeat_s)
+                kind, payload, extra = self.ready.get(timeout=cfg.heartbeat_s)
             except queue_mod.Empty:
                 died = self._dead_worker()
                 if died is not None:
@@ -595,11 +739,11 @@ class _Session:
                 self._send(encode_frame(FrameKind.HEARTBEAT))
                 continue
             if kind == "batch":
-                self._account(len(payload))
-                self._send(payload)
+                rows = extra
+                self._send_batch(payload)
                 self.batches += 1
-                self.samples += extra
-                self.server._count(1, extra, len(payload))
+                self.samples += rows
+                self.server._count(1, rows, len(payload))
             elif kind == "end":
                 ended += 1
             else:  # "error"
@@ -614,14 +758,15 @@ class _Session:
             f"{_fmt_bytes(self.bytes_sent)}"
         )
 
-    def _account(self, nbytes: int) -> None:
-        """Track how much waits in the queue (after taking one frame out)."""
-        self.frames_got += 1
-        self.bytes_got += nbytes
-        with self.counters.get_lock():
-            put_frames, put_bytes = self.counters[0], self.counters[1]
-        self.peak_frames = max(self.peak_frames, put_frames - self.frames_got + 1)
-        self.peak_bytes = max(self.peak_bytes, put_bytes - self.bytes_got + nbytes)
+    def _send_batch(self, frame: bytearray) -> None:
+        """Send one BATCH frame, then free its credit."""
+        try:
+            self._send(frame)
+        finally:
+            with self.held_lock:
+                self.held_frames -= 1
+                self.held_bytes -= len(frame)
+            self.credits.release()
 
     def _dead_worker(self) -> str | None:
         """Why a reader process died without saying so (killed, out of memory), if one did."""
@@ -636,7 +781,7 @@ class _Session:
         self.server._log(f"client {self.peer}: {message}")
         self._send(encode_frame(FrameKind.ERROR, {"message": message}))
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, frame: bytes | bytearray) -> None:
         self.conn.sendall(frame)
         self.bytes_sent += len(frame)
 
@@ -657,27 +802,21 @@ class _Session:
 
     def _stop_readers(self) -> None:
         self.stop.set()
+        for sock in self.socks:  # a reader blocked writing gets EPIPE; the collector wakes
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if self.collector is not None:
+            self.collector.join(_JOIN_TIMEOUT_S)
         deadline = time.monotonic() + _STOP_GRACE_S
         for worker in self.workers:
-            while worker.is_alive() and time.monotonic() < deadline:
-                self._drain()  # unblock a reader waiting on a full queue
-                worker.join(timeout=0.1)
+            worker.join(timeout=max(deadline - time.monotonic(), 0.0))
         for worker in self.workers:
             if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
                 worker.terminate()
         for worker in self.workers:
             worker.join(timeout=_JOIN_TIMEOUT_S)
-        if self.frames is not None and hasattr(self.frames, "close"):
-            self._drain()
-            self.frames.close()
-            self.frames.join_thread()
-
-    def _drain(self) -> None:
-        if self.frames is None:
-            return
-        with contextlib.suppress(queue_mod.Empty, OSError, ValueError, EOFError):
-            for _ in range(self.server.config.queue_depth + len(self.workers) + 1):
-                self.frames.get_nowait()
+        for sock in self.socks + self.reader_socks:
+            sock.close()
 
     def shutdown_socket(self) -> None:
         """Unblock a sender stuck on a stalled client (used by :meth:`ReaderServer.close`)."""

@@ -56,8 +56,10 @@ __all__ = [
     "decode_frame",
     "encode_frame",
     "encode_frame_buffers",
+    "frame_meta",
     "frame_to_batch",
     "recv_frame",
+    "recv_raw_frame",
     "send_buffers",
 ]
 
@@ -353,6 +355,42 @@ def recv_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_
     _recv_exactly(sock, payload, f"{kind.name} frame payload")
     tensors = _tensors_from_payload(payload, layout)
     return Frame(kind, meta, tensors, HEADER.size + descriptor_len + payload_len)
+
+
+def recv_raw_frame(
+    sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> tuple[FrameKind, bytearray]:
+    """Receive one frame from ``sock`` without decoding it: its kind and its bytes, whole.
+
+    What the server does with its readers' frames: check the header, then relay the bytes
+    as they are (one copy in, one copy out, nothing decoded).
+
+    Raises:
+        ServiceError: the peer closed the connection or the socket timed out.
+        ProtocolError: the header is malformed or announces a frame over ``max_frame_bytes``.
+    """
+    header = bytearray(HEADER.size)
+    _recv_exactly(sock, header, "frame header")
+    kind, descriptor_len, payload_len = _parse_header(header, max_frame_bytes=max_frame_bytes)
+    frame = bytearray(HEADER.size + descriptor_len + payload_len)
+    frame[: HEADER.size] = header
+    _recv_exactly(sock, memoryview(frame)[HEADER.size :], f"{kind.name} frame")
+    return kind, frame
+
+
+def frame_meta(frame: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The JSON metadata of a complete frame, without touching its payload.
+
+    Raises:
+        ProtocolError: the header or the descriptor is malformed.
+    """
+    view = memoryview(frame).cast("B")
+    if view.nbytes < HEADER.size:
+        msg = f"truncated frame: {view.nbytes} bytes, a header alone is {HEADER.size}"
+        raise ProtocolError(msg)
+    _, descriptor_len, payload_len = _parse_header(view[: HEADER.size], max_frame_bytes=view.nbytes)
+    meta, _ = _parse_descriptor(view[HEADER.size : HEADER.size + descriptor_len], payload_len)
+    return meta
 
 
 # -- Batch <-> frame ----------------------------------------------------------------------------

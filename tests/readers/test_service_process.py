@@ -147,3 +147,27 @@ def test_cli_refuses_a_missing_dataset(tmp_path) -> None:
     with pytest.raises(DataError, match="is not a directory"):
         args.func(args)
     assert _parse("x", "--dedup", "off", "--readers", "3").readers == 3
+
+
+@pytest.mark.slow
+def test_killed_reader_process_is_a_clear_client_error() -> None:
+    import io
+    import os
+
+    from readers.service import ReaderServer, ServiceConfig
+
+    producer = SyntheticProducer(num_batches=100_000, batch_size=64)
+    config = ServiceConfig(readers=1, queue_depth=2, report_every_s=0, heartbeat_s=0.5)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+        client = ServiceClient(*server.address, read_timeout_s=TIMEOUT).connect()
+        stream = iter(client)
+        first = next(stream)
+        assert first.equals(producer.make_batch(0))
+        reader = server._sessions[0].workers[0]
+        os.kill(reader.pid, signal.SIGKILL)
+        with pytest.raises(ServiceError, match=r"reader .*exit code -9"):
+            for _ in range(100_000):  # bounded: frames already in flight, then the ERROR
+                next(stream)
+        assert server.join_sessions(timeout=TIMEOUT)
+        session = server.stats().sessions[0]
+        assert (session.state, session.readers_alive) == ("failed", 0)

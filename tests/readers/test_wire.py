@@ -22,8 +22,10 @@ from readers.wire import (
     decode_frame,
     encode_frame,
     encode_frame_buffers,
+    frame_meta,
     frame_to_batch,
     recv_frame,
+    recv_raw_frame,
     send_buffers,
 )
 from recpipe.batch import Batch
@@ -260,3 +262,41 @@ def test_silent_peer_times_out() -> None:
         a.sendall(struct.pack("<4s", MAGIC))
         with pytest.raises(ServiceError, match=r"timed out waiting for the frame header \(4 of 20"):
             recv_frame(b, max_frame_bytes=MAX)
+
+
+def test_raw_frames_relay_unchanged() -> None:
+    """What the server does with a reader's frame: receive it whole, read its meta, pass it on."""
+    batch = _small_batch()
+    buffers = batch_to_frame(batch, meta={"reader": 3})
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(10)
+        b.settimeout(10)
+        send_buffers(a, buffers)
+        a.sendall(encode_frame(FrameKind.END, {"batches": 1}))
+        kind, raw = recv_raw_frame(b)
+        assert kind is FrameKind.BATCH
+        assert bytes(raw) == b"".join(bytes(x) for x in buffers)
+        assert frame_meta(raw)["reader"] == 3
+        assert frame_meta(raw)["rows"] == batch.batch_size
+        assert frame_to_batch(decode_frame(raw, max_frame_bytes=1 << 30)).equals(batch)
+        kind, raw = recv_raw_frame(b)
+        assert (kind, frame_meta(raw)) == (FrameKind.END, {"batches": 1})
+        a.sendall(encode_frame(FrameKind.BATCH, tensors={"x": torch.zeros(4096)}))
+        with pytest.raises(ProtocolError, match="exceeds `max_frame_bytes`=1024"):
+            recv_raw_frame(b, max_frame_bytes=1024)
+
+
+def test_frame_meta_refuses_truncated_frames() -> None:
+    with pytest.raises(ProtocolError, match="truncated frame"):
+        frame_meta(b"RPWF")
+    raw = encode_frame(FrameKind.END, {"batches": 1})
+    with pytest.raises(ProtocolError, match="not a recpipe frame"):
+        frame_meta(b"XXXX" + raw[4:])
+
+
+def _small_batch() -> Batch:
+    gen = torch.Generator().manual_seed(7)
+    kjt = _kjt(["a", "b"], 16, gen, big=False)
+    ikjt = InverseKeyedJaggedTensor.from_kjt(_kjt(["u"], 16, gen, big=False))
+    return Batch(dense=torch.rand(16, 3), labels=torch.rand(16), kjt=kjt, ikjts={"g": ikjt})
