@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "etl.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_etl", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import load_benchmark
 
 
 def test_help(capsys):
-    bench = _load()
+    bench = load_benchmark("etl")
     with pytest.raises(SystemExit) as exc:
         bench.main(["--help"])
     assert exc.value.code == 0
@@ -33,7 +23,7 @@ def test_help(capsys):
 def test_tiny_run_writes_results(tmp_path, capsys):
     for module in ("etl.synth", "etl.shard", "etl.build"):
         pytest.importorskip(module)
-    bench = _load()
+    bench = load_benchmark("etl")
     out = tmp_path / "etl.json"
     argv = ["--requests", "3000", "--shards", "2", "--batch-size", "256", "--threads", "1"]
     argv += ["--repeat", "1"]
@@ -71,7 +61,7 @@ def test_tiny_run_writes_results(tmp_path, capsys):
 
 def test_failed_child_step_is_reported(tmp_path):
     pytest.importorskip("etl.build")
-    bench = _load()
+    bench = load_benchmark("etl")
     spec = {
         "kind": "build",
         "features": [str(tmp_path / "missing.jsonl")],

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+from _bench import load_benchmark
 
 
 @pytest.mark.slow
 def test_kernels_benchmark_writes_json(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("kernels")
     out = tmp_path / "kernels.json"
     argv = ["--rows", "64", "--batches", "2", "--repeats", "1", "--dim", "4", "--out", str(out)]
     assert module.main(argv) == 0

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "readers.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_readers", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import load_benchmark
 
 
 def test_help(capsys):
-    bench = _load()
+    bench = load_benchmark("readers")
     with pytest.raises(SystemExit) as exc:
         bench.main(["--help"])
     assert exc.value.code == 0
@@ -33,7 +23,7 @@ def test_help(capsys):
 def test_tiny_run_writes_results(tmp_path, capsys):
     for module in ("etl.synth", "etl.build"):
         pytest.importorskip(module)
-    bench = _load()
+    bench = load_benchmark("readers")
     out = tmp_path / "readers.json"
     argv = ["--requests", "3000", "--batch-size", "256", "--repeats", "1", "--vocab-size", "100"]
     assert bench.main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)]) == 0

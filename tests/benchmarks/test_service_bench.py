@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "service.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("recpipe_bench_service", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import load_benchmark
 
 
 @pytest.mark.slow
@@ -24,7 +14,10 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
         monkeypatch.setenv(var, "1")
     out = tmp_path / "service.json"
     argv = ["--requests", "3000", "--batch-size", "256", "--readers", "0", "--repeats", "1"]
-    assert _load().main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert (
+        load_benchmark("service").main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)])
+        == 0
+    )
     results = json.loads(out.read_text())
     sent = results["sent_bytes_per_sample"]
     assert 0 < sent["ikjt"] < sent["kjt"]
@@ -35,6 +28,6 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
 
 def test_service_benchmark_help(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        _load().parse_args(["--help"])
+        load_benchmark("service").parse_args(["--help"])
     assert exit_info.value.code == 0
     assert "sent_bytes_per_sample" in capsys.readouterr().out

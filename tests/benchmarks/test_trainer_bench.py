@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_trainer", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import load_benchmark
 
 
 def test_help(capsys):
-    bench = _load()
+    bench = load_benchmark("trainer")
     with pytest.raises(SystemExit) as exc:
         bench.main(["--help"])
     assert exc.value.code == 0
@@ -34,7 +24,7 @@ def test_help(capsys):
 @pytest.mark.torchrec
 def test_tiny_run_writes_results(tmp_path, capsys):
     pytest.importorskip("torchrec")
-    bench = _load()
+    bench = load_benchmark("trainer")
     out = tmp_path / "trainer.json"
     argv = [
         "--requests", "4000", "--batch-size", "256", "--steps", "1", "--ebc-batches", "2",
