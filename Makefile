@@ -64,6 +64,8 @@ train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=
 
 bench: setup  ## run every benchmark; JSON lands in benchmarks/results/
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@echo "== benchmarks/etl.py, out of core (raw logs ~4.7x the memory limit)"
+	$(PY) benchmarks/etl.py --memory-limit 512MB --requests 2200000
 
 test: setup  ## the whole suite, slow tests included (what CI runs)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -n 2 --dist loadfile -q
