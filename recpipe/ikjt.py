@@ -23,28 +23,14 @@ from recpipe.jagged import (
     JaggedTensor,
     KeyedJaggedTensor,
     _check_row_indices,
-    _jagged_from_arrays,
+    _features_from_arrays,
+    _ValuesFields,
     arrow_list_arrays,
     lengths_to_offsets,
 )
 from recpipe.kernels import dedup_rows, partial_dedup
 
 __all__ = ["InverseKeyedJaggedTensor", "PartialInverseKeyedJaggedTensor"]
-
-
-def _group_features(
-    keys: Sequence[str], values: Sequence[Any], offsets: Sequence[Any], *, validate: bool
-) -> dict[str, JaggedTensor]:
-    if not (len(keys) == len(values) == len(offsets)):
-        msg = (
-            f"`keys`, `values` and `offsets` must have one entry per key, got "
-            f"{len(keys)}, {len(values)} and {len(offsets)}"
-        )
-        raise DataError(msg)
-    return {
-        key: _jagged_from_arrays(key, vals, offs, validate=validate)
-        for key, vals, offs in zip(keys, values, offsets)
-    }
 
 
 def _check_group(features: Mapping[str, JaggedTensor]) -> int:
@@ -59,7 +45,19 @@ def _check_group(features: Mapping[str, JaggedTensor]) -> int:
     return next(iter(sizes.values()))
 
 
-class InverseKeyedJaggedTensor:
+class _DedupFields(_ValuesFields):
+    """``dedup_factor`` (from ``num_expanded_values``) plus the fields of :class:`_ValuesFields`."""
+
+    __slots__ = ()
+
+    @property
+    def dedup_factor(self) -> float:
+        """Expanded values / stored values (1.0 when nothing is stored)."""
+        stored = self.num_values
+        return self.num_expanded_values / stored if stored else 1.0
+
+
+class InverseKeyedJaggedTensor(_DedupFields):
     """A group of keys deduplicated together: U unique rows plus a shared inverse lookup.
 
     A batch row is unique when the *tuple* of all the group's lists differs from every other
@@ -173,7 +171,7 @@ class InverseKeyedJaggedTensor:
 
         See :meth:`KeyedJaggedTensor.from_arrays` for the array contract.
         """
-        return cls.from_jagged(_group_features(keys, values, offsets, validate=validate))
+        return cls.from_jagged(_features_from_arrays(keys, values, offsets, validate=validate))
 
     @classmethod
     def from_arrow(
@@ -225,33 +223,12 @@ class InverseKeyedJaggedTensor:
         return self._unique.stride
 
     @property
-    def num_values(self) -> int:
-        """Stored values (of the unique rows)."""
-        return self._unique.num_values
-
-    @property
     def num_expanded_values(self) -> int:
         """Values of the expanded batch (what :meth:`to_kjt` would hold)."""
         if self.num_unique == 0:
             return 0
         row_totals = self.lengths.view(len(self.keys), self.num_unique).sum(0)  # (U,)
         return int(row_totals[self._inverse].sum())
-
-    @property
-    def dedup_factor(self) -> float:
-        """Expanded values / stored values (1.0 when nothing is stored)."""
-        stored = self.num_values
-        return self.num_expanded_values / stored if stored else 1.0
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the values."""
-        return self._unique.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the values."""
-        return self._unique.dtype
 
     # -- operations ----------------------------------------------------------------------------
     def __getitem__(self, key: str) -> JaggedTensor:
@@ -330,7 +307,7 @@ class InverseKeyedJaggedTensor:
         )
 
 
-class PartialInverseKeyedJaggedTensor:
+class PartialInverseKeyedJaggedTensor(_DedupFields):
     """Rows stored as ``[offset, length]`` windows into shared values (RecD §7, partial dedup).
 
     A user's history list often changes by one id between consecutive samples of a session
@@ -428,7 +405,7 @@ class PartialInverseKeyedJaggedTensor:
         validate: bool = True,
     ) -> PartialInverseKeyedJaggedTensor:
         """Pack per-key flat ``values``/``offsets`` arrays (numpy, torch)."""
-        return cls.from_jagged(_group_features(keys, values, offsets, validate=validate))
+        return cls.from_jagged(_features_from_arrays(keys, values, offsets, validate=validate))
 
     # -- fields --------------------------------------------------------------------------------
     @property
@@ -457,30 +434,9 @@ class PartialInverseKeyedJaggedTensor:
         return self._stride
 
     @property
-    def num_values(self) -> int:
-        """Stored (packed) values P."""
-        return self._values.shape[0]
-
-    @property
     def num_expanded_values(self) -> int:
         """Values of the expanded batch."""
         return int(self._win_lengths.sum())
-
-    @property
-    def dedup_factor(self) -> float:
-        """Expanded values / stored values (1.0 when nothing is stored)."""
-        stored = self.num_values
-        return self.num_expanded_values / stored if stored else 1.0
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the values."""
-        return self._values.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the values."""
-        return self._values.dtype
 
     # -- operations ----------------------------------------------------------------------------
     def to_kjt(self) -> KeyedJaggedTensor:

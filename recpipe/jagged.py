@@ -79,7 +79,28 @@ def _check_values(values: Any, *, name: str = "values") -> torch.Tensor:
     return values
 
 
-class JaggedTensor:
+class _ValuesFields:
+    """``num_values``/``device``/``dtype`` of a type whose ``values`` property is its storage."""
+
+    __slots__ = ()
+
+    @property
+    def num_values(self) -> int:
+        """Number of stored values (the first dimension of ``values``)."""
+        return self.values.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the values."""
+        return self.values.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the values."""
+        return self.values.dtype
+
+
+class JaggedTensor(_ValuesFields):
     """One jagged feature: B rows of variable length over a flat ``values`` tensor.
 
     Row ``i`` is ``values[offsets[i]:offsets[i + 1]]``; ``lengths`` are derived (once) from the
@@ -200,21 +221,6 @@ class JaggedTensor:
         """Number of rows B."""
         return self._offsets.numel() - 1
 
-    @property
-    def num_values(self) -> int:
-        """Number of values N."""
-        return self._values.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the values."""
-        return self._values.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the values."""
-        return self._values.dtype
-
     # -- operations ----------------------------------------------------------------------------
     def to_dense_list(self) -> list[torch.Tensor]:
         """One tensor per row (views into ``values``, no copy)."""
@@ -283,7 +289,7 @@ def _check_row_indices(indices: torch.Tensor, num_rows: int, *, name: str) -> No
         raise DataError(msg)
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_ValuesFields):
     """Several jagged features over the same B rows, key-major (TorchRec's KJT layout).
 
     ``lengths`` holds ``len(keys) * B`` entries: all B rows of the first key, then all B rows
@@ -459,17 +465,7 @@ class KeyedJaggedTensor:
             offsets: one ``[B + 1]`` integer array per key, into that key's values.
             validate: check monotonic offsets and equal row counts.
         """
-        if not (len(keys) == len(values) == len(offsets)):
-            msg = (
-                f"`keys`, `values` and `offsets` must have one entry per key, got "
-                f"{len(keys)}, {len(values)} and {len(offsets)}"
-            )
-            raise DataError(msg)
-        features = {}
-        for key, vals, offs in zip(keys, values, offsets):
-            features[key] = _jagged_from_arrays(key, vals, offs, validate=validate)
-        if validate:
-            _check_keys(tuple(keys))
+        features = _features_from_arrays(keys, values, offsets, validate=validate)
         return cls.from_jagged_dict(features, stride=None)
 
     @classmethod
@@ -528,21 +524,6 @@ class KeyedJaggedTensor:
         """Number of values of each key."""
         opk = self.offset_per_key
         return [b - a for a, b in itertools.pairwise(opk)]
-
-    @property
-    def num_values(self) -> int:
-        """Number of values N."""
-        return self._values.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the values."""
-        return self._values.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the values."""
-        return self._values.dtype
 
     # -- per key -------------------------------------------------------------------------------
     def key_index(self, key: str) -> int:
@@ -770,6 +751,26 @@ def _jagged_from_arrays(key: str, values: Any, offsets: Any, *, validate: bool) 
         vals = vals[start:end]
         offs = offs - start
     return JaggedTensor(vals, offs, validate=validate)
+
+
+def _features_from_arrays(
+    keys: Sequence[str], values: Sequence[Any], offsets: Sequence[Any], *, validate: bool
+) -> dict[str, JaggedTensor]:
+    """``{key: JaggedTensor}`` from per-key flat arrays (see :meth:`KeyedJaggedTensor.from_arrays`).
+
+    The keys are always checked (a repeated key would otherwise silently drop a feature).
+    """
+    if not (len(keys) == len(values) == len(offsets)):
+        msg = (
+            f"`keys`, `values` and `offsets` must have one entry per key, got "
+            f"{len(keys)}, {len(values)} and {len(offsets)}"
+        )
+        raise DataError(msg)
+    _check_keys(tuple(keys))
+    return {
+        key: _jagged_from_arrays(key, vals, offs, validate=validate)
+        for key, vals, offs in zip(keys, values, offsets)
+    }
 
 
 def arrow_list_arrays(

@@ -160,6 +160,9 @@ def ikjt_from_torchrec(kjt: Any, *, validate: bool = True) -> InverseKeyedJagged
         msg = "`kjt` has weights; recpipe's InverseKeyedJaggedTensor has no weights"
         raise DataError(msg)
     keys = kjt.keys()
+    if not keys:
+        msg = "`kjt` has no keys; an InverseKeyedJaggedTensor needs at least one, got []"
+        raise DataError(msg)
     inv_keys, inv = inverse_info
     strides = kjt.stride_per_key() if kjt.variable_stride_per_key() else [kjt.stride()] * len(keys)
     if len(set(strides)) > 1:

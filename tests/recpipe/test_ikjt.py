@@ -182,6 +182,11 @@ def test_ikjt_errors():
         )
     with pytest.raises(DataError, match="unknown key 'z'"):
         InverseKeyedJaggedTensor.from_kjt(build_kjt({"a": [[1]]}), keys=["z"])
+    # a repeated key must be refused, not collapse into one feature
+    vals, offs = [np.array([1]), np.array([2])], [np.array([0, 1]), np.array([0, 1])]
+    for cls in (InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor, KeyedJaggedTensor):
+        with pytest.raises(DataError, match=r"`keys` must be unique, got duplicates \['a'\]"):
+            cls.from_arrays(["a", "a"], vals, offs, validate=False)
 
 
 # -- partial IKJT ------------------------------------------------------------------------------

@@ -160,3 +160,13 @@ def test_what_torchrec_cannot_express_is_refused():
         ikjt_from_torchrec(tr)
     with pytest.raises(DataError, match="must be a torchrec KeyedJaggedTensor"):
         from_torchrec(build_kjt(USER))
+    no_keys = trj.KeyedJaggedTensor(
+        keys=[],
+        values=torch.empty(0, dtype=torch.int64),
+        lengths=torch.empty(0, dtype=torch.int64),
+        stride=2,
+        stride_per_key_per_rank=[],
+        inverse_indices=([], torch.empty(0, 2, dtype=torch.int64)),
+    )
+    with pytest.raises(DataError, match="`kjt` has no keys"):
+        ikjt_from_torchrec(no_keys)
