@@ -71,6 +71,29 @@ def _detail(field: str, text: str, fragment: str | None = None) -> str:
     )
 
 
+def _line_checks(rk: str) -> list[tuple[str, str, str]]:
+    """The checks every raw log line gets first: JSON parses, the request id is there and typed."""
+    return [
+        ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
+        ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
+        (
+            f"regexp_matches(line, '{_TRAILING_COMMA_RE}')",
+            reasons.MALFORMED_JSON,
+            sql_str("not valid JSON (trailing comma)"),
+        ),
+        (
+            f"j.{_ident(rk)} IS NULL OR json_type(j.{_ident(rk)}) = 'NULL'",
+            reasons.MISSING_REQUEST_ID,
+            sql_str(f"field `{rk}`: missing (or the line is not a JSON object)"),
+        ),
+        (
+            f"json_type(j.{_ident(rk)}) NOT IN {_ID_TYPES}",
+            reasons.WRONG_TYPE,
+            _detail(rk, "expected a string or an integer", f"j.{_ident(rk)}"),
+        ),
+    ]
+
+
 def feature_columns(schema: DatasetSchema) -> list[str]:
     """Internal column names of the validated feature table, dense then sparse."""
     return [f"d{i}" for i in range(len(schema.dense))] + [
@@ -105,23 +128,7 @@ def feature_select(
     struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
     struct = (struct + "}").replace("'", "''")
     checks: list[tuple[str, str, str]] = [
-        ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
-        ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
-        (
-            f"regexp_matches(line, '{_TRAILING_COMMA_RE}')",
-            reasons.MALFORMED_JSON,
-            sql_str("not valid JSON (trailing comma)"),
-        ),
-        (
-            f"j.{_ident(rk)} IS NULL OR json_type(j.{_ident(rk)}) = 'NULL'",
-            reasons.MISSING_REQUEST_ID,
-            sql_str(f"field `{rk}`: missing (or the line is not a JSON object)"),
-        ),
-        (
-            f"json_type(j.{_ident(rk)}) NOT IN {_ID_TYPES}",
-            reasons.WRONG_TYPE,
-            _detail(rk, "expected a string or an integer", f"j.{_ident(rk)}"),
-        ),
+        *_line_checks(rk),
         (
             f"j.{_ident(tk)} IS NULL OR json_type(j.{_ident(tk)}) = 'NULL'",
             reasons.MISSING_TS,
@@ -420,23 +427,7 @@ def event_select(schema: DatasetSchema, src: str) -> str:
     struct = struct.replace("'", "''")
     lab = f"j.{_ident(lk)}"
     checks: list[tuple[str, str, str]] = [
-        ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
-        ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
-        (
-            f"regexp_matches(line, '{_TRAILING_COMMA_RE}')",
-            reasons.MALFORMED_JSON,
-            sql_str("not valid JSON (trailing comma)"),
-        ),
-        (
-            f"j.{_ident(rk)} IS NULL OR json_type(j.{_ident(rk)}) = 'NULL'",
-            reasons.MISSING_REQUEST_ID,
-            sql_str(f"field `{rk}`: missing (or the line is not a JSON object)"),
-        ),
-        (
-            f"json_type(j.{_ident(rk)}) NOT IN {_ID_TYPES}",
-            reasons.WRONG_TYPE,
-            _detail(rk, "expected a string or an integer", f"j.{_ident(rk)}"),
-        ),
+        *_line_checks(rk),
         (
             f"j.{_ident(tk)} IS NOT NULL AND json_type(j.{_ident(tk)}) <> 'NULL' "
             f"AND (json_type(j.{_ident(tk)}) NOT IN {_INT_TYPES} "

@@ -862,11 +862,12 @@ def format_summary(manifest: dict, out_dir: str | Path | None = None) -> str:
     )
     if m["unknown_features"]:
         lines.append(f"  unknown features {m['unknown_features']}")
+    ratio = m["compression_ratio"]
     lines += [
         f"  reconciles       {m['reconciles']}  (in = out + quarantined + sampled out)",
         f"  files            {len(m['files']):>12,}   row groups {m['row_groups']:,}",
         f"  bytes in / out   {mb(m['bytes_in'])} / {mb(m['bytes_out'])}   "
-        f"(feature logs / Parquet = {m['compression_ratio']}x)",
+        f"(feature logs / Parquet = {f'{ratio}x' if ratio is not None else 'n/a'})",
         f"  parquet          zstd-{m['parquet']['level']}, row groups of "
         f"{m['parquet']['row_group_size']:,} rows, dictionary on "
         f"{len(m['parquet']['dictionary_columns'])} columns",

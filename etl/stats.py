@@ -52,7 +52,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from recpipe.errors import DataError
+from recpipe.errors import CorruptInputError, DataError
 
 if TYPE_CHECKING:
     import duckdb
@@ -405,6 +405,7 @@ def compute_stats(
 
     Raises:
         DataError: the dataset is missing, empty, or lacks a column of the schema.
+        CorruptInputError: a dataset file is not readable Parquet.
         SchemaError: the manifest's schema is invalid.
     """
     import duckdb
@@ -455,6 +456,10 @@ def compute_stats(
         jaccard = _jaccard_matrix({name: _change_rows(con, keys, name, rows) for name in proposed})
         groups = _greedy_groups(proposed, jaccard, group_jaccard)
         bar.update(1)
+    except (duckdb.InvalidInputException, duckdb.IOException) as exc:
+        reason = str(exc).splitlines()[0]
+        msg = f"`dataset_dir` {str(root)!r}: a dataset file cannot be read as Parquet: {reason}"
+        raise CorruptInputError(msg) from None
     finally:
         bar.close()
         con.close()
@@ -629,10 +634,27 @@ def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+_NUMERIC_TYPES = frozenset(
+    [
+        "TINYINT",
+        "SMALLINT",
+        "INTEGER",
+        "BIGINT",
+        "HUGEINT",
+        "UTINYINT",
+        "USMALLINT",
+        "UINTEGER",
+        "UBIGINT",
+        "FLOAT",
+        "DOUBLE",
+    ]
+)
+
+
 def _check_columns(
     con: duckdb.DuckDBPyConnection, files: list[Path], schema: DatasetSchema
 ) -> None:
-    columns = {row[0] for row in con.execute("DESCRIBE samples").fetchall()}
+    columns = {row[0]: row[1] for row in con.execute("DESCRIBE samples").fetchall()}
     needed = [schema.session_key, schema.time_key, *schema.dense_names, *schema.sparse_names]
     missing = [c for c in needed if c not in columns]
     if missing:
@@ -640,6 +662,18 @@ def _check_columns(
             f"dataset file {str(files[0])!r} lacks column(s) {', '.join(map(repr, missing))} of "
             f"schema {schema.name!r}\nhint: pass the schema the dataset was built with (`--schema`)"
         )
+        raise DataError(msg)
+    wrong = [
+        f"{name!r} is {columns[name]}, expected {expected}"
+        for names, ok, expected in (
+            (schema.sparse_names, lambda t: t.endswith("[]"), "a list"),
+            (schema.dense_names, lambda t: t in _NUMERIC_TYPES, "a number"),
+        )
+        for name in names
+        if not ok(columns[name])
+    ]
+    if wrong:
+        msg = f"dataset file {str(files[0])!r}: column {'; '.join(wrong)} (schema {schema.name!r})"
         raise DataError(msg)
 
 

@@ -276,6 +276,21 @@ def test_parquet_input_and_config_errors(tmp_path):
         build(tmp_path / "missing.jsonl", tmp_path / "o2")
 
 
+def test_empty_input_and_mistyped_parquet_column(tmp_path):
+    import pyarrow as pa
+
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    m = build(tmp_path / "empty.jsonl", tmp_path / "out")
+    assert m["rows_in"] == m["rows_out"] == 0 and m["compression_ratio"] is None
+    assert "Parquet = n/a" in format_summary(m)
+    pq.write_table(pa.table({"request_id": ["a"], "ts": ["noon"]}), tmp_path / "t.parquet")
+    m = build(tmp_path / "t.parquet", tmp_path / "out2")
+    assert m["quarantine_by_reason"][reasons.WRONG_TYPE] == 1
+    (bad,) = _quarantine(tmp_path / "out2")
+    assert bad["source"].endswith("t.parquet") and bad["line"] == 1
+    assert bad["detail"].startswith("field `ts`: expected an int64")
+
+
 def test_synth_logs_reconcile_with_the_injected_bad_records(synth_logs, tmp_path):
     m = build(synth_logs.features, tmp_path / "out", events=synth_logs.events)
     _reconciles(m)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from etl.stats import compute_stats, dataset_files, dedupe_factor_model
-from recpipe.errors import DataError, SchemaError
+from recpipe.errors import CorruptInputError, DataError, SchemaError
 from schemas import DatasetSchema, DenseFeature, SparseFeature
 
 LIST = pa.list_(pa.int64())
@@ -317,6 +317,20 @@ def test_errors_name_the_problem(tmp_path):
     (root / "_manifest.json").write_text(json.dumps({"schema": "[dataset]\nnam = 'x'\n"}))
     with pytest.raises(SchemaError, match=r"_manifest.json \[schema\].*unknown key `nam`"):
         compute_stats(root)
+
+
+def test_bad_dataset_files_raise_clear_errors(tmp_path):
+    root = _write(tmp_path / "typed", TINY)
+    table = pq.read_table(root / "part-00000.parquet")
+    at = table.schema.get_field_index("hist")
+    table = table.set_column(at, "hist", pa.array([1] * len(TINY), pa.int64()))
+    pq.write_table(table, root / "part-00000.parquet")
+    with pytest.raises(DataError, match=r"part-00000.parquet.*'hist' is BIGINT, expected a list"):
+        compute_stats(root, schema=SCHEMA)
+    corrupt = _write(tmp_path / "corrupt", TINY)
+    (corrupt / "part-00000.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(CorruptInputError, match=r"cannot be read as Parquet.*part-00000.parquet"):
+        compute_stats(corrupt, schema=SCHEMA)
 
 
 def test_cli(tmp_path, capsys):
