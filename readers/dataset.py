@@ -290,12 +290,10 @@ class ParquetBatchDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        start = None
-        if self._resume is not None:
-            _check_state(self._resume, num_workers=num_workers, rank=self.rank,
-                         world_size=self.world_size)  # fmt: skip
-            entry = self._resume["positions"].get(str(worker_id))
-            start = None if entry is None else SourcePosition(int(entry[0]), int(entry[1]))
+        _, start = _start_position(
+            self._resume, worker_id=worker_id, num_workers=num_workers, rank=self.rank,
+            world_size=self.world_size,
+        )  # fmt: skip
         stream = _produce(
             self.source, self.converter, self.pipeline, epoch=self.epoch, rank=self.rank,
             world_size=self.world_size, worker_id=worker_id, num_workers=num_workers, start=start,

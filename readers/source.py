@@ -293,6 +293,7 @@ class DatasetSource:
         Raises:
             CorruptInputError: the row group cannot be decoded; the message names the file, the
                 row group and (when it can be found) the column.
+            DataError: a session key or label is null; the message names file, row and column.
         """
         try:
             pf = handle or pq.ParquetFile(split.path)
@@ -310,6 +311,15 @@ class DatasetSource:
                 f"its footer says {split.num_rows}"
             )
             raise CorruptInputError(msg)
+        for name in (self.schema.session_key, self.schema.label_key):
+            column = table.column(name)
+            if column.null_count:  # O(1); a null would become a garbage int64 / NaN downstream
+                row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+                msg = (
+                    f"{split.path}: row group {split.row_group} row {row}: `{name}` is null "
+                    f"({column.null_count} null rows in the row group)"
+                )
+                raise DataError(msg)
         return table
 
     def _find_bad_column(self, split: Split) -> str | None:

@@ -370,6 +370,7 @@ class Bucketize(_Elementwise):
     """
 
     boundaries: Sequence[float] = ()
+    _bounds: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         b = list(self.boundaries)
@@ -378,10 +379,10 @@ class Bucketize(_Elementwise):
             "must be a non-empty, strictly increasing list",
         )  # fmt: skip
         self.boundaries = tuple(b)
+        self._bounds = torch.tensor(self.boundaries, dtype=torch.float64)
 
     def _map(self, x):
-        b = torch.tensor(self.boundaries, dtype=torch.float64, device=x.device)
-        return torch.bucketize(x.to(torch.float64), b, right=True)
+        return torch.bucketize(x.to(torch.float64), self._bounds.to(x.device), right=True)
 
 
 @register_transform
@@ -424,6 +425,8 @@ class Normalize(DenseTransform):
 
     mean: float | Sequence[float] = 0.0
     std: float | Sequence[float] = 1.0
+    _mean: torch.Tensor = field(init=False, repr=False, compare=False)
+    _std: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         n = len(self.features)
@@ -434,10 +437,13 @@ class Normalize(DenseTransform):
             _check(all(math.isfinite(x) for x in vals), self, name, v, "must be finite")
             setattr(self, name, tuple(float(x) for x in vals))
         _check(all(s > 0 for s in self.std), self, "std", self.std, "must be > 0")
+        # float64 once here; the per-batch cast rounds exactly as building from the floats would
+        self._mean = torch.tensor(self.mean, dtype=torch.float64)
+        self._std = torch.tensor(self.std, dtype=torch.float64)
 
     def apply_dense(self, dense):
-        mean = torch.tensor(self.mean, dtype=dense.dtype, device=dense.device)
-        std = torch.tensor(self.std, dtype=dense.dtype, device=dense.device)
+        mean = self._mean.to(dtype=dense.dtype, device=dense.device)
+        std = self._std.to(dtype=dense.dtype, device=dense.device)
         return (dense - mean) / std
 
 

@@ -132,3 +132,21 @@ def make_dataset(tmp_path, tiny_schema):
         return root
 
     return make
+
+
+def corrupt_column(path: Path, column: str) -> None:
+    """Overwrite most of row group 0's pages of ``column`` so that decoding it fails."""
+    meta = pq.read_metadata(path)
+    names = [meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)]
+    chunk = meta.row_group(0).column(names.index(column))
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    size = chunk.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[start + size // 4 : start + size - 2] = b"\xa5" * (size - 2 - size // 4)
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(name="corrupt_column")
+def corrupt_column_fixture():
+    """The :func:`corrupt_column` helper."""
+    return corrupt_column

@@ -193,11 +193,11 @@ def test_preprocessing_in_workers(make_dataset, tiny_schema, tmp_path):
         assert all(a.to_plain().kjt.equals(b.to_plain().kjt) for a, b in zip(got, want))
 
 
-def test_skip_bad_file_and_corrupt_split_counted(make_dataset, tiny_schema):
+def test_skip_bad_file_and_corrupt_split_counted(make_dataset, tiny_schema, corrupt_column):
     root = make_dataset(num_sessions=30, files=2, row_group_rows=1000)
     good = pq.read_metadata(root / "part-00000.parquet").num_rows
     (root / "part-00007.parquet").write_bytes(b"PAR1 garbage")
-    _corrupt_column(root / "part-00001.parquet", "user_sellers")
+    corrupt_column(root / "part-00001.parquet", "user_sellers")
     with pytest.raises(CorruptInputError, match=r"part-00007\.parquet"):
         make_dataloader(root, schema=tiny_schema, config=CFG)
     cfg = ReaderConfig(batch_size=16, on_error="skip")
@@ -211,17 +211,6 @@ def test_skip_bad_file_and_corrupt_split_counted(make_dataset, tiny_schema):
         CorruptInputError, match=r"part-00001\.parquet: row group 0 column `user_sellers`"
     ):
         list(strict)
-
-
-def _corrupt_column(path, column: str) -> None:
-    meta = pq.read_metadata(path)
-    names = [meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)]
-    chunk = meta.row_group(0).column(names.index(column))
-    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-    size = chunk.total_compressed_size
-    data = bytearray(path.read_bytes())
-    data[start + size // 4 : start + size - 2] = b"\xa5" * (size - 2 - size // 4)
-    path.write_bytes(bytes(data))
 
 
 def test_dataset_schema_from_manifest(make_dataset, tiny_schema):

@@ -191,22 +191,10 @@ def test_not_parquet_is_corrupt_or_skipped(make_dataset, tiny_schema):
     )
 
 
-def _corrupt_column(path, column: str) -> None:
-    meta = pq.read_metadata(path)
-    names = [meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)]
-    chunk = meta.row_group(0).column(names.index(column))
-    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-    size = chunk.total_compressed_size
-    data = bytearray(path.read_bytes())
-    for i in range(start + size // 4, start + size - 2):
-        data[i] = 0xA5
-    path.write_bytes(bytes(data))
-
-
-def test_corrupt_row_group_names_file_and_column(make_dataset, tiny_schema):
+def test_corrupt_row_group_names_file_and_column(make_dataset, tiny_schema, corrupt_column):
     root = make_dataset(num_sessions=30, files=1, row_group_rows=1000)
     path = root / "part-00000.parquet"
-    _corrupt_column(path, "item_tags")
+    corrupt_column(path, "item_tags")
     source = DatasetSource(root, schema=tiny_schema)
     with pytest.raises(
         CorruptInputError, match=r"part-00000\.parquet: row group 0 column `item_tags`"
@@ -215,3 +203,28 @@ def test_corrupt_row_group_names_file_and_column(make_dataset, tiny_schema):
     skipping = DatasetSource(root, schema=tiny_schema, config=ReaderConfig(on_error="skip"))
     assert list(skipping.iter_tables(skipping.splits)) == []
     assert [(s.row_group, s.rows) for s in skipping.skipped] == [(0, skipping.splits[0].num_rows)]
+
+
+def test_null_session_or_label_names_file_row_and_column_or_is_skipped(
+    tmp_path, tiny_schema, make_table
+):
+    table = make_table(num_sessions=5, seed=0)
+    for column in ("session_id", "label"):
+        values = table.column(column).to_pylist()
+        values[3] = None
+        bad = table.set_column(
+            table.schema.get_field_index(column), table.schema.field(column),
+            pa.array(values, type=table.schema.field(column).type),
+        )  # fmt: skip
+        path = tmp_path / column / "part-00000.parquet"
+        path.parent.mkdir()
+        pq.write_table(bad, path)
+        source = DatasetSource(path.parent, schema=tiny_schema)
+        with pytest.raises(
+            DataError, match=rf"part-00000\.parquet: row group 0 row 3: `{column}` is null"
+        ):
+            list(source.iter_tables(source.splits))
+        config = ReaderConfig(on_error="skip")
+        skipping = DatasetSource(path.parent, schema=tiny_schema, config=config)
+        assert list(skipping.iter_tables(skipping.splits)) == []
+        assert [(s.row_group, s.rows) for s in skipping.skipped] == [(0, table.num_rows)]
