@@ -521,6 +521,8 @@ class _Run:
         self.config, self.progress, self.log = config, progress, log
         self.schema: DatasetSchema = dataset_schema(config.dataset)
         self.device = torch.device(config.device)
+        # read before the stores open: they reopen at the step of the dense checkpoint
+        self.resume_state = self._read_checkpoint() if config.resume else None
         table_factory = None
         self.stores: list[Any] = []
         if config.store == "hybrid":
@@ -587,8 +589,12 @@ class _Run:
 
             lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
             path = None if root is None else root / table.name
-            if cfg.resume and path is not None and (path / "meta.json").exists():
-                store = open_store(path, lr=lr, device=str(self.device))
+            resume = self.resume_state is not None and path is not None
+            if resume and (path / "meta.json").exists():
+                # the store may have committed a later step than the dense checkpoint (a crash
+                # between the two): it rolls back to the checkpoint's step
+                at = self.resume_state["trainer"]["step"]
+                store = open_store(path, lr=lr, device=str(self.device), step=at)
             else:
                 if path is not None and path.exists():
                     shutil.rmtree(path)  # a fresh run replaces an old store
@@ -600,7 +606,7 @@ class _Run:
                     init_scale=math.sqrt(1.0 / table.num_embeddings),
                     pin_window=len(table.features) + 2,
                     device=str(self.device),
-                    sync="process",
+                    sync="full",  # durable like the state file saved beside it (fsynced)
                 ))  # fmt: skip
             self.stores.append(store)
             return StoreTable(table, store)
@@ -618,7 +624,9 @@ class _Run:
         if path is None:
             return None
         path.parent.mkdir(parents=True, exist_ok=True)
-        for store in self.stores:  # the store's rows at this step boundary, then the rest
+        # every store commits this step, then the rest is saved: after a crash in between the
+        # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
+        for store in self.stores:
             store.checkpoint(self.trainer.step)
         state = {
             "version": _CHECKPOINT_VERSION,
@@ -634,10 +642,11 @@ class _Run:
         _save_atomic(state, path)
         return path
 
-    def restore(self) -> bool:
+    def _read_checkpoint(self) -> dict[str, Any] | None:
+        """The saved training state, or ``None`` when there is no checkpoint file yet."""
         path = self.checkpoint_path
         if path is None or not path.is_file():
-            return False
+            return None
         try:
             state = torch.load(path, map_location=self.device, weights_only=False)
         except Exception as exc:  # a truncated or foreign file
@@ -646,6 +655,12 @@ class _Run:
         if not isinstance(state, dict) or state.get("version") != _CHECKPOINT_VERSION:
             msg = f"{path}: not a recpipe training checkpoint (version {_CHECKPOINT_VERSION})"
             raise RecpipeError(msg)
+        return state
+
+    def restore(self) -> bool:
+        state, path = self.resume_state, self.checkpoint_path
+        if state is None:
+            return False
         for store in self.stores:
             at = store.stats().last_checkpoint_step
             if at != state["trainer"]["step"]:

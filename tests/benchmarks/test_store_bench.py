@@ -35,6 +35,12 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
         "2",
         "--index-rows",
         "1000",
+        "--model-requests",
+        "3000",
+        "--model-steps",
+        "4",
+        "--model-repeats",
+        "1",
         "--miss-steps",
         "6",
         "--repeats",
@@ -53,10 +59,12 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
         "rho",
         "chosen_hot_rows",
         "checkpoint_overhead",
+        "checkpoint_overhead_embedding_only",
         "checkpoint_overhead_first_interval",
         "checkpoint_overhead_sync_process",
         "storage_choice",
         "recovery_speedup",
+        "recovery_speedup_cold_cache",
         "miss_rate",
     ):
         assert key in result
@@ -65,4 +73,8 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
     assert 0.0 <= result["miss_rate"]["10%"]["miss_rate"] <= 1.0
     choice = result["storage_choice"]
     assert choice["chosen"] in choice and choice["in_place_undo_log"]["steady_seconds"] > 0
+    model = result["checkpoint_model"]
+    assert model["stores"] > 0 and model["checkpoints"][0]["step"] == 3
+    assert model["checkpoints"][0]["rows_written"] > 0
+    assert all(t > 0 for t in result["recovery_seconds"].values())
     assert "checkpoint overhead" in capsys.readouterr().out

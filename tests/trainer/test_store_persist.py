@@ -245,3 +245,58 @@ def test_order_by_row_sorts_distinct_rows():
     rows = np.random.default_rng(3).permutation(1000)[:300].astype(np.int64)
     order = K.order_by_row(rows, 1000)
     np.testing.assert_array_equal(rows[order], np.sort(rows))
+
+
+def _sorted_export(store: EmbeddingStore) -> tuple[bytes, bytes]:
+    ids, values = store.export()
+    order = np.argsort(ids)
+    return ids[order].tobytes(), values[order].tobytes()
+
+
+def test_open_rolls_back_one_checkpoint_until_a_row_is_written(tmp_path):
+    """A trainer with several stores reopens each at the step of its dense checkpoint: a store
+    that committed one checkpoint later (a crash in between) rolls back to it."""
+    path = tmp_path / "s"
+    cfg = StoreConfig(dim=DIM, optimizer="rowwise_adagrad", chunk_rows=8, cache_rows=200)
+    with EmbeddingStore.create(path, cfg) as store:
+        train(store, range(5))
+        store.checkpoint(4)
+        at_4 = _sorted_export(store)
+        train(store, range(5, 10))  # new ids too: the later checkpoint has more rows
+        store.checkpoint(9)
+        at_9 = _sorted_export(store)
+    assert len(at_4[0]) < len(at_9[0]) and (path / "PREVIOUS").exists()
+    assert inspect_store(path)["previous_checkpoint_step"] == 4
+    with open_store(path, step=4, cache_rows=200) as store:
+        assert _sorted_export(store) == at_4 and store.stats().last_checkpoint_step == 4
+        train(store, range(5, 10))  # the same steps again: the same rows
+        store.checkpoint(9)
+        assert _sorted_export(store) == at_9
+    with open_store(path, step=9, cache_rows=200) as store:
+        assert _sorted_export(store) == at_9
+    with pytest.raises(StoreError, match="not of step 3"):
+        open_store(path, step=3)
+
+
+@pytest.mark.parametrize("write", ["eviction", "checkpoint"])
+def test_roll_back_is_refused_once_a_row_was_written(tmp_path, write):
+    path = tmp_path / "s"
+    cfg = StoreConfig(dim=DIM, chunk_rows=8, cache_rows=40, pin_window=1)
+    with EmbeddingStore.create(path, cfg) as store:
+        train(store, range(3))
+        store.checkpoint(2)
+        train(store, range(3, 6))
+        store.checkpoint(5)
+        written = store.stats().written_back
+        train(store, range(6, 9))
+        if write == "checkpoint":
+            store.checkpoint(8)
+        assert store.stats().written_back > written  # evictions (or the checkpoint) wrote rows
+    assert not (path / "PREVIOUS").exists() or write == "checkpoint"
+    with pytest.raises(StoreError, match="not of step 2"):
+        open_store(path, step=2, cache_rows=40, pin_window=1)
+    if write == "checkpoint":  # the checkpoint of step 5 is the one kept now
+        with open_store(path, step=5, cache_rows=40, pin_window=1) as store:
+            assert store.stats().last_checkpoint_step == 5
+    leftovers = {p.name for p in path.iterdir() if p.name.startswith(("copies-", "hot-"))}
+    assert len(leftovers) <= 2  # the files of at most two checkpoints are kept

@@ -99,6 +99,55 @@ def test_holdout_keeps_sessions_whole(dataset):
 
 
 # -- parity, resume ----------------------------------------------------------------------------
+class _Crash(Exception):
+    pass
+
+
+def test_hybrid_resume_after_a_crash_between_the_stores_and_the_state_file(
+    dataset, tmp_path, monkeypatch
+):
+    """Every store commits step 4, then the process dies before the dense state of step 4 is
+    saved: resuming rolls the stores back to step 2 and trains as if nothing happened."""
+    import trainer.train as train_module
+
+    kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
+    full = train(_config(dataset, tmp_path / "full", steps=6, **kw), progress=False)
+    save = train_module._save_atomic
+
+    def crash_at_step_4(state, path):
+        if state["trainer"]["step"] == 4:
+            raise _Crash
+        save(state, path)
+
+    monkeypatch.setattr(train_module, "_save_atomic", crash_at_step_4)
+    with pytest.raises(_Crash):
+        train(_config(dataset, tmp_path / "crash", steps=6, **kw), progress=False)
+    monkeypatch.undo()
+    stores = tmp_path / "crash" / "store"
+    assert all((p / "PREVIOUS").exists() for p in stores.iterdir())  # they did commit step 4
+    resumed = train(
+        _config(dataset, tmp_path / "crash", steps=6, resume=True, **kw), progress=False
+    )
+    assert resumed.resumed_from == 2 and resumed.losses == full.losses
+
+
+def test_hybrid_resume_without_a_state_file_starts_afresh(dataset, tmp_path, monkeypatch):
+    """The stores committed the first checkpoint, the state file never came: nothing to resume,
+    so the run starts from step 0 with fresh stores (not with the committed rows)."""
+    import trainer.train as train_module
+
+    kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
+    full = train(_config(dataset, tmp_path / "full", steps=3, **kw), progress=False)
+    monkeypatch.setattr(train_module, "_save_atomic", lambda *a: (_ for _ in ()).throw(_Crash()))
+    with pytest.raises(_Crash):
+        train(_config(dataset, tmp_path / "crash", steps=3, **kw), progress=False)
+    monkeypatch.undo()
+    resumed = train(
+        _config(dataset, tmp_path / "crash", steps=3, resume=True, **kw), progress=False
+    )
+    assert resumed.resumed_from is None and resumed.losses == full.losses
+
+
 @pytest.mark.slow
 def test_dedup_on_and_off_train_identically(dataset, tmp_path):
     on = train(_config(dataset, tmp_path / "on", steps=20, dedup=True), progress=False)

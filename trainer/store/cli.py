@@ -66,6 +66,12 @@ def run(args: argparse.Namespace) -> int:
             "last checkpoint",
             "none" if last["step"] < 0 else f"step {last['step']} (#{last['epoch']})",
         ),
+        (
+            "can roll back to",
+            "-"
+            if info["previous_checkpoint_step"] is None
+            else f"step {info['previous_checkpoint_step']} (no row written since the last one)",
+        ),
         ("checkpoints logged", str(info["checkpoints"])),
         ("total size", _human(info["total_bytes"])),
     ]

@@ -13,13 +13,19 @@ A store directory::
     hot-<epoch>.bin    ids of the hot set at checkpoint <epoch>
     CURRENT            the commit record: step, epoch, rows, CRCs of the files above; written to
                        a temporary file, fsynced and renamed, so it is either old or new
+    PREVIOUS           the commit record before CURRENT, kept (with its files) until the store
+                       next writes a row: ``open_store(path, step=...)`` can still roll back to it
     checkpoints.jsonl  one line per completed checkpoint (for `recpipe store`)
 
 Shadow copies: between two checkpoints every write of a row (an eviction from memory, or the
 checkpoint itself) goes to the copy that is *not* committed, so the committed copy of every row
 stays intact on disk until the next commit. ``checkpoint(step)`` writes only the rows changed
 since the last checkpoint, fsyncs, writes the new copy bitmap and renames a new CURRENT: that
-rename is the commit. ``open`` reads CURRENT and its bitmap and cuts ``rows.bin`` / ``ids.bin``
+rename is the commit. Until the next row is written, the rows of the checkpoint before are intact
+too (a commit flips each written row to the copy that was not committed), so the previous commit
+record is kept as PREVIOUS: a trainer whose dense state was saved at step s, with several stores
+of which some committed s + k before a crash, reopens each store at step s. The first write after
+a commit (an eviction, or the next checkpoint) deletes PREVIOUS first. ``open`` reads CURRENT and its bitmap and cuts ``rows.bin`` / ``ids.bin``
 to the committed row count: exactly the last completed checkpoint, with no log to replay and no
 row read (rows are checked against their checksums when they are first read). The price is
 twice the disk space of the table; the gain is one write per changed row (an undo or redo log
@@ -73,7 +79,7 @@ __all__ = ["CommitRecord", "StoreMeta", "inspect_store"]
 FORMAT_VERSION = 1
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -96,7 +102,7 @@ def write_json_atomic(path: Path, payload: dict[str, Any], *, sync: bool) -> Non
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if sync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def read_json_checked(path: Path) -> dict[str, Any]:
@@ -167,14 +173,21 @@ class CommitRecord:
     copies_crc: int = 0
     index: dict[str, int] | None = None  # the saved index: epoch, rows, shards, slots, checksum
 
-    def save(self, root: Path, *, sync: bool) -> None:
-        write_json_atomic(root / "CURRENT", dict(self.__dict__), sync=sync)
+    def save(self, root: Path, *, sync: bool, name: str = "CURRENT") -> None:
+        write_json_atomic(root / name, dict(self.__dict__), sync=sync)
 
     @classmethod
-    def load(cls, root: Path) -> CommitRecord:
-        if not (root / "CURRENT").exists():
+    def load(cls, root: Path, name: str = "CURRENT") -> CommitRecord:
+        if not (root / name).exists():
             return cls(step=-1, epoch=0, num_rows=0, ids_crc=0, num_hot=0, hot_crc=0)
-        return cls(**read_json_checked(root / "CURRENT"))
+        return cls(**read_json_checked(root / name))
+
+    def files(self) -> set[str]:
+        """The per-epoch files this record refers to."""
+        names = {f"copies-{self.epoch}.bin", f"hot-{self.epoch}.bin"}
+        if self.index is not None:
+            names.add(f"index-{self.index['epoch']}.bin")
+        return names
 
 
 class RowFile:
@@ -360,6 +373,9 @@ def inspect_store(path: str | os.PathLike[str], *, history: int = 5) -> dict[str
         "hot_rows": int(hot.size),
         "hot_ids_head": hot[:8].tolist(),
         "last_checkpoint": {"step": commit.step, "epoch": commit.epoch},
+        "previous_checkpoint_step": (
+            CommitRecord.load(root, "PREVIOUS").step if (root / "PREVIOUS").exists() else None
+        ),
         "saved_index": commit.index,
         "checkpoints": len(lines),
         "recent_checkpoints": lines[-history:],

@@ -66,6 +66,7 @@ from trainer.store.persist import (
     CommitRecord,
     RowFile,
     StoreMeta,
+    fsync_dir,
     read_copies,
     read_hot,
     read_ids,
@@ -284,6 +285,9 @@ class EmbeddingStore:
         self._stats = StoreStats(0, 0, 0, 0, 0, 0)
         self._closed = False
         self._index_saved: dict[str, int] | None = None
+        # the commit before `_commit`, still restorable until the next row write (PREVIOUS)
+        self._previous: CommitRecord | None = None
+        self._previous_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[dict[str, Any]] | None = None
         # copy-on-write of the rows of the checkpoint in flight (see _snapshot / _cow_save)
@@ -325,6 +329,7 @@ class EmbeddingStore:
         cache_rows: int | None = None,
         device: str = "cpu",
         verify: bool = False,
+        step: int | None = None,
         **options: Any,
     ) -> EmbeddingStore:
         """Open a store, restoring exactly its last completed checkpoint (crash recovery).
@@ -339,7 +344,13 @@ class EmbeddingStore:
             cache_rows: host memory budget in rows (None: unbounded).
             device: the training device.
             verify: check every row's checksum now instead of when it is first read.
+            step: restore the checkpoint of this step: the last one, or the one before it if
+                no row was written since the last (a trainer whose other state was saved at
+                the earlier step); ``None``: the last one.
             **options: other :class:`StoreConfig` fields (``pin_window``, ``sync``, ...).
+
+        Raises:
+            StoreError: missing, truncated or corrupted files, or no checkpoint of ``step``.
         """
         root = Path(path)
         meta = StoreMeta.load(root)
@@ -357,11 +368,47 @@ class EmbeddingStore:
         )
         store = cls(root, meta, config)
         try:
+            store._pick_commit(step)
             store._recover(verify=verify)
         except BaseException:
             store.close()
             raise
         return store
+
+    def _pick_commit(self, step: int | None) -> None:
+        """Choose the commit to restore: CURRENT, or PREVIOUS when ``step`` asks for it (then
+        made CURRENT on disk, and the rolled-back epoch's files removed)."""
+        root = self.root
+        kept = CommitRecord.load(root, "PREVIOUS") if (root / "PREVIOUS").exists() else None
+        if step is None or step == self._commit.step:
+            self._previous = kept if kept is not None and kept.epoch < self._commit.epoch else None
+            return
+        if kept is None or kept.step != step or kept.epoch >= self._commit.epoch:
+            earlier = "" if kept is None else f" (the one before it, kept: step {kept.step})"
+            msg = (
+                f"store {str(root)!r} holds the checkpoint of step {self._commit.step}{earlier}, "
+                f"not of step {step}: rows were written after a later checkpoint"
+            )
+            raise StoreError(msg)
+        dropped = self._commit
+        kept.save(root, sync=self._sync)  # CURRENT := PREVIOUS, atomically: the roll-back
+        (root / "PREVIOUS").unlink()
+        for name in dropped.files() - kept.files():
+            (root / name).unlink(missing_ok=True)
+        self._commit = kept
+
+    def _release_previous(self) -> None:
+        """Before the first row write after a commit: the checkpoint before it stops being
+        restorable, so PREVIOUS and its own files go."""
+        with self._previous_lock:
+            previous, self._previous = self._previous, None
+            if previous is None:
+                return
+            (self.root / "PREVIOUS").unlink(missing_ok=True)
+            if self._sync:
+                fsync_dir(self.root)
+            for name in previous.files() - self._commit.files():
+                (self.root / name).unlink(missing_ok=True)
 
     def _recover(self, *, verify: bool) -> None:
         commit = self._commit
@@ -619,6 +666,7 @@ class EmbeddingStore:
 
     def _write_back(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """Write cache ``slots`` holding ``rows`` to their uncommitted copies on disk."""
+        self._release_previous()
         self._home.ensure(int(rows.max()) + 1)
         pos = self._write_pos(rows)
         self._home.write(self._slab_np.view(np.uint32), slots, pos)
@@ -840,6 +888,7 @@ class EmbeddingStore:
         t0 = time.perf_counter()
         cpu0 = time.thread_time()
         rows, num_rows, slots = snap["rows"], snap["num_rows"], snap["slots"]
+        self._release_previous()
         self._home.ensure(num_rows)
         if rows.size:
             pos = self._write_pos(rows)  # never the committed copy: a crash leaves it intact
@@ -868,7 +917,7 @@ class EmbeddingStore:
         with self._cow_lock:
             copies = np.packbits(self._cur[:num_rows].astype(np.bool_)).tobytes()
         write_file(self.root / f"copies-{epoch}.bin", copies, sync=self._sync)
-        index_info, old_index = self._commit.index, None
+        index_info = self._commit.index
         if snap["index"] is not None:
             data, index_info = saved_bytes(snap["index"])
             index_info = dict(index_info, epoch=epoch)
@@ -876,7 +925,6 @@ class EmbeddingStore:
                 f.write(memoryview(data).cast("B"))
                 if self._sync:
                     os.fsync(f.fileno())
-            old_index = self._commit.index
         commit = CommitRecord(
             step=snap["step"],
             epoch=epoch,
@@ -887,15 +935,16 @@ class EmbeddingStore:
             copies_crc=zlib.crc32(copies),
             index=index_info,
         )
+        previous = self._commit
+        if previous.epoch:  # kept restorable until the next row write (_release_previous)
+            previous.save(self.root, sync=self._sync, name="PREVIOUS")
         commit.save(self.root, sync=self._sync)  # the commit point
         with self._cow_lock:
             self._committed[:num_rows] = self._cur[:num_rows]
         self._commit = commit
         self._index_saved = index_info
-        if old_index is not None:
-            (self.root / f"index-{old_index['epoch']}.bin").unlink(missing_ok=True)
-        (self.root / f"hot-{epoch - 1}.bin").unlink(missing_ok=True)
-        (self.root / f"copies-{epoch - 1}.bin").unlink(missing_ok=True)
+        with self._previous_lock:
+            self._previous = previous if previous.epoch else None
         info = {
             "step": snap["step"],
             "epoch": epoch,
