@@ -19,6 +19,10 @@ Figures (written to benchmarks/results/service.json):
                           batches (200k requests) is ruled by three such waits and the ratio
                           swings 0.55-1.2 between runs; at 245 batches it holds within ~0.05.
 
+Each service case starts a server (its reader process starts with it and warms up on
+`DatasetProducer.warmup_batches` batches before the client's first batch: the start-up figure
+includes that) and reads one whole epoch through one client.
+
 Every thread pool is limited to one thread (OMP/Numba/Arrow), in this process and in the
 reader processes, so `--readers 1` compares one reader core with one reader core. Cases are
 alternated and the median of `--repeats` is kept, so drift and other load hit both alike.

@@ -303,6 +303,7 @@ def test_epochs_are_passed_to_readers(start_server) -> None:
         ({"readers": -1}, "`readers` has an invalid value -1"),
         ({"port": 70000}, "`port` has an invalid value 70000"),
         ({"token": ""}, "`token` must be a non-empty string"),
+        ({"idle_readers": -1}, "`idle_readers` has an invalid value -1"),
     ],
 )
 def test_config_is_validated(options: dict, match: str) -> None:

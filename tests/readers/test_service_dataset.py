@@ -66,3 +66,36 @@ def test_service_serves_the_reader_pipeline_exactly(
             assert len(got) == len(expected) > 0
             assert all(g.equals(e) for g, e in zip(got, expected))
             assert bool(got[0].ikjts) == dedup
+
+
+@pytest.mark.slow
+def test_a_kept_warm_reader_process_serves_shard_after_shard_exactly(
+    make_dataset, tiny_schema, tmp_path
+) -> None:
+    dataset = make_dataset(num_sessions=40, files=2, row_group_rows=30)
+    schema_path = tmp_path / "tiny.toml"
+    schema_path.write_text(tiny_schema.to_toml())
+    producer = DatasetProducer(str(dataset), batch_size=16, schema=str(schema_path))
+    assert producer.warmup_batches > 0  # the reader runs batches before its first client
+    config = ServiceConfig(readers=1, report_every_s=0, heartbeat_s=0.5)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+        for shard in (0, 1, 0):
+            with ServiceClient(*server.address, shard=shard, num_shards=2, read_timeout_s=60) as c:
+                got = list(c)
+            expected = list(
+                iter_batches(
+                    dataset, schema=tiny_schema, config=ReaderConfig(batch_size=16),
+                    rank=shard, world_size=2,
+                )
+            )  # fmt: skip
+            assert len(got) == len(expected) > 0
+            assert all(g.equals(e) for g, e in zip(got, expected))
+            assert server.join_sessions(timeout=60)
+        assert server.stats().reader_processes_started == 1
+
+
+def test_warmup_batches_is_validated(tmp_path) -> None:
+    from recpipe.errors import DataError
+
+    with pytest.raises(DataError, match="`warmup_batches` must be a non-negative integer"):
+        DatasetProducer(str(tmp_path), warmup_batches=-1)

@@ -171,3 +171,84 @@ def test_killed_reader_process_is_a_clear_client_error() -> None:
         assert server.join_sessions(timeout=TIMEOUT)
         session = server.stats().sessions[0]
         assert (session.state, session.readers_alive) == ("failed", 0)
+
+
+def _epoch(server, **options) -> list:
+    client = ServiceClient(*server.address, read_timeout_s=TIMEOUT, **options)
+    return list(client)
+
+
+@pytest.mark.slow
+def test_reader_processes_are_kept_warm_between_clients() -> None:
+    """A client's reader goes back to the server when the client is done, or disconnects, and
+    the next client gets it (no new process), with exactly the same batches."""
+    import io
+
+    from readers.service import ReaderServer, ServiceConfig
+
+    producer = SyntheticProducer(num_batches=6, batch_size=16)
+    want = [producer.make_batch(i) for i in range(6)]
+    config = ServiceConfig(readers=1, queue_depth=2, report_every_s=0, heartbeat_s=0.5)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+        assert server.stats().reader_processes_idle == 1  # started with the server
+        first = _epoch(server)
+        assert server.join_sessions(timeout=TIMEOUT)
+        client = ServiceClient(*server.address, read_timeout_s=TIMEOUT).connect()
+        assert next(iter(client)).equals(want[0])
+        client.close()  # mid-stream: the reader stops producing and goes back
+        assert server.join_sessions(timeout=TIMEOUT)
+        third = _epoch(server)
+        assert server.join_sessions(timeout=TIMEOUT)
+        stats = server.stats()
+        pids = {s.workers[0].pid for s in server._sessions}
+        assert len(pids) == 1 and stats.reader_processes_started == 1
+        assert stats.reader_processes_idle == 1
+        assert [s.readers_alive for s in stats.sessions] == [0, 0, 0]
+        assert stats.sessions[0].produced == 6  # this session's frames only
+        reader = server._sessions[0].workers[0]
+    for got in (first, third):
+        assert len(got) == 6 and all(a.equals(b) for a, b in zip(got, want))
+    assert not reader.is_alive()  # closing the server stops the kept readers
+
+
+@pytest.mark.slow
+def test_without_kept_readers_each_client_starts_its_own() -> None:
+    import io
+
+    from readers.service import ReaderServer, ServiceConfig
+
+    producer = SyntheticProducer(num_batches=3, batch_size=16)
+    config = ServiceConfig(readers=1, idle_readers=0, report_every_s=0, heartbeat_s=0.5)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+        assert server.stats().reader_processes_idle == 0
+        for _ in range(2):
+            assert len(_epoch(server)) == 3
+            assert server.join_sessions(timeout=TIMEOUT)
+        stats = server.stats()
+        assert (stats.reader_processes_started, stats.reader_processes_idle) == (2, 0)
+        assert not any(s.workers[0].is_alive() for s in server._sessions)
+
+
+@pytest.mark.slow
+def test_a_killed_reader_is_replaced_for_the_next_client() -> None:
+    import io
+    import os
+
+    from readers.service import ReaderServer, ServiceConfig
+
+    producer = SyntheticProducer(num_batches=100_000, batch_size=64)
+    config = ServiceConfig(readers=1, queue_depth=2, report_every_s=0, heartbeat_s=0.5)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+        client = ServiceClient(*server.address, read_timeout_s=TIMEOUT).connect()
+        stream = iter(client)
+        next(stream)
+        os.kill(server._sessions[0].workers[0].pid, signal.SIGKILL)
+        with pytest.raises(ServiceError, match=r"exit code -9"):
+            for _ in range(100_000):
+                next(stream)
+        assert server.join_sessions(timeout=TIMEOUT)
+        client = ServiceClient(*server.address, read_timeout_s=TIMEOUT).connect()
+        assert next(iter(client)).equals(producer.make_batch(0))
+        client.close()
+        assert server.join_sessions(timeout=TIMEOUT)
+        assert server.stats().reader_processes_started == 2
