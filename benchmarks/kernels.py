@@ -18,6 +18,8 @@ Figures (all ratios are measured in this run, on ``--threads`` threads, default 
   and free torch's CPU allocator reports to ``torch.profiler`` (``profile_memory=True``) between
   the start of the forward and the end of the backward (inputs and the incoming gradient are
   allocated before, so they are not counted; our kernels allocate their outputs with torch).
+  ``peak_memory_ratio_beyond_output``: the same peaks less the expanded ``[N_b, D]`` output that
+  both ways must return (the memory each way needs besides its result).
 * ``vs_fbgemm_jagged_index_select``: ``torch.ops.fbgemm.jagged_index_select`` time / ours, same
   inputs, forward + backward (``>= 1`` means ours is faster); forward only is reported as well.
 
@@ -271,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fbgemm_error = f"fbgemm_gpu not importable: {exc}"
     ts = interleaved_times(select_fns, repeats=args.repeats * 3)
     peak_ours, peak_dense = peak_bytes(ours_select), peak_bytes(dense_select)
+    out_bytes = grad.numel() * grad.element_size()  # the [N_b, D] output, the same size as grad
     result: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out)},
         "machine": {
@@ -294,6 +297,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_bytes_ours": peak_ours,
         "peak_bytes_dense": peak_dense,
         "peak_memory_ratio": peak_dense / max(peak_ours, 1),
+        "peak_bytes_output": out_bytes,
+        "peak_memory_ratio_beyond_output": (peak_dense - out_bytes) / max(peak_ours - out_bytes, 1),
     }
     if fbgemm_error is None:
         with torch.no_grad():

@@ -20,6 +20,7 @@ def test_kernels_benchmark_writes_json(tmp_path, capsys):
         "dedup_rows_per_s_3_features",
         "jagged_index_select_speedup",
         "peak_memory_ratio",
+        "peak_memory_ratio_beyond_output",
         "vs_fbgemm_jagged_index_select",
     ):
         assert key in result
