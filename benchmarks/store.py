@@ -47,8 +47,9 @@ MODEL_RATIO_MEANS = (
     "same run without checkpoints (TrainResult.wall_s: the training loop, the checkpoints taken "
     "inside it included; start-up and the final save excluded; no held-out split). A checkpoint = "
     "every table's store checkpointed (only rows changed since the last one; blocking, "
-    "sync='full': fsync + atomic commit record) + the dense model, optimizers and reader position saved atomically. Runs "
-    "interleaved (the order rotates each repeat), median of the per-pair ratios."
+    "sync='full': fsync + atomic commit record) + the dense model, optimizers and reader "
+    "position saved atomically. Runs interleaved (the order rotates each repeat), median of the "
+    "per-pair ratios."
 )
 
 
@@ -359,7 +360,8 @@ def bench_rho(args, rng) -> dict:
 
 CHECKPOINT_RATIO_MEANS = (
     "The stress case (no dense model: a step is only the store's lookup, backward and update, "
-    "~4 ms): checkpoint_overhead_embedding_only = wall time of the steady-state intervals of a run that checkpoints "
+    "~4 ms): checkpoint_overhead_embedding_only = wall time of the steady-state intervals of a "
+    "run that checkpoints "
     "every `ckpt_every` steps (sync='full': fsync + atomic commit record), divided by the same "
     "intervals of the same run without checkpoints: same batches, same torch threads, runs "
     "interleaved (the order rotates each repeat), median over repeats. A run trains "

@@ -25,11 +25,11 @@ rename is the commit. Until the next row is written, the rows of the checkpoint 
 too (a commit flips each written row to the copy that was not committed), so the previous commit
 record is kept as PREVIOUS: a trainer whose dense state was saved at step s, with several stores
 of which some committed s + k before a crash, reopens each store at step s. The first write after
-a commit (an eviction, or the next checkpoint) deletes PREVIOUS first. ``open`` reads CURRENT and its bitmap and cuts ``rows.bin`` / ``ids.bin``
-to the committed row count: exactly the last completed checkpoint, with no log to replay and no
-row read (rows are checked against their checksums when they are first read). The price is
-twice the disk space of the table; the gain is one write per changed row (an undo or redo log
-writes each twice).
+a commit (an eviction, or the next checkpoint) deletes PREVIOUS first. ``open`` reads CURRENT
+and its bitmap and cuts ``rows.bin`` / ``ids.bin`` to the committed row count: exactly the last
+completed checkpoint, with no log to replay and no row read (rows are checked against their
+checksums when they are first read). The price is twice the disk space of the table; the gain
+is one write per changed row (an undo or redo log writes each twice).
 
 Why this storage, measured (``benchmarks/store.py``, ``storage_choice``: the write path of one
 checkpoint of the checkpoint run's size, 491,803 dirty rows of 1,359,368, D=64, 128 MB of rows,
