@@ -23,6 +23,9 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
     assert 0 < sent["ikjt"] < sent["kjt"]
     assert results["service_vs_inprocess"] > 0
     assert set(results["samples_per_s"]) == {"inprocess_ikjt", "service_ikjt", "service_kjt"}
+    kept = results["kept_reader"]
+    assert kept["reader_processes_started"] == 1  # the next client got the first one's reader
+    assert kept["samples_per_s_next_client"] > 0 and kept["startup_s_next_client"] > 0
     assert "service_vs_inprocess" in capsys.readouterr().out
 
 
