@@ -950,9 +950,11 @@ class _Session:
             for pooled in self.pooled:
                 idle = pooled.wait_idle(max(deadline - time.monotonic(), 0.0))
                 self.server._return_reader(pooled, idle=idle)
-        else:
+        else:  # reader threads: they stop at their next write (the socket is shut down)
             for worker in self.workers:
                 worker.join(timeout=max(deadline - time.monotonic(), 0.0))
+            for worker in self.workers:
+                worker.join(timeout=_JOIN_TIMEOUT_S)
         self.released = True
         for sock in self.socks + self.reader_socks:
             sock.close()
