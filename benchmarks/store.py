@@ -108,8 +108,8 @@ def bench_checkpoint_model(args, tmp: Path) -> dict:
             times[mode].append(wall)
             info = got or info
     ratios = [w / wo for w, wo in zip(times["with"], times["without"])]
-    by_step: dict[int, list[dict]] = {}  # the last step's second entry: the final save, outside
-    for c in info:  # the timed loop, writes nothing new
+    by_step: dict[int, list[dict]] = {}  # store checkpoints per training step
+    for c in info:
         by_step.setdefault(c["step"], []).append(c)
     return {
         "checkpoint_overhead": float(np.median(ratios)),

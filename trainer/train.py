@@ -535,6 +535,7 @@ class _Run:
         self.evals: list[tuple[int, EvalResult]] = []
         self.window = PredictionWindow(config.log_window)
         self.resumed_from: int | None = None
+        self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
 
     # -- data ---------------------------------------------------------------------------------
     def _make_loaders(self) -> None:
@@ -623,6 +624,8 @@ class _Run:
         path = self.checkpoint_path
         if path is None:
             return None
+        if self.saved_step == self.trainer.step:  # the last in-loop checkpoint, at the end
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         # every store commits this step, then the rest is saved: after a crash in between the
         # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
@@ -640,6 +643,7 @@ class _Run:
             "model_config": asdict(self.config.model),
         }
         _save_atomic(state, path)
+        self.saved_step = self.trainer.step
         return path
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
@@ -675,7 +679,7 @@ class _Run:
         self.losses = list(state["losses"])
         self.samples = int(state["samples"])
         self.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
-        self.resumed_from = self.trainer.step
+        self.resumed_from = self.saved_step = self.trainer.step
         return True
 
     # -- the loop -----------------------------------------------------------------------------

@@ -123,6 +123,13 @@ def test_hybrid_resume_after_a_crash_between_the_stores_and_the_state_file(
     with pytest.raises(_Crash):
         train(_config(dataset, tmp_path / "crash", steps=6, **kw), progress=False)
     monkeypatch.undo()
+    steps = [
+        json.loads(x)["step"]
+        for x in (tmp_path / "full" / "store" / "item_id" / "checkpoints.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    assert steps == [2, 4, 6]  # the end of the run is not checkpointed twice
     stores = tmp_path / "crash" / "store"
     assert all((p / "PREVIOUS").exists() for p in stores.iterdir())  # they did commit step 4
     resumed = train(
