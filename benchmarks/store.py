@@ -160,7 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model-steps", type=int, default=200, help="steps of a DLRM checkpoint run")
     p.add_argument(
-        "--model-repeats", type=int, default=2, help="interleaved repeats of the DLRM runs"
+        "--model-repeats", type=int, default=3, help="interleaved repeats of the DLRM runs"
     )
     p.add_argument(
         "--storage-checkpoints",
