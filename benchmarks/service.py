@@ -14,9 +14,12 @@ Figures (written to benchmarks/results/service.json):
                           same pipeline run in this process (`readers.dataset.iter_batches`),
                           IKJT path. Wall clock, steady state: from the first batch received
                           (reader start-up is reported apart). Target >= 0.8.
-  kept_reader             two clients one after the other on one server: start-up (time to
-                          the first batch) and samples/s of each; the second gets the first
-                          one's warm reader process (a trainer's next epoch).
+  kept_reader             two clients one after the other on one server with one reader
+                          process (a trainer's epochs; the second gets the first one's
+                          process): start-up (time to the first batch), samples/s and the
+                          reader's CPU seconds per batch of each, with the reader warmed up
+                          before the first client (the default) and without; and the kept
+                          reader's resident memory.
                           Whole epochs of the 1M-request dataset (~245 batches): every 16th
                           batch waits for a new row group (70-240 ms), so an epoch of 49
                           batches (200k requests) is ruled by three such waits and the ratio
@@ -119,33 +122,59 @@ def measure_service(
 
 def measure_next_client(
     dataset: Path, *, batch_size: int, preprocess: Any, max_batches: int | None
-) -> dict[str, float]:
-    """Two clients one after the other on one server (a trainer's epochs): the second gets
-    the first one's reader process, warm. Start-up and steady samples/s of each."""
+) -> dict[str, Any]:
+    """Two clients one after the other on one server with one reader process (a trainer's
+    epochs): the second gets the first one's process. For each: start-up (time to the first
+    batch), samples/s and the reader process's CPU seconds per batch after the first batch;
+    with the reader warmed up before the first client (the default) and without
+    (``warmup_batches=0``). Also the kept reader's resident memory."""
+    import psutil
+
     from readers.service import DatasetProducer, ReaderServer, ServiceClient, ServiceConfig
 
-    producer = DatasetProducer(str(dataset), batch_size=batch_size, preprocess=preprocess)
-    config = ServiceConfig(readers=1, report_every_s=0)
-    out = {}
-    with ReaderServer(producer, config=config, log=io.StringIO()) as server:
-        for name in ("first_client", "next_client"):
-            client = ServiceClient(*server.address, read_timeout_s=600)
-            run = _timed(iter(client), max_batches, lambda c=client: c.bytes_received)
-            client.close()
-            server.join_sessions(timeout=60)
-            out[f"startup_s_{name}"] = run["startup_s"]
-            out[f"samples_per_s_{name}"] = run["samples_per_s"]
-        out["reader_processes_started"] = server.stats().reader_processes_started
+    out: dict[str, Any] = {}
+    for name, warmup in (("warmed_up", DatasetProducer.warmup_batches), ("not_warmed_up", 0)):
+        producer = DatasetProducer(
+            str(dataset), batch_size=batch_size, preprocess=preprocess, warmup_batches=warmup
+        )
+        config = ServiceConfig(readers=1, report_every_s=0)
+        with ReaderServer(producer, config=config, log=io.StringIO()) as server:
+            (pid,) = server.reader_pids()
+            reader = psutil.Process(pid)
+            runs = {}
+            for client_name in ("first_client", "next_client"):
+                client = ServiceClient(*server.address, read_timeout_s=600)
+                runs[client_name] = _timed(
+                    iter(client), max_batches, lambda c=client: c.bytes_received, cpu_of=reader
+                )
+                client.close()
+                server.join_sessions(timeout=60)
+            runs["reader_processes_started"] = server.stats().reader_processes_started
+            runs["reader_rss_mb"] = reader.memory_info().rss / 2**20
+        first, nxt = runs["first_client"], runs["next_client"]
+        runs["first_vs_next_reader_cpu_per_batch"] = (
+            first["reader_cpu_s_per_batch"] / nxt["reader_cpu_s_per_batch"]
+        )
+        out[name] = runs
     return out
 
 
-def _timed(stream: Any, max_batches: int | None, received: Any) -> dict[str, float]:
+def _timed(
+    stream: Any, max_batches: int | None, received: Any, *, cpu_of: Any = None
+) -> dict[str, float]:
+    """Steady-state figures of a batch stream, from its first batch on; ``cpu_of``: a
+    ``psutil.Process`` whose CPU time per batch is measured over the same window."""
+
+    def cpu() -> float:
+        return sum(cpu_of.cpu_times()[:2]) if cpu_of is not None else 0.0
+
     start = time.perf_counter()
     first_at = first_bytes = None
     samples = batches = 0
+    cpu0 = 0.0
     for batch in stream:
         if first_at is None:  # steady state starts after the first batch
-            first_at, first_bytes = time.perf_counter(), received()
+            first_at, first_bytes, cpu0 = time.perf_counter(), received(), cpu()
         else:
             samples += batch.batch_size
         batches += 1
@@ -164,6 +193,7 @@ def _timed(stream: Any, max_batches: int | None, received: Any) -> dict[str, flo
         "samples_per_s": samples / (end - first_at),
         "bytes": total_bytes,
         "bytes_after_first": total_bytes - first_bytes,
+        "reader_cpu_s_per_batch": (cpu() - cpu0) / (batches - 1),
     }
 
 
@@ -234,6 +264,7 @@ def format_table(results: dict[str, Any]) -> str:
     """The figures as a small table."""
     sent = results["sent_bytes_per_sample"]
     rates = results["samples_per_s"]
+    kept, cold = results["kept_reader"]["warmed_up"], results["kept_reader"]["not_warmed_up"]
     rows = [
         ("sent bytes/sample, KJT", f"{sent['kjt']:,.1f}"),
         ("sent bytes/sample, IKJT", f"{sent['ikjt']:,.1f}"),
@@ -247,9 +278,15 @@ def format_table(results: dict[str, Any]) -> str:
         ),
         ("service start-up (s)", f"{results['startup_s']['service_ikjt']:.2f}"),
         (
-            "start-up, next client (s)",
-            f"{results['kept_reader']['startup_s_next_client']:.3f} (kept warm reader)",
+            "start-up, first / next client (s)",
+            f"{kept['first_client']['startup_s']:.2f} / {kept['next_client']['startup_s']:.3f}",
         ),
+        (
+            "reader CPU/batch, first / next client",
+            f"{kept['first_vs_next_reader_cpu_per_batch']:.2f}x warmed up, "
+            f"{cold['first_vs_next_reader_cpu_per_batch']:.2f}x not",
+        ),
+        ("kept reader RSS (MB)", f"{kept['reader_rss_mb']:,.0f}"),
     ]
     width = max(len(name) for name, _ in rows)
     lines = ["benchmark: reader service", "-" * (width + 24)]

@@ -23,9 +23,11 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
     assert 0 < sent["ikjt"] < sent["kjt"]
     assert results["service_vs_inprocess"] > 0
     assert set(results["samples_per_s"]) == {"inprocess_ikjt", "service_ikjt", "service_kjt"}
-    kept = results["kept_reader"]
-    assert kept["reader_processes_started"] == 1  # the next client got the first one's reader
-    assert kept["samples_per_s_next_client"] > 0 and kept["startup_s_next_client"] > 0
+    for kept in results["kept_reader"].values():
+        assert kept["reader_processes_started"] == 1  # the next client got the first one's reader
+        nxt = kept["next_client"]
+        assert nxt["samples_per_s"] > 0 and nxt["startup_s"] > 0
+        assert nxt["reader_cpu_s_per_batch"] > 0 and kept["reader_rss_mb"] > 0
     assert "service_vs_inprocess" in capsys.readouterr().out
 
 

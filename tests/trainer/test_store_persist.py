@@ -300,3 +300,18 @@ def test_roll_back_is_refused_once_a_row_was_written(tmp_path, write):
             assert store.stats().last_checkpoint_step == 5
     leftovers = {p.name for p in path.iterdir() if p.name.startswith(("copies-", "hot-"))}
     assert len(leftovers) <= 2  # the files of at most two checkpoints are kept
+
+
+def test_a_damaged_previous_record_blocks_only_the_roll_back(tmp_path):
+    path = tmp_path / "s"
+    with EmbeddingStore.create(path, StoreConfig(dim=DIM, chunk_rows=8)) as store:
+        train(store, range(3))
+        store.checkpoint(2)
+        train(store, range(3, 6))
+        store.checkpoint(5)
+        at_5 = _sorted_export(store)
+    (path / "PREVIOUS").write_text((path / "PREVIOUS").read_text().replace('"step"', '"stepp"'))
+    with open_store(path) as store:  # the last checkpoint does not need it
+        assert _sorted_export(store) == at_5
+    with pytest.raises(StoreError, match=r"PREVIOUS.*corrupted"):
+        open_store(path, step=2)

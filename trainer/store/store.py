@@ -38,6 +38,7 @@ cost model's coefficients are measured with collectives when ``torch.distributed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -379,10 +380,15 @@ class EmbeddingStore:
         """Choose the commit to restore: CURRENT, or PREVIOUS when ``step`` asks for it (then
         made CURRENT on disk, and the rolled-back epoch's files removed)."""
         root = self.root
-        kept = CommitRecord.load(root, "PREVIOUS") if (root / "PREVIOUS").exists() else None
         if step is None or step == self._commit.step:
-            self._previous = kept if kept is not None and kept.epoch < self._commit.epoch else None
+            # PREVIOUS is only kept for a roll-back: a damaged one does not stop this open (the
+            # next commit replaces it), but is never used
+            with contextlib.suppress(StoreError):
+                kept = CommitRecord.load(root, "PREVIOUS")
+                if (root / "PREVIOUS").exists() and kept.epoch < self._commit.epoch:
+                    self._previous = kept
             return
+        kept = CommitRecord.load(root, "PREVIOUS") if (root / "PREVIOUS").exists() else None
         if kept is None or kept.step != step or kept.epoch >= self._commit.epoch:
             earlier = "" if kept is None else f" (the one before it, kept: step {kept.step})"
             msg = (
