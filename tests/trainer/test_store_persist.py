@@ -315,3 +315,23 @@ def test_a_damaged_previous_record_blocks_only_the_roll_back(tmp_path):
         assert _sorted_export(store) == at_5
     with pytest.raises(StoreError, match=r"PREVIOUS.*corrupted"):
         open_store(path, step=2)
+
+
+def test_a_second_checkpoint_of_the_same_state_commits_nothing(tmp_path):
+    """Checkpointing a step already committed, with nothing changed, keeps the roll-back point."""
+    path = tmp_path / "s"
+    with EmbeddingStore.create(path, StoreConfig(dim=DIM, chunk_rows=8)) as store:
+        train(store, range(3))
+        store.checkpoint(2)
+        train(store, range(3, 6))
+        first = store.checkpoint(5).result()
+        again = store.checkpoint(5).result()
+        assert again["already_committed"] and again["rows_written"] == 0
+        assert again["epoch"] == first["epoch"] and store.stats().checkpoints == 2
+        at_5 = _sorted_export(store)
+        train(store, range(6, 7))
+        assert store.checkpoint(6).result()["epoch"] == first["epoch"] + 1  # a change commits
+    log = (path / "checkpoints.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [2, 5, 6]
+    with open_store(path, step=5) as store:  # the roll-back point survived the repeat
+        assert _sorted_export(store) == at_5

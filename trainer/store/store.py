@@ -789,6 +789,12 @@ class EmbeddingStore:
                 raise StoreError(msg)
             self.wait_checkpoint()
             snapshot = self._snapshot(int(step))
+            if self._unchanged(snapshot):
+                # the commit already holds this state: a second commit record would only push
+                # the one before it (the roll-back point) out of PREVIOUS
+                done: Future[dict[str, Any]] = Future()
+                done.set_result(self._unchanged_info(snapshot))
+                return done
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="recpipe-checkpoint")
             self._inflight = self._executor.submit(self._persist, snapshot)
@@ -796,6 +802,34 @@ class EmbeddingStore:
         if wait:
             future.result()
         return future
+
+    def _unchanged(self, snap: dict[str, Any]) -> bool:
+        """True when ``snap`` is the committed state: same step, no row written since, same
+        rows and hot set."""
+        commit = self._commit
+        return (
+            commit.epoch > 0
+            and snap["step"] == commit.step
+            and snap["rows"].size == 0
+            and snap["index"] is None
+            and snap["num_rows"] == commit.num_rows
+            and len(snap["hot_ids"]) // 8 == commit.num_hot
+            and zlib.crc32(snap["hot_ids"]) == commit.hot_crc
+        )
+
+    def _unchanged_info(self, snap: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "step": snap["step"],
+            "epoch": self._commit.epoch,
+            "rows": snap["num_rows"],
+            "rows_written": 0,
+            "bytes_written": 0,
+            "snapshot_seconds": round(snap["snapshot_seconds"], 6),
+            "seconds": round(snap["snapshot_seconds"], 6),
+            "writer_cpu_seconds": 0.0,
+            "time": time.time(),
+            "already_committed": True,
+        }
 
     def wait_checkpoint(self) -> dict[str, Any] | None:
         """Wait for the checkpoint in flight (if any) and return its summary (errors re-raised)."""
