@@ -20,8 +20,17 @@ Figures (all ratios are measured in this run, on ``--threads`` threads, default 
   allocated before, so they are not counted; our kernels allocate their outputs with torch).
   ``peak_memory_ratio_beyond_output``: the same peaks less the expanded ``[N_b, D]`` output that
   both ways must return (the memory each way needs besides its result).
+  ``peak_bytes_lower_bound``: what any implementation must allocate in forward + backward, the
+  ``[N_b, D]`` output and the ``[N_u, D]`` gradient; ``peak_memory_ratio_reachable`` = the
+  baseline's peak over it (the largest ``peak_memory_ratio`` any kernel could show against this
+  baseline) and ``peak_ours_over_lower_bound`` = ours over it (1.0 = nothing allocated beyond).
 * ``vs_fbgemm_jagged_index_select``: ``torch.ops.fbgemm.jagged_index_select`` time / ours, same
   inputs, forward + backward (``>= 1`` means ours is faster); forward only is reported as well.
+* ``gpu`` (when torch sees a CUDA device, or ``--gpu simulate``): the Numba-CUDA forms of
+  ``jagged_index_select``, ``jagged_index_add``, ``segment_reduce`` (sum) and ``dedup_rows`` on
+  one batch, timed with CUDA events; achieved GB/s = logical bytes (each input element read and
+  each output element written once) / time, as a share of the device's peak (2 x memory clock x
+  bus width, from Numba) and against a ``torch`` device-to-device copy of the select's output size.
 
 Run: ``python benchmarks/kernels.py [--rows 4096] [--batches 20] [--dim 64]``; writes
 ``benchmarks/results/kernels.json`` (``--out``) and prints a table.
@@ -274,6 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ts = interleaved_times(select_fns, repeats=args.repeats * 3)
     peak_ours, peak_dense = peak_bytes(ours_select), peak_bytes(dense_select)
     out_bytes = grad.numel() * grad.element_size()  # the [N_b, D] output, the same size as grad
+    # What any implementation must allocate in forward + backward: the output and the [N_u, D]
+    # gradient of the unique rows (inputs and the incoming gradient exist before).
+    bound_bytes = out_bytes + emb.numel() * emb.element_size()
     result: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out)},
         "machine": {
@@ -299,6 +311,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_memory_ratio": peak_dense / max(peak_ours, 1),
         "peak_bytes_output": out_bytes,
         "peak_memory_ratio_beyond_output": (peak_dense - out_bytes) / max(peak_ours - out_bytes, 1),
+        "peak_bytes_lower_bound": bound_bytes,
+        "peak_memory_ratio_reachable": peak_dense / bound_bytes,
+        "peak_ours_over_lower_bound": peak_ours / bound_bytes,
     }
     if fbgemm_error is None:
         with torch.no_grad():
@@ -319,6 +334,145 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --------------------------------------------------------------------------------------------
+# GPU: achieved bandwidth of the Numba-CUDA kernels
+
+
+def peak_bandwidth_gbps() -> float | None:
+    """The device's peak memory bandwidth in GB/s from its memory clock and bus width.
+
+    ``2 * memory clock * bus width / 8`` (double data rate); ``None`` where the device does not
+    report them (Numba's simulator).
+    """
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    try:
+        clock_khz = dev.MEMORY_CLOCK_RATE
+        bus_bits = dev.GLOBAL_MEMORY_BUS_WIDTH
+    except AttributeError:
+        return None
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
+
+
+def _device_timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
+    """Median seconds per call: CUDA events on a GPU, ``perf_counter`` in the simulator."""
+
+    def timed(fn: Callable[[], Any], repeats: int) -> float:
+        fn()  # warm-up: compilation and the caching allocator
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                torch.cuda.synchronize(device)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return timed
+
+
+def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, Any]:
+    """Achieved bandwidth of the CUDA kernels, as a share of peak and of ``torch`` copy.
+
+    Bytes are the logical traffic of each kernel: every input element it must read and every
+    output element it writes, once (what a perfect kernel moves); repeated reads served by
+    caches are not counted again. ``simulate``: CPU tensors through Numba's simulator, tiny
+    sizes only, to check this code path without a GPU (its rates mean nothing).
+    """
+    from recpipe.kernels import cuda as kc
+
+    if simulate:
+        if not kc.is_simulator():
+            raise SystemExit("--gpu simulate needs NUMBA_ENABLE_CUDASIM=1 in the environment")
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        return {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
+    rng = np.random.default_rng(args.seed)
+    shape = {
+        "rows": args.rows,
+        "session_rows": args.session_rows,
+        "min_len": args.min_len,
+        "max_len": args.max_len,
+    }
+    ids_np, offsets_np = session_batch(rng, keys=1, **shape)[0]
+    ids = torch.from_numpy(ids_np).to(device)
+    offsets_b = torch.from_numpy(offsets_np).to(device)
+    unique_rows, inverse = kc.dedup_rows([ids], [offsets_b])
+    lengths_u = (offsets_b[1:] - offsets_b[:-1])[unique_rows]
+    offsets_u = torch.zeros(unique_rows.shape[0] + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths_u, 0, out=offsets_u[1:])
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    emb = torch.randn(int(offsets_u[-1]), args.dim, generator=gen, device=device)
+    out, out_offsets = kc.jagged_index_select(emb, offsets_u, inverse)
+    want = dense_index_select(emb.cpu(), offsets_u.cpu(), inverse.cpu())
+    _require(torch.equal(out.cpu(), want), "the CUDA jagged_index_select")
+    grad = torch.randn(out.shape, generator=gen, device=device)
+    n_u, n_b, width = emb.numel(), out.numel(), 4  # float32 elements, bytes per element
+    rows_b, rows_u = inverse.shape[0], unique_rows.shape[0]
+    copy_src = torch.empty(n_b, device=device)
+    copy_dst = torch.empty_like(copy_src)
+    idx_bytes = 8 * (2 * rows_b + rows_u)  # indices, output offsets, source offsets
+    cases: dict[str, tuple[Callable[[], Any], int]] = {
+        # reads every selected source element, writes the output
+        "jagged_index_select": (
+            lambda: kc.jagged_index_select(emb, offsets_u, inverse),
+            2 * n_b * width + idx_bytes,
+        ),
+        # reads the incoming gradient, zero-fills and writes the [N_u, D] gradient
+        "jagged_index_add": (
+            lambda: kc.jagged_index_add(grad, out_offsets, offsets_u, inverse, emb.shape[0]),
+            n_b * width + 2 * n_u * width + idx_bytes,
+        ),
+        # reads the unique rows' embeddings, writes one [D] row per unique row
+        "segment_reduce_sum": (
+            lambda: kc.segment_reduce(emb, offsets_u, "sum"),
+            n_u * width + rows_u * args.dim * width + 8 * rows_u,
+        ),
+        # reads the ids twice (hash, verify) and the offsets
+        "dedup_rows": (
+            lambda: kc.dedup_rows([ids], [offsets_b]),
+            2 * ids.numel() * 8 + 8 * (rows_b + 1),
+        ),
+        # the practical ceiling: a device-to-device copy of the select's output size
+        "torch_copy": (lambda: copy_dst.copy_(copy_src), 2 * n_b * width),
+    }
+    timed = _device_timer(device)
+    repeats = max(3, args.repeats * 4)
+    peak = peak_bandwidth_gbps() if not simulate else None
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "simulator",
+        "simulated": simulate,
+        "peak_bandwidth_gbps": peak,
+        "rows": rows_b,
+        "unique_rows": rows_u,
+    }
+    for name, (fn, nbytes) in cases.items():
+        seconds = timed(fn, repeats)
+        gbps = nbytes / seconds / 1e9
+        result[f"{name}_bytes"] = nbytes
+        result[f"{name}_ms"] = seconds * 1e3
+        result[f"{name}_gbps"] = gbps
+        result[f"{name}_share_of_peak"] = gbps / peak if peak else None
+    copy_gbps = result["torch_copy_gbps"]
+    for name in cases:
+        if name != "torch_copy":
+            result[f"{name}_vs_torch_copy"] = result[f"{name}_gbps"] / copy_gbps
+    return result
+
+
 def print_table(result: dict[str, Any]) -> None:
     targets = {
         "dedup_rows_per_s": ">= 8e6",
@@ -328,10 +482,26 @@ def print_table(result: dict[str, Any]) -> None:
     }
     print(f"{'figure':<40} {'value':>14}  target")
     for key, value in result.items():
-        if key in ("config", "machine"):
+        if key in ("config", "machine", "gpu"):
             continue
         shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
         print(f"{key:<40} {shown:>14}  {targets.get(key, '')}")
+    gpu = result.get("gpu")
+    if gpu is None:
+        return
+    if "skipped" in gpu:
+        print(f"gpu: skipped ({gpu['skipped']})")
+        return
+    peak = gpu["peak_bandwidth_gbps"]
+    print(f"gpu: {gpu['device']}, peak {peak:,.0f} GB/s" if peak else f"gpu: {gpu['device']}")
+    print(f"{'kernel':<24} {'ms':>10} {'GB/s':>10} {'of peak':>8} {'vs copy':>8}")
+    for name in ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows"):
+        share = gpu[f"{name}_share_of_peak"]
+        print(
+            f"{name:<24} {gpu[f'{name}_ms']:>10.3f} {gpu[f'{name}_gbps']:>10.1f} "
+            f"{(f'{share:.0%}' if share is not None else '-'):>8} "
+            f"{gpu[f'{name}_vs_torch_copy']:>8.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,10 +531,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--gpu",
+        choices=["auto", "off", "simulate"],
+        default="auto",
+        help="CUDA bandwidth figures: auto = when torch sees a GPU; simulate = through Numba's "
+        "simulator (needs NUMBA_ENABLE_CUDASIM=1; checks the code path, rates mean nothing)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})"
     )
     args = parser.parse_args(argv)
     result = run(args)
+    if args.gpu != "off":
+        result["gpu"] = run_gpu(args, simulate=args.gpu == "simulate")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

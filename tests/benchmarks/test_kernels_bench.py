@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _bench import load_benchmark
+
+TINY = ["--rows", "64", "--batches", "2", "--repeats", "1", "--dim", "4"]
 
 
 @pytest.mark.slow
 def test_kernels_benchmark_writes_json(tmp_path, capsys):
     module = load_benchmark("kernels")
     out = tmp_path / "kernels.json"
-    argv = ["--rows", "64", "--batches", "2", "--repeats", "1", "--dim", "4", "--out", str(out)]
-    assert module.main(argv) == 0
+    assert module.main([*TINY, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in (
         "dedup_rows_per_s",
@@ -25,4 +27,30 @@ def test_kernels_benchmark_writes_json(tmp_path, capsys):
     ):
         assert key in result
     assert result["dedup_rows_per_s"] > 0 and result["dedup_factor"] >= 1
+    # ours allocates little beyond what any implementation must: the output and the gradient
+    assert 1.0 <= result["peak_ours_over_lower_bound"] < 1.25
+    assert result["peak_memory_ratio"] <= result["peak_memory_ratio_reachable"] * 1.01
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in result["gpu"]["skipped"]
     assert "dedup_rows_per_s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 (set by `make test`)")
+    module = load_benchmark("kernels")
+    out = tmp_path / "kernels.json"
+    assert module.main([*TINY, "--gpu", "simulate", "--out", str(out)]) == 0
+    gpu = json.loads(out.read_text())["gpu"]
+    assert gpu["simulated"] and gpu["rows"] == 64 and 0 < gpu["unique_rows"] < 64
+    for name in ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows"):
+        assert gpu[f"{name}_ms"] > 0 and gpu[f"{name}_gbps"] > 0
+        assert gpu[f"{name}_share_of_peak"] is None  # the simulator reports no peak
+        assert gpu[f"{name}_vs_torch_copy"] > 0
+    # the select moves what a copy of its output moves, plus its index arrays
+    assert gpu["jagged_index_select_bytes"] > gpu["torch_copy_bytes"]
+    assert "jagged_index_select" in capsys.readouterr().out
