@@ -22,6 +22,9 @@ delivered. Resuming rebuilds that window and skips ``row`` rows.
 
 Last batch policy: ``last_batch="partial"`` emits the final rows of a reader's stream as a
 smaller batch; ``"drop"`` drops them (every batch then has exactly ``batch_size`` rows).
+
+Read-ahead: a background thread reads and decodes the next ``read_ahead`` splits while the
+current window is consumed; the stream, its positions, errors and skips are the same as with 0.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from __future__ import annotations
 import glob as _glob
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -57,6 +62,9 @@ _log = logging.getLogger("recpipe.readers")
 
 PathLike = str | os.PathLike[str]
 
+_MAX_HANDLES = 8  # open Parquet files a reader keeps
+_READ_ERRORS = (DataError, pa.ArrowException, OSError)  # what ``on_error`` decides about
+
 
 @dataclass
 class ReaderConfig:
@@ -71,6 +79,9 @@ class ReaderConfig:
         last_batch: ``"partial"`` keeps a short final batch, ``"drop"`` drops it.
         on_error: ``"raise"`` on a corrupt file / bad schema, or ``"skip"`` it and count it.
         use_threads: let Arrow decode with its thread pool (off: one core per reader).
+        read_ahead: splits a background thread reads and decodes ahead of the one being consumed
+            (at most this many extra row groups in memory); 0 reads each split when the stream
+            reaches it. The stream is the same either way.
     """
 
     batch_size: int = 4096
@@ -80,6 +91,7 @@ class ReaderConfig:
     last_batch: Literal["partial", "drop"] = "partial"
     on_error: Literal["raise", "skip"] = "raise"
     use_threads: bool = False
+    read_ahead: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -96,6 +108,11 @@ class ReaderConfig:
             raise DataError(msg)
         if not isinstance(self.seed, int):
             msg = f"`seed` must be an integer, got {self.seed!r}"
+            raise DataError(msg)
+        if isinstance(self.read_ahead, bool) or not (
+            isinstance(self.read_ahead, int) and self.read_ahead >= 0
+        ):
+            msg = f"`read_ahead` must be a non-negative integer (splits), got {self.read_ahead!r}"
             raise DataError(msg)
 
 
@@ -327,11 +344,12 @@ class DatasetSource:
             pf = pq.ParquetFile(split.path)
         except (pa.ArrowException, OSError):
             return None
-        for name in self.columns:
-            try:
-                pf.read_row_group(split.row_group, columns=[name], use_threads=False)
-            except (pa.ArrowException, OSError):
-                return name
+        with pf:
+            for name in self.columns:
+                try:
+                    pf.read_row_group(split.row_group, columns=[name], use_threads=False)
+                except (pa.ArrowException, OSError):
+                    return name
         return None
 
     def iter_tables(
@@ -342,6 +360,10 @@ class DatasetSource:
         start: SourcePosition | None = None,
     ) -> Iterator[tuple[pa.Table, SourcePosition]]:
         """Yield session-packed batches of rows from ``splits`` in order.
+
+        With ``config.read_ahead > 0`` a thread, started on the first ``next()``, reads the
+        splits ahead; it stops when the iterator ends, is closed or is garbage collected. A
+        split's error or skip surfaces when the stream reaches that split, as without it.
 
         Args:
             splits: this reader's split list (see :func:`plan_splits`).
@@ -355,62 +377,86 @@ class DatasetSource:
         cfg = self.config
         bsz = cfg.batch_size
         pos = start or SourcePosition()
-        handles: dict[str, pq.ParquetFile] = {}
         pending: list[pa.Table] = []
         pending_rows = 0
         split_pos = pos.split_pos
         skip_rows = pos.row
-        while split_pos < len(splits):
-            window, next_pos = self._read_window(splits, split_pos, handles)
-            window_start = split_pos
-            split_pos = next_pos
-            if window is None:
-                continue
-            if cfg.shuffle:
-                window = _shuffle_sessions(
-                    window,
-                    self.schema.session_key,
-                    np.random.default_rng([cfg.seed, epoch, splits[window_start].index]),
-                )
-            offset, n = skip_rows, window.num_rows
-            skip_rows = 0
-            while offset < n:
-                take = min(bsz - pending_rows, n - offset)
-                pending.append(window.slice(offset, take))
-                pending_rows += take
-                offset += take
-                if pending_rows == bsz:
-                    here = (
-                        SourcePosition(window_start, offset)
-                        if offset < n
-                        else SourcePosition(split_pos, 0)
+        reads: _SplitReads | _ReadAhead = self._read_splits(splits[split_pos:])
+        if cfg.read_ahead and split_pos < len(splits):
+            reads = _ReadAhead(reads, depth=cfg.read_ahead)
+        try:
+            while split_pos < len(splits):
+                window, next_pos = self._read_window(splits, split_pos, reads)
+                window_start = split_pos
+                split_pos = next_pos
+                if window is None:
+                    continue
+                if cfg.shuffle:
+                    window = _shuffle_sessions(
+                        window,
+                        self.schema.session_key,
+                        np.random.default_rng([cfg.seed, epoch, splits[window_start].index]),
                     )
-                    yield _concat(pending), here
-                    pending, pending_rows = [], 0
+                offset, n = skip_rows, window.num_rows
+                skip_rows = 0
+                while offset < n:
+                    take = min(bsz - pending_rows, n - offset)
+                    pending.append(window.slice(offset, take))
+                    pending_rows += take
+                    offset += take
+                    if pending_rows == bsz:
+                        here = (
+                            SourcePosition(window_start, offset)
+                            if offset < n
+                            else SourcePosition(split_pos, 0)
+                        )
+                        yield _concat(pending), here
+                        pending, pending_rows = [], 0
+        finally:
+            reads.close()
         if pending_rows and cfg.last_batch == "partial":
             yield _concat(pending), SourcePosition(len(splits), 0)
 
+    def _read_splits(self, splits: Sequence[Split]) -> _SplitReads:
+        """Read ``splits`` in order: ``(table, None)`` or ``(None, error)`` for each.
+
+        The Parquet files stay open (the last few) in this generator, so only the thread that
+        runs it touches them; they are closed when it ends or is closed.
+        """
+        handles: dict[str, pq.ParquetFile] = {}
+        try:
+            for split in splits:
+                try:
+                    handle = handles.get(split.path)
+                    if handle is None:
+                        if len(handles) >= _MAX_HANDLES:
+                            _close_all(handles)
+                        handle = handles[split.path] = pq.ParquetFile(split.path)
+                    result: _SplitRead = (self.read_split(split, handle=handle), None)
+                except Exception as exc:  # handed to the consumer, which decides (on_error)
+                    result = (None, exc)
+                yield result
+        finally:
+            _close_all(handles)
+
     def _read_window(
-        self, splits: Sequence[Split], split_pos: int, handles: dict[str, pq.ParquetFile]
+        self, splits: Sequence[Split], split_pos: int, reads: Iterator[_SplitRead]
     ) -> tuple[pa.Table | None, int]:
-        """Read splits from ``split_pos`` until the window holds enough sessions."""
+        """Take splits from ``split_pos`` (read by ``reads``) until the window holds enough
+        sessions; a split that failed raises or is skipped here, when the stream reaches it."""
         tables = []
         sessions = 0
         need = self.config.shuffle_buffer if self.config.shuffle else 1
         while split_pos < len(splits) and sessions < need:
             split = splits[split_pos]
             split_pos += 1
-            try:
-                handle = handles.get(split.path)
-                if handle is None:
-                    if len(handles) >= 8:
-                        handles.clear()
-                    handle = handles[split.path] = pq.ParquetFile(split.path)
-                table = self.read_split(split, handle=handle)
-            except (DataError, pa.ArrowException, OSError) as exc:
+            table, exc = next(reads)
+            if exc is not None:
+                if not isinstance(exc, _READ_ERRORS):
+                    raise exc
                 if self.config.on_error == "raise":
                     if isinstance(exc, DataError):
-                        raise
+                        raise exc
                     msg = f"{split.path}: row group {split.row_group} cannot be read: {exc}"
                     raise CorruptInputError(msg) from exc
                 self._skip(SkippedInput(split.path, split.row_group, split.num_rows, str(exc)))
@@ -423,6 +469,68 @@ class DatasetSource:
         if not tables:
             return None, split_pos
         return _concat(tables), split_pos
+
+
+_SplitRead = tuple[pa.Table | None, BaseException | None]
+_SplitReads = Generator[_SplitRead, None, None]
+
+
+def _close_all(handles: dict[str, pq.ParquetFile]) -> None:
+    for handle in handles.values():
+        handle.close()
+    handles.clear()
+
+
+class _ReadAhead(Iterator[_SplitRead]):
+    """Runs ``reads`` in a background thread, at most ``depth`` results ahead of the consumer.
+
+    The thread takes a slot before it reads a split and the consumer gives the slot back when it
+    takes the result, so at most ``depth`` row groups wait in memory. :meth:`close` stops the
+    thread and joins it; the generator that owns this object calls it in a ``finally``.
+    """
+
+    _END = object()
+
+    def __init__(self, reads: _SplitReads, *, depth: int) -> None:
+        self._reads = reads
+        self._slots = threading.Semaphore(depth)
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="recpipe-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._slots.acquire()
+                if self._stop.is_set():
+                    break
+                item = next(self._reads, self._END)
+                self._results.put(item)
+                if item is self._END:
+                    break
+        except BaseException as exc:  # not a read error (those are results): a bug, hand it on
+            self._results.put((None, exc))
+            self._results.put(self._END)  # and end the stream after it: nothing follows
+        finally:
+            self._reads.close()  # closes its Parquet files in this thread
+
+    def __next__(self) -> _SplitRead:
+        item = self._results.get()
+        if item is self._END:
+            self._results.put(item)
+            raise StopIteration
+        self._slots.release()
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the split it is decoding) and drop what it read."""
+        self._stop.set()
+        self._slots.release()  # wakes the thread if it waits for a slot
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        while not self._results.empty():
+            self._results.get_nowait()
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:
