@@ -229,11 +229,13 @@ def choose_dictionary(table: pa.Table, *, level: int, min_gain: float = 0.02) ->
 
 @dataclass
 class _FileStats:
+    """One part file of the manifest's ``files``."""
+
     path: str
     rows: int = 0
     row_groups: int = 0
     bytes: int = 0
-    sessions: int = 0
+    sessions: int = 0  # distinct session ids with rows in this file
 
 
 @dataclass
@@ -251,6 +253,14 @@ class SessionAlignedWriter:
             row group with :func:`choose_dictionary`).
         max_file_bytes: start a new file once one passes this size.
         align_sessions: False for the time-ordered baseline (cut every ``row_group_size``).
+
+    Session counts: a file's ``sessions`` is the number of distinct session ids with rows in
+    it, so a session that a file or partition boundary cuts counts in every file it reaches.
+    :attr:`sessions` counts each session once, :attr:`session_continuations` the times one
+    carries on into a later file (``sum(files' sessions) == sessions + session_continuations``)
+    and :attr:`sessions_split_across_files` the sessions that do. The counts need session ids
+    that ascend in order of first appearance, as the build's do (ranked by first ts, written in
+    session or in ts order): an id is then new exactly when it exceeds every id written before.
     """
 
     root: Path
@@ -268,7 +278,18 @@ class SessionAlignedWriter:
     _partition: str | None = None
     _writer: pq.ParquetWriter | None = None
     _sink: pa.OSFile | None = None
-    _last_session: int | None = None
+    sessions: int = field(default=0, init=False)
+    session_continuations: int = field(default=0, init=False)
+    _max_session: int | None = field(default=None, init=False)  # largest session id written
+    _file_floor: int | None = field(default=None, init=False)  # largest before the open file
+    _file_new: int = field(default=0, init=False)  # sessions first seen in the open file
+    _file_old: list[np.ndarray] = field(default_factory=list, init=False)  # ids <= the floor
+    _split: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), init=False)
+
+    @property
+    def sessions_split_across_files(self) -> int:
+        """Sessions with rows in more than one file."""
+        return int(self._split.size)
 
     def write(self, batch: pa.RecordBatch | pa.Table, *, partition: str | None = None) -> None:
         """Append sorted rows (all of one partition; ``partition`` is e.g. ``dt=2024-...``)."""
@@ -320,14 +341,22 @@ class SessionAlignedWriter:
         stats = self.files[-1]
         stats.rows += group.num_rows
         stats.row_groups += 1
-        sid = group.column(self.session_col).to_numpy()
-        new = int(np.count_nonzero(sid[1:] != sid[:-1])) + 1
-        if self._last_session is not None and sid[0] == self._last_session:
-            new -= 1
-        stats.sessions += new
-        self._last_session = int(sid[-1])
+        self._count_sessions(group.column(self.session_col).to_numpy())
         if self._sink.tell() >= self.max_file_bytes:
             self._close_file()
+
+    def _count_sessions(self, sid: np.ndarray) -> None:
+        """Count the sessions of one row group (ids ``sid``) written to the open file."""
+        low = np.iinfo(np.int64).min
+        prev = low if self._max_session is None else self._max_session
+        seen = np.maximum.accumulate(sid)  # the largest id up to each row
+        before = np.concatenate(([prev], np.maximum(seen[:-1], prev)))
+        self._file_new += int(np.count_nonzero(sid > before))  # first appearances
+        self._max_session = max(prev, int(seen[-1]))
+        if self._file_floor is not None:
+            old = sid[sid <= self._file_floor]
+            if old.size:
+                self._file_old.append(np.unique(old))
 
     def _open_file(self, first_group: pa.Table) -> None:
         if self.dictionary is None:
@@ -361,7 +390,16 @@ class SessionAlignedWriter:
         self._writer.close()
         assert self._sink is not None
         self._sink.close()
-        self.files[-1].bytes = os.path.getsize(self.root / self.files[-1].path)
+        stats = self.files[-1]
+        stats.bytes = os.path.getsize(self.root / stats.path)
+        old = np.unique(np.concatenate(self._file_old)) if self._file_old else self._split[:0]
+        stats.sessions = self._file_new + int(old.size)
+        self.sessions += self._file_new
+        self.session_continuations += int(old.size)
+        self._split = np.union1d(self._split, old)
+        self._file_new = 0
+        self._file_old = []
+        self._file_floor = self._max_session
         self._writer = None
         self._sink = None
 

@@ -105,7 +105,9 @@ class BuildConfig:
         zstd_level: zstd compression level of the Parquet files.
         row_group_size: target rows per row group (cut at session boundaries).
         order: ``"session"`` (clustered) or ``"time"`` (the pre-RecD baseline: rows by ts only).
-        engine: ``"duckdb"``; ``"polars"`` is reserved and not implemented yet.
+        engine: ``"duckdb"`` (out of core) or ``"polars"`` (in memory, the same dataset,
+            quarantine and counts; refuses ``memory_limit``, ``spill_dir`` and ``threads``;
+            see :mod:`etl._build_polars`).
         seed: seed of ``sample_sessions``.
         partition_by: ``"none"`` or ``"hour"`` (``dt=YYYY-MM-DD-HH/`` folders, by the session's
             first ts in session order, by the row's ts in time order).
@@ -268,8 +270,12 @@ def build(
     t_start = time.perf_counter()
     schema = schema if schema is not None else default_schema()
     config = config if config is not None else BuildConfig()
-    if config.engine != "duckdb":
-        raise DataError(f"`engine` {config.engine!r} is not implemented yet; use 'duckdb'")
+    into = _build_into
+    if config.engine == "polars":
+        from etl import _build_polars
+
+        _build_polars.check_config(config)
+        into = _build_polars.build_into
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise DataError(
@@ -286,7 +292,7 @@ def build(
     spill = base / f"_recpipe_spill-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         try:
-            manifest = _build_into(
+            manifest = into(
                 duckdb,
                 tmp,
                 feat_files,
@@ -366,6 +372,10 @@ def _parse_one(
     except duckdb.OutOfMemoryException as exc:
         raise _oom_error(exc) from None
     except duckdb.Error as exc:
+        raise _duckdb_error(f.path, exc) from None
+    except OSError as exc:  # a DuckDB error met while pyarrow streams the lines, after batch 1
+        if str(exc).startswith("Out of Memory Error"):
+            raise _oom_error(exc) from None
         raise _duckdb_error(f.path, exc) from None
     finally:
         cur.close()
@@ -574,6 +584,11 @@ def _build_into(
             raise _oom_error(exc) from None
     files = writer.close()
     con.close()
+    if writer.sessions != counts["sessions"]:  # cannot happen; checked to promise it
+        raise RecpipeError(
+            f"internal: the files hold {writer.sessions} sessions, the build kept "
+            f"{counts['sessions']}"
+        )
     t = phases.timed("write", t)
 
     bytes_in = sum(i["bytes"] for i in inputs)
@@ -592,6 +607,11 @@ def _build_into(
         "reconciles": counts["rows_in"]
         == counts["rows_out"] + counts["rows_quarantined"] + counts["rows_sampled_out"],
         "files": files,
+        # a file's `sessions` counts the sessions with rows in it: a session cut by a file or
+        # partition boundary counts in each of its files, so their sum is `sessions` +
+        # `session_continuations`
+        "sessions_split_across_files": writer.sessions_split_across_files,
+        "session_continuations": writer.session_continuations,
         "row_groups": sum(f["row_groups"] for f in files),
         "bytes_in": bytes_in,
         "bytes_out": bytes_out,
@@ -852,6 +872,9 @@ def format_summary(manifest: dict, out_dir: str | Path | None = None) -> str:
         f"  rows out         {m['rows_out']:>12,}   ({m['order']} order, {m['sessions']:,} sessions)",
         f"  quarantined      {m['rows_quarantined']:>12,}",
     ]
+    if not m["rows_out"]:
+        why = "the inputs hold no records" if not m["rows_in"] else "no record was kept"
+        lines.insert(3, f"  !! 0 rows out: {why}; the dataset is empty (no part files)")
     lines += [f"    {r:<22}{n:>10,}" for r, n in m["quarantine_by_reason"].items() if n]
     if m["rows_sampled_out"]:
         lines.append(f"  sampled out      {m['rows_sampled_out']:>12,}")
@@ -865,7 +888,8 @@ def format_summary(manifest: dict, out_dir: str | Path | None = None) -> str:
     ratio = m["compression_ratio"]
     lines += [
         f"  reconciles       {m['reconciles']}  (in = out + quarantined + sampled out)",
-        f"  files            {len(m['files']):>12,}   row groups {m['row_groups']:,}",
+        f"  files            {len(m['files']):>12,}   row groups {m['row_groups']:,}, "
+        f"sessions split across files {m.get('sessions_split_across_files', 0):,}",
         f"  bytes in / out   {mb(m['bytes_in'])} / {mb(m['bytes_out'])}   "
         f"(feature logs / Parquet = {f'{ratio}x' if ratio is not None else 'n/a'})",
         f"  parquet          zstd-{m['parquet']['level']}, row groups of "
@@ -941,7 +965,11 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         help="session: clustered (default); time: the pre-RecD baseline, rows by ts",
     )
     p.add_argument(
-        "--engine", choices=["duckdb", "polars"], default="duckdb", help="default duckdb"
+        "--engine",
+        choices=["duckdb", "polars"],
+        default="duckdb",
+        help="duckdb (default): out of core; polars: in memory, the same dataset (no "
+        "--memory-limit, --spill-dir or --threads)",
     )
     p.add_argument(
         "--partition-by",

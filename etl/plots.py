@@ -15,8 +15,11 @@ def plot_report(report: StatsReport, out_dir: str | Path) -> list[Path]:
     """Write every plot of ``report`` into ``out_dir``.
 
     Returns:
-        ``[samples_per_session.png, features.png]``.
+        ``[samples_per_session.png, features.png]``; ``[]`` (nothing written) when the report
+        has no rows, since there is nothing to plot.
     """
+    if not report.rows:
+        return []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return [

@@ -9,6 +9,11 @@ Every line of the input goes to exactly one place:
   :func:`etl.rawio.unroutable_record` records with their source file and line number, so that
   the build quarantines them. Nothing is dropped: ``_shard.json`` reconciles the line counts.
 
+A file that is not UTF-8 text (binary, another encoding, corrupt) stops the shard with a
+:class:`~recpipe.errors.CorruptInputError` naming the file and line, as it stops ``etl build``;
+like any failed run, it leaves no output behind (the shards are written to a temporary
+directory that is renamed into place only at the end).
+
 Why session routing compresses better: the samples of a session repeat most of their bytes
 (user features), so the closer they sit in a stream, the more zstd's match finder removes.
 Routing by session puts them in the same shard; on top of that, each shard buffers its lines
@@ -35,7 +40,7 @@ import orjson
 import zstandard
 
 from etl.rawio import UNROUTABLE_NAME, expand_inputs, iter_lines, unroutable_record
-from recpipe.errors import DataError, RecpipeError
+from recpipe.errors import CorruptInputError, DataError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
 __all__ = ["ShardConfig", "format_report", "register_cli", "shard", "shard_path"]
@@ -174,13 +179,29 @@ def _interleave(files: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
             readers = alive
 
 
-def _parse(line: bytes) -> Any:
+def _parse(line: bytes, path: Path, lineno: int) -> Any:
+    """The parsed line, or None when it is not JSON.
+
+    Raises:
+        CorruptInputError: the line is not UTF-8 text, as ``etl build`` refuses such a file.
+    """
     try:
         return orjson.loads(line)
     except orjson.JSONDecodeError:
         pass
+    try:  # orjson refuses invalid UTF-8 too: only lines it refused need this check
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        msg = (
+            f"{path}: line {lineno}: not UTF-8 text (byte {line[exc.start]:#04x} at byte "
+            f"{exc.start} of the line); the file is binary, corrupt or not JSON Lines\n"
+            "hint: `etl build` refuses it too; fix or remove the file"
+        )
+        raise CorruptInputError(msg) from None
+    if lineno == 1:  # a byte-order mark may open the file (the build accepts it too)
+        text = text.removeprefix("\ufeff")
     try:  # NaN / Infinity / integers beyond 64 bits: not strict JSON, but routable
-        return json.loads(line)
+        return json.loads(text)
     except (ValueError, RecursionError):
         return None
 
@@ -211,7 +232,8 @@ def shard(
 
     Raises:
         DataError: on missing inputs or an existing ``out_dir`` without ``overwrite``.
-        CorruptInputError: naming the file, on a broken zstd input.
+        CorruptInputError: naming the file, on a broken zstd input or a file that is not
+            UTF-8 text (naming the line too).
     """
     cfg = config or ShardConfig()
     schema = schema or load_schema(None)
@@ -268,7 +290,7 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
         for path, lineno, line in _interleave(files):
             lines_in += 1
             raw_bytes += len(line) + 1
-            rec = _parse(line)
+            rec = _parse(line, path, lineno)
             if not isinstance(rec, dict):
                 reason = _MALFORMED
             else:

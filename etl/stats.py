@@ -141,7 +141,8 @@ class StatsReport:
         rows: number of samples.
         batch_size: ``B`` of the factors.
         batches: number of batches of ``B`` rows in file order.
-        samples_per_batch_session: ``S``, average samples a session contributes to a batch.
+        samples_per_batch_session: ``S``, average samples a session contributes to a batch
+            (0 when there are no rows).
         sessions: samples-per-session statistics.
         features: one entry per feature, in schema order (dense first, then sparse).
         proposed_features: sparse features whose measured factor exceeds ``factor_threshold``.
@@ -253,7 +254,10 @@ class StatsReport:
         return path
 
     def plot(self, out_dir: str | Path) -> list[Path]:
-        """Write the PNG plots (see :mod:`etl.plots`) into ``out_dir``; return their paths."""
+        """Write the PNG plots (see :mod:`etl.plots`) into ``out_dir``; return their paths.
+
+        A report without rows has nothing to plot: it writes none and returns ``[]``.
+        """
         from etl.plots import plot_report
 
         return plot_report(self, out_dir)
@@ -261,6 +265,12 @@ class StatsReport:
     def format_table(self) -> str:
         """The report as plain, aligned text for a terminal."""
         s = self.sessions
+        if not self.rows:
+            return (
+                f"dataset  {self.dataset}  (order: {self.order or 'unknown'}, {self.files} files)\n"
+                "samples  0 in 0 sessions: the dataset is empty; every figure is zero, the "
+                "histogram, the feature table and the proposals are skipped"
+            )
         lines = [
             f"dataset  {self.dataset}  (order: {self.order or 'unknown'}, {self.files} files)",
             f"samples  {self.rows:,} in {s.sessions:,} sessions; samples/session "
@@ -354,8 +364,13 @@ def dedupe_factor_model(d: float, s: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def dataset_files(dataset_dir: str | Path) -> list[Path]:
+def dataset_files(dataset_dir: str | Path, *, allow_empty: bool = False) -> list[Path]:
     """The dataset's ``part-*.parquet`` files (Hive partitions included) in file order.
+
+    Args:
+        dataset_dir: the dataset directory.
+        allow_empty: return ``[]`` for a directory without Parquet parts (a build that kept
+            no rows writes none) instead of raising.
 
     Raises:
         DataError: ``dataset_dir`` is not a directory or holds no Parquet part.
@@ -369,7 +384,7 @@ def dataset_files(dataset_dir: str | Path) -> list[Path]:
         for p in root.rglob("part-*.parquet")
         if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
     )
-    if not files:
+    if not files and not allow_empty:
         msg = (
             f"`dataset_dir` {str(root)!r} holds no part-*.parquet files\n"
             "hint: build one with `recpipe etl build`"
@@ -401,10 +416,13 @@ def compute_stats(
         progress: show a progress bar on stderr.
 
     Returns:
-        The :class:`StatsReport`.
+        The :class:`StatsReport`. A valid empty dataset (a build that kept no rows, or Parquet
+        parts without rows) gives a report of zeros: no sessions, no batches, ``S`` 0, every
+        feature without values or duplicates and with factors 1, nothing proposed.
 
     Raises:
-        DataError: the dataset is missing, empty, or lacks a column of the schema.
+        DataError: the dataset is missing, holds no Parquet part without a manifest saying the
+            build kept no rows, or lacks a column of the schema.
         CorruptInputError: a dataset file is not readable Parquet.
         SchemaError: the manifest's schema is invalid.
     """
@@ -426,8 +444,8 @@ def compute_stats(
 
     start = time.perf_counter()
     root = Path(dataset_dir)
-    files = dataset_files(root)
     manifest = _read_manifest(root)
+    files = dataset_files(root, allow_empty=_built_empty(manifest))
     if schema is None:
         schema = _schema_from_manifest(root, manifest)
 
@@ -437,25 +455,31 @@ def compute_stats(
     con = duckdb.connect(config=config)
     steps = 3 + 2 * len(schema.feature_names) + 1
     bar = tqdm(total=steps, desc="stats", unit="query", file=sys.stderr, disable=not progress)
+    sessions, rows, batches, s_batch = _NO_SESSIONS, 0, 0, 0.0
+    features, proposed, jaccard, groups = _no_features(schema), [], {}, []
+    keys = {"session": _ident(schema.session_key), "time": _ident(schema.time_key)}
     try:
-        con.execute("SET VARIABLE recpipe_files = $files", {"files": [str(p) for p in files]})
-        _run(con, "files.sql")
-        _run(con, "samples.sql")
-        _check_columns(con, files, schema)
-        keys = {"session": _ident(schema.session_key), "time": _ident(schema.time_key)}
-        bar.update(1)
-        sessions, rows = _session_stats(con, keys, root)
-        bar.update(1)
-        pairs = _fetch_one(con, "batch_sessions.sql", keys, {"batch_size": batch_size})
-        s_batch = rows / int(pairs["batch_sessions"])
-        bar.update(1)
-        features = _feature_stats(con, schema, keys, batch_size, s_batch, bar)
-        proposed = [
-            f.name for f in features if f.kind != "dense" and f.measured_factor > factor_threshold
-        ]
-        jaccard = _jaccard_matrix({name: _change_rows(con, keys, name, rows) for name in proposed})
-        groups = _greedy_groups(proposed, jaccard, group_jaccard)
-        bar.update(1)
+        if files:  # else an empty build: every figure stays zero
+            con.execute("SET VARIABLE recpipe_files = $files", {"files": [str(p) for p in files]})
+            _run(con, "files.sql")
+            _run(con, "samples.sql")
+            _check_columns(con, files, schema)
+            sessions, rows = _session_stats(con, keys)
+        bar.update(2)
+        if rows:
+            pairs = _fetch_one(con, "batch_sessions.sql", keys, {"batch_size": batch_size})
+            batches, s_batch = int(pairs["batches"]), rows / int(pairs["batch_sessions"])
+            bar.update(1)
+            features = _feature_stats(con, schema, keys, batch_size, s_batch, bar)
+            proposed = [
+                f.name
+                for f in features
+                if f.kind != "dense" and f.measured_factor > factor_threshold
+            ]
+            changes = {name: _change_rows(con, keys, name, rows) for name in proposed}
+            jaccard = _jaccard_matrix(changes)
+            groups = _greedy_groups(proposed, jaccard, group_jaccard)
+            bar.update(1)
     except (duckdb.InvalidInputException, duckdb.IOException) as exc:
         reason = str(exc).splitlines()[0]
         msg = f"`dataset_dir` {str(root)!r}: a dataset file cannot be read as Parquet: {reason}"
@@ -470,7 +494,7 @@ def compute_stats(
         files=len(files),
         rows=rows,
         batch_size=batch_size,
-        batches=int(pairs["batches"]),
+        batches=batches,
         samples_per_batch_session=s_batch,
         sessions=sessions,
         features=features,
@@ -484,15 +508,54 @@ def compute_stats(
     )
 
 
+def _built_empty(manifest: dict[str, Any] | None) -> bool:
+    """The manifest is of a build that kept no rows (and so wrote no part file)."""
+    return bool(manifest) and manifest.get("rows_out") == 0 and manifest.get("files") == []
+
+
+#: the samples-per-session statistics of a dataset without rows
+_NO_SESSIONS = SessionStats(sessions=0, mean=0.0, median=0.0, p90=0.0, p99=0.0, max=0, histogram=())
+
+
+def _no_features(schema: DatasetSchema) -> list[FeatureStats]:
+    """Every feature's statistics on no rows: zero counts, no duplicates, factors 1."""
+    kinds = {f.name: "dense" for f in schema.dense} | {f.name: f.kind for f in schema.sparse}
+    zeros = dict.fromkeys(
+        (
+            "rows",
+            "rows_with_prev",
+            "exact_duplicates",
+            "partial_duplicates",
+            "values",
+            "unique_values",
+            "logical_bytes",
+            "parquet_bytes",
+        ),
+        0,
+    )
+    return [
+        FeatureStats(
+            name=name,
+            kind=kind,
+            **zeros,
+            avg_len=0.0,
+            byte_share=0.0,
+            d=0.0,
+            model_factor=1.0,
+            measured_factor=1.0,
+        )
+        for name, kind in kinds.items()
+    ]
+
+
 def _session_stats(
-    con: duckdb.DuckDBPyConnection, keys: dict[str, str], root: Path
+    con: duckdb.DuckDBPyConnection, keys: dict[str, str]
 ) -> tuple[SessionStats, int]:
     """Samples-per-session summary and log2 histogram; also returns the row count."""
     summary = _fetch_one(con, "session_summary.sql", keys)
     rows = int(summary["rows"])
     if rows == 0:
-        msg = f"`dataset_dir` {str(root)!r} holds no rows"
-        raise DataError(msg)
+        return _NO_SESSIONS, 0
     histogram = tuple(
         (2**b, 2 ** (b + 1), int(n), int(s))
         for b, n, s in _run(con, "session_histogram.sql", keys).fetchall()
@@ -761,6 +824,8 @@ def _main(args: argparse.Namespace) -> int:
     written = [report.write_json(out / "stats.json")]
     if not args.no_plots:
         written += report.plot(out)
+        if not report.rows:
+            print("stats: no plots: the dataset holds no rows", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -223,6 +223,59 @@ def test_time_order_baseline_and_sampling(tmp_path):
     assert _dataset(tmp_path / "a").equals(_dataset(tmp_path / "b"))
 
 
+def _straddling_sessions() -> list[dict]:
+    """Sessions of 1 to 40 rows over three hours, interleaved in time; one runs all along."""
+    hour = 3_600_000
+    lines = [_rec(f"long-{k}", k * hour // 14, session="long") for k in range(40)]
+    for s in range(15):
+        start = (s * 2 * hour) // 15
+        lines += [
+            _rec(f"r{s}-{k}", start + k * 90_000, session=f"s{s}") for k in range(1 + s * 7 % 23)
+        ]
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("order", "partition_by", "max_file_bytes"),
+    [
+        ("session", "none", 1),  # a file per row group: sessions cut at file boundaries
+        ("session", "hour", 1),
+        ("time", "hour", 256 << 20),  # sessions cut at hour-partition boundaries
+        ("time", "none", 1),
+    ],
+)
+def test_file_session_counts_match_the_files(tmp_path, order, partition_by, max_file_bytes):
+    src = _write(tmp_path / "f.jsonl", _straddling_sessions())
+    cfg = BuildConfig(
+        order=order, partition_by=partition_by, max_file_bytes=max_file_bytes, row_group_size=8
+    )
+    m = build(src, tmp_path / "out", config=cfg)
+    ids = [
+        set(pq.read_table(tmp_path / "out" / f["path"]).column("session_id").to_pylist())
+        for f in m["files"]
+    ]
+    files_of: dict[int, int] = {}
+    for got in ids:
+        for sid in got:
+            files_of[sid] = files_of.get(sid, 0) + 1
+    assert [f["sessions"] for f in m["files"]] == [len(got) for got in ids]
+    assert m["sessions"] == len(files_of) == 16
+    assert m["sessions_split_across_files"] == sum(n > 1 for n in files_of.values()) > 0
+    assert m["session_continuations"] == sum(n - 1 for n in files_of.values())
+    assert sum(f["sessions"] for f in m["files"]) == m["sessions"] + m["session_continuations"]
+    if order == "session":  # the 40-row session alone fills five row groups, each its own file
+        assert max(files_of.values()) == 5
+        assert m["session_continuations"] > m["sessions_split_across_files"]
+    if partition_by == "hour":  # by the session's first hour, or by the row's hour
+        parts: dict[int, set[str]] = {}
+        for f, got in zip(m["files"], ids):
+            for sid in got:
+                parts.setdefault(sid, set()).add(f["path"].split("/")[0])
+        straddling = sum(len(p) > 1 for p in parts.values())
+        assert straddling == 0 if order == "session" else straddling > 0
+    _reconciles(m)
+
+
 def test_same_inputs_give_byte_identical_parquet_and_atomic_overwrite(tmp_path):
     lines = [_rec(f"r{i}", 1000 + i, session=f"s{i % 5}", user=i % 3) for i in range(200)]
     src = _write(tmp_path / "f.jsonl.zst", lines)
@@ -248,6 +301,8 @@ def test_corrupt_inputs_raise_errors_naming_the_file(tmp_path):
         "trunc.jsonl.zst": blob[: len(blob) // 2],
         "garbage.jsonl.zst": b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 4,
         "binary.jsonl": b"\x00\xff\xfe binary \x80\x81\n" * 10,
+        # past the first batch the lines stream through pyarrow, whose error is an OSError
+        "late_binary.jsonl": text.encode() * 2 + b"\xc3(\n",
         "fake.parquet": b"this is not parquet at all",
         "renamed.jsonl.zst": text.encode(),
     }

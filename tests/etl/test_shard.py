@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 from collections import Counter
 
 import orjson
@@ -144,13 +145,61 @@ def test_lines_without_any_key_are_unroutable(tmp_path):
     assert "compare" not in report
 
 
-def test_non_json_file_is_routed_to_unroutable(tmp_path):
+def test_non_json_text_is_routed_to_unroutable(tmp_path):
     src = tmp_path / "notes.jsonl"
-    src.write_bytes(b"hello\n\xff\xfe binary \x00\n")
+    src.write_bytes(b"hello\n\x00\x01 control bytes are UTF-8 \xc3\xa9\n")
     report = shard(src, tmp_path / "out", config=ShardConfig(num_shards=2))
     assert report["lines_unroutable"] == 2 and report["lines_routed"] == 0
     bad = list(iter_unroutable(tmp_path / "out" / "_unroutable.jsonl.zst"))
-    assert bad[1][3] == b"\xff\xfe binary \x00"  # kept verbatim even when not UTF-8
+    assert bad[1][3] == b"\x00\x01 control bytes are UTF-8 \xc3\xa9"  # kept verbatim
+
+
+GOOD_LINE = b'{"request_id": "r-1", "session_id": "s-1", "ts": 1}\n'
+
+
+def test_a_byte_order_mark_opening_the_file_is_text(tmp_path):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE)
+    report = shard(src, tmp_path / "out", config=ShardConfig(num_shards=2))
+    assert report["lines_routed"] == 1 and report["lines_unroutable"] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "line", "byte", "offset"),
+    [
+        ("binary.jsonl", b"\x00\xff\xfe binary \x80\x81\n" * 10, 1, 0xFF, 1),
+        ("utf16.jsonl", GOOD_LINE.decode().encode("utf-16"), 1, 0xFF, 0),
+        ("one_bad_line.jsonl", GOOD_LINE * 3 + b'{"session_id": "s\xe9"}\n', 4, 0xE9, 17),
+        (
+            "one_bad_line.jsonl.zst",
+            zstandard.ZstdCompressor().compress(GOOD_LINE * 5000 + b"\xc3(\n" + GOOD_LINE),
+            5001,
+            0xC3,
+            0,
+        ),
+    ],
+    ids=["binary", "utf16", "one_bad_line", "one_bad_line_zst"],
+)
+def test_a_file_that_is_not_utf8_stops_shard_as_it_stops_build(
+    tmp_path, name, data, line, byte, offset
+):
+    from etl.build import build
+
+    src = tmp_path / name
+    src.write_bytes(data)
+    where = rf"line {line}: not UTF-8 text \(byte {byte:#04x} at byte {offset} of the line\)"
+    with pytest.raises(CorruptInputError, match=rf"{re.escape(name)}: {where}"):
+        shard(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(GOOD_LINE * 2)
+    shard(good, tmp_path / "kept", config=ShardConfig(num_shards=2))
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "kept").iterdir()}
+    with pytest.raises(CorruptInputError, match=re.escape(name)):  # earlier output kept
+        shard([good, src], tmp_path / "kept", overwrite=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "kept").iterdir()} == kept
+    with pytest.raises(CorruptInputError, match=rf"{re.escape(name)}: cannot read input: .*UTF-8"):
+        build(src, tmp_path / "built")
 
 
 @pytest.mark.parametrize(

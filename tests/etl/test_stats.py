@@ -381,3 +381,75 @@ def test_histogram_bins_cover_all_sessions(tmp_path):
     assert report.sessions.median == 3.0
     assert math.isclose(report.sessions.mean, 23 / 5)
     assert np.isclose(report.sessions.p90, np.quantile([1, 2, 3, 8, 9], 0.9))
+
+
+# --- empty datasets -------------------------------------------------------------------------
+
+
+def _assert_zeros(report, schema: DatasetSchema) -> None:
+    assert (report.rows, report.batches, report.samples_per_batch_session) == (0, 0, 0.0)
+    assert report.sessions.sessions == 0 and report.sessions.histogram == ()
+    assert [f.name for f in report.features] == schema.feature_names
+    for f in report.features:
+        assert (f.rows, f.values, f.exact_duplicates, f.d) == (0, 0, 0, 0.0)
+        assert f.model_factor == f.measured_factor == 1.0
+    assert report.proposed_features == [] and report.proposed_groups == []
+    assert report.sparse_factor == report.sparse_model_factor == 1.0
+    assert "the dataset is empty" in report.format_table()
+    data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert data["rows"] == 0 and data["samples_per_session"]["sessions"] == 0
+
+
+@pytest.mark.parametrize("lines", [b"", b'{"request_id": "r1"}\nnot json\n'])
+def test_stats_of_an_empty_build_are_zeros(tmp_path, lines):
+    from etl.build import build
+    from schemas import default_schema
+
+    (tmp_path / "f.jsonl").write_bytes(lines)
+    manifest = build(tmp_path / "f.jsonl", tmp_path / "ds")
+    assert manifest["rows_out"] == 0 and manifest["files"] == []
+    report = compute_stats(tmp_path / "ds")
+    assert report.files == 0 and report.order == "session"
+    _assert_zeros(report, default_schema())
+    assert report.plot(tmp_path / "plots") == [] and not (tmp_path / "plots").exists()
+
+
+def test_stats_of_parquet_parts_without_rows_are_zeros(tmp_path):
+    root = tmp_path / "ds"
+    root.mkdir()
+    pq.write_table(_table(TINY).slice(0, 0), root / "part-00000.parquet")
+    report = compute_stats(root, schema=SCHEMA)
+    assert report.files == 1
+    _assert_zeros(report, SCHEMA)
+
+
+def test_no_parts_is_an_error_unless_the_build_kept_no_rows(tmp_path):
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(DataError, match=r"holds no part-\*.parquet files"):
+        compute_stats(tmp_path / "bare", schema=SCHEMA)
+    lost = tmp_path / "lost"  # the manifest promises rows that are not there
+    lost.mkdir()
+    manifest = {"schema": SCHEMA.to_toml(), "rows_out": 6, "files": [{"path": "part-00000"}]}
+    (lost / "_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"holds no part-\*.parquet files"):
+        compute_stats(lost)
+
+
+def test_cli_stats_of_an_empty_build(tmp_path, capsys):
+    from recpipe.cli import main
+
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    ds, out = tmp_path / "ds", tmp_path / "stats"
+    assert (
+        main(["etl", "build", str(tmp_path / "empty.jsonl"), "--out", str(ds), "--no-progress"])
+        == 0
+    )
+    assert "0 rows out" in capsys.readouterr().out
+    assert main(["stats", str(ds), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "the dataset is empty" in captured.out
+    assert "no plots" in captured.err and "stats: 0 samples" in captured.err
+    assert [p.name for p in out.iterdir()] == ["stats.json"]
+    assert json.loads((out / "stats.json").read_text())["rows"] == 0
+    assert main(["stats", str(ds), "--out", str(out), "--json", "--no-plots"]) == 0
+    assert json.loads(capsys.readouterr().out)["batches"] == 0
