@@ -173,17 +173,20 @@ def digest(f: InputFile) -> dict:
 
 
 def source_sql(f: InputFile, file_id: int, sql_str) -> str:
-    """A relation ``(file_id, line_no, line, source)`` over one input file, in file order.
+    """A relation ``(file_id, line_no, line, source, source_line)`` over one input file, in order.
 
     JSON Lines are read as raw text by DuckDB's CSV reader with a delimiter, quote and escape
     that never occur, so every line is one VARCHAR (zstd handled by DuckDB); Parquet rows are
-    turned back into JSON objects so one validator serves both.
+    turned back into JSON objects so one validator serves both. ``(file_id, line_no)`` is
+    unique: it is the row key of every later join. ``source`` and ``source_line`` are NULL but
+    for ``etl shard``'s unroutable records, numbered by their place in that file and carrying
+    the file and line they came from (records of several files may share a line number).
     """
     path = sql_str(str(f.path))
     if f.kind == "jsonl":
         return (
             f"(SELECT {int(file_id)} AS file_id, row_number() OVER () AS line_no, line, "
-            f"NULL::VARCHAR AS source "
+            f"NULL::VARCHAR AS source, NULL::BIGINT AS source_line "
             f"FROM read_csv({path}, columns={{'line': 'VARCHAR'}}, delim='{_NO_DELIM}', "
             f"quote='', escape='', header=false, auto_detect=false, strict_mode=false, "
             f"compression='auto'))"
@@ -192,11 +195,11 @@ def source_sql(f: InputFile, file_id: int, sql_str) -> str:
         return (
             f"(SELECT {int(file_id)} AS file_id, row_number() OVER () AS line_no, "
             f"to_json(t)::VARCHAR AS line, "
-            f"NULL::VARCHAR AS source FROM read_parquet({path}) t)"
+            f"NULL::VARCHAR AS source, NULL::BIGINT AS source_line FROM read_parquet({path}) t)"
         )
     return (  # unroutable records of `etl shard`: the raw line and where it came from
-        f"(SELECT {int(file_id)} AS file_id, line AS line_no, "
-        f"coalesce(raw, '\\x' || raw_hex) AS line, source "
+        f"(SELECT {int(file_id)} AS file_id, row_number() OVER () AS line_no, "
+        f"coalesce(raw, '\\x' || raw_hex) AS line, source, line AS source_line "
         f"FROM read_json({path}, format='newline_delimited', columns={{'source': 'VARCHAR', "
         f"'line': 'BIGINT', 'reason': 'VARCHAR', 'raw': 'VARCHAR', 'raw_hex': 'VARCHAR'}}))"
     )
@@ -512,8 +515,8 @@ def _facts_kernel(offsets, data, pat, pat_off, quotes, text_ok, kinds):  # pragm
                     and data[i + 3] == 101
                 )
             elif i > tail and (
-                c == 46 or c == 69 or (c == 101 and i < end and data[i] == 45)
-            ):  # no fraction or exponent among the sparse ids
+                c == 46 or c == 69 or (c == 101 and data[i - 2] >= 48 and data[i - 2] <= 57)
+            ):  # no fraction or exponent (`.`, `E`, a digit then `e`) among the sparse ids
                 ok = False
         quotes[r] = q
         text_ok[r] = ok
@@ -539,8 +542,8 @@ def line_facts(lines: pa.Array, keys: Sequence[str]) -> dict[str, np.ndarray]:
     """Text facts of raw JSON lines that a typed (lenient) parse cannot tell, in one pass.
 
     For each line: ``quotes`` (count of ``"``); ``text_ok`` (no trailing comma, no
-    ``true``/``false``, no ``.``/``E``/``e-`` after the first ``"sparse"`` (the whole line when
-    there is none), ``dense``/``sparse`` written as objects or absent); ``kind_rk`` ..
+    ``true``/``false``, no ``.``, ``E`` or digit followed by ``e`` after the first ``"sparse"``
+    (the whole line when there is none), ``dense``/``sparse`` written as objects or absent); ``kind_rk`` ..
     ``kind_tk`` for the four id keys ``keys`` (request id, session id, user id, ts): 1 when
     the value after the first ``"key":`` is a string, 0 when it is something else, -1 when
     the key is not written that way. The checks are conservative: a line they flag is only

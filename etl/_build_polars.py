@@ -22,18 +22,12 @@ same manifest counts, and Parquet files written by the same
    sessions as the DuckDB engine) and a duplicate's detail quotes its id with DuckDB's
    ``to_json``.
 
-Where the DuckDB engine stops with an error (a label beyond float32, two records of one user
-more than 2^63 ms apart, a ts outside DuckDB's timestamps with ``partition_by="hour"``), this
-engine stops with a :class:`~recpipe.errors.DataError` naming the record.
-
 Refused with a :class:`~recpipe.errors.DataError`, where this engine cannot give the DuckDB
 engine's output: ``memory_limit`` and ``spill_dir`` (the whole dataset is held in memory) and
-``threads`` (Polars sizes its pool from ``POLARS_MAX_THREADS``); a JSON Lines file that DuckDB's
-line reader splits in its own way (a bare ``\\r``, or ``\\r\\n`` line ends after ``\\n`` ones);
-a good record of an ``_unroutable.jsonl.zst`` that shares its line number with another record
-of that file (the DuckDB engine writes it more than once). The quarantine files hold the same
-rows in the same order (but for rows sharing a file and line, see :func:`_write_quarantine`);
-their Parquet schema differs only where DuckDB marks a column NOT NULL.
+``threads`` (Polars sizes its pool from ``POLARS_MAX_THREADS``); and a JSON Lines file that DuckDB's
+line reader splits in its own way (a bare ``\\r``, or ``\\r\\n`` line ends after ``\\n`` ones).
+The quarantine files hold the same rows in the same order; their Parquet schema differs only
+where DuckDB marks a column NOT NULL.
 """
 
 from __future__ import annotations
@@ -56,7 +50,6 @@ from etl import reasons
 from etl._build_io import (
     LINE_FACT_COLUMNS,
     InputFile,
-    SessionAlignedWriter,
     check_structure,
     digest,
     iter_partitioned,
@@ -65,13 +58,14 @@ from etl._build_io import (
 )
 from etl._build_sql import (
     PENDING,
+    TS_RANGE,
     event_select,
     feature_columns,
     feature_select,
     schema_keys,
     sql_str,
 )
-from recpipe.errors import CorruptInputError, DataError, RecpipeError
+from recpipe.errors import CorruptInputError, DataError
 from schemas import DatasetSchema
 
 __all__ = ["build_into", "check_config"]
@@ -88,13 +82,11 @@ _MIN_SLICE = 64
 #: DuckDB's line reader refuses longer lines (bytes; the first line may hold one more)
 _MAX_LINE_BYTES = 1_999_999
 _FLOAT32_MAX = 3.4028234663852886e38
-#: the ts range of DuckDB's ``epoch_ms`` (milliseconds), needed by ``partition_by="hour"``
-_HOUR_TS_RANGE = (-9_223_372_022_400_000, 9_223_372_036_854_775)
 _BOM = b"\xef\xbb\xbf"
 #: numbers Polars does not read (a line with one fails to decode: the screen spares a retry)
 _NON_FINITE = r"(?i)[:,\[]\s*[-+]?(nan|inf)"
 _TRAILING_COMMA = r",\s*[\]}]"
-_BAD = ("file_id", "line_no", "reason", "detail", "raw", "source")
+_BAD = ("file_id", "line_no", "reason", "detail", "raw", "source", "source_line")
 _views = itertools.count()  # unique names of the frames handed to DuckDB
 
 
@@ -227,7 +219,7 @@ def _open_stream(path: Path):
 
 
 def _jsonl_batches(f: InputFile, file_id: int) -> Iterator[pa.Table]:
-    """Numbered lines of a JSON Lines file, as ``(file_id, line_no, line, source)`` tables."""
+    """Numbered lines of a JSON Lines file, as ``source_sql``'s relation (in tables)."""
     splitter = _LineSplitter(f.path)
     try:
         stream = _open_stream(f.path)
@@ -267,6 +259,7 @@ def _tables(file_id: int, first: int, lines: pa.LargeStringArray) -> Iterator[pa
                 "line_no": pa.array(np.arange(first + lo, first + lo + n, dtype=np.int64)),
                 "line": part,
                 "source": pa.nulls(n, pa.large_string()),
+                "source_line": pa.nulls(n, pa.int64()),
             }
         )
 
@@ -280,7 +273,8 @@ def _sql_batches(con, f: InputFile, file_id: int) -> Iterator[pa.Table]:
     cur = con.cursor()
     try:
         rel = cur.sql(
-            "SELECT file_id::INTEGER AS file_id, line_no::BIGINT AS line_no, line, source "
+            "SELECT file_id::INTEGER AS file_id, line_no::BIGINT AS line_no, line, source, "
+            "source_line "
             f"FROM {source_sql(f, file_id, sql_str)}"
         )
         for batch in rel.to_arrow_reader(_BATCH_LINES):
@@ -379,7 +373,11 @@ def _feature_tests(schema: DatasetSchema):
     present += [j.struct.field("dense")] if schema.dense else []
     present += [j.struct.field("sparse")] if schema.sparse else []
     as_int = lambda e: e.cast(pl.Int64, strict=False)  # noqa: E731
-    tests = [j.struct.field(rk).is_not_null(), pl.col("text_ok"), pl.col("ts").is_not_null()]
+    tests = [
+        j.struct.field(rk).is_not_null(),
+        pl.col("text_ok"),
+        pl.col("ts").is_between(*TS_RANGE),
+    ]
     n_str = pl.lit(0, dtype=pl.Int32)
     for key, kind in ((rk, "kind_rk"), (sk, "kind_sk"), (uk, "kind_uk")):
         v = j.struct.field(key)
@@ -493,7 +491,11 @@ class _Parser:
             "request_id": pl.String,
             "label": pl.Float64,
         }
-        self.bad = dict.fromkeys(_BAD, pl.String) | {"file_id": pl.Int32, "line_no": pl.Int64}
+        self.bad = dict.fromkeys(_BAD, pl.String) | {
+            "file_id": pl.Int32,
+            "line_no": pl.Int64,
+            "source_line": pl.Int64,
+        }
 
     def features(self, lines: pa.Table) -> tuple[Any, Any]:
         """``(good, bad)`` frames of one batch of feature lines."""
@@ -515,7 +517,7 @@ class _Parser:
             return _frame(self.good, good), _frame(self.bad)
         fast = self._sql(rest, lambda v: feature_select(self.schema, v, fast=True, facts=True))
         pending = fast.filter(pl.col("reason") == PENDING).select(
-            "file_id", "line_no", pl.col("raw").alias("line"), "source"
+            "file_id", "line_no", pl.col("raw").alias("line"), "source", "source_line"
         )
         full = fast.clear()
         if pending.height:
@@ -624,33 +626,6 @@ def _paths(files: list[InputFile]):
     )
 
 
-def _refuse_shared_lines(good, bad, files: list[InputFile]) -> None:
-    """Refuse good records that share ``(file, line)`` with another record.
-
-    Only ``etl shard``'s ``_unroutable.jsonl.zst`` numbers its records by their source lines,
-    so two records from different source files may share one. The DuckDB engine joins rows
-    on ``(file_id, line_no)`` and then writes such a record more than once (and the manifest
-    does not count the copies); this engine cannot give that output, so it stops.
-    """
-    import polars as pl
-
-    ids = [i for i, f in enumerate(files) if f.kind == "unroutable"]
-    if not ids:
-        return
-    keys = pl.concat([good.select("file_id", "line_no"), bad.select("file_id", "line_no")]).filter(
-        pl.col("file_id").is_in(ids)
-    )
-    shared = keys.filter(pl.struct("file_id", "line_no").is_duplicated()).unique()
-    clash = good.join(shared, on=["file_id", "line_no"], how="semi")
-    if clash.height:
-        row = clash.row(0, named=True)
-        raise DataError(
-            f"{files[row['file_id']].path}: records from different source files share line "
-            f"{row['line_no']} (request {row['request_id']!r}); engine 'polars' cannot build "
-            "them as the DuckDB engine does\nhint: use engine 'duckdb'"
-        )
-
-
 def _duplicates(parser: _Parser, good, files: list[InputFile]) -> tuple[Any, Any]:
     """Split off every record of a request_id after the first (file order) as a duplicate.
 
@@ -695,7 +670,13 @@ def _read_back(con, files: list[InputFile], rows):
     """The raw lines and sources of ``rows`` (``file_id``, ``line_no``), read again."""
     import polars as pl
 
-    columns = {"file_id": pl.Int32, "line_no": pl.Int64, "raw": pl.String, "source": pl.String}
+    columns = {
+        "file_id": pl.Int32,
+        "line_no": pl.Int64,
+        "raw": pl.String,
+        "source": pl.String,
+        "source_line": pl.Int64,
+    }
     out = [_frame(columns)]
     for (fid,), wanted in rows.group_by("file_id"):
         for batch in _line_batches(con, files[int(fid)], int(fid)):
@@ -717,16 +698,10 @@ def _session_keys(good, gap: int):
     users = rows.filter(sk.is_null() & uk.is_not_null()).sort(
         "user_key", "ts", "file_id", "line_no"
     )
-    # ts - previous ts in u64 arithmetic: exact for any two int64 (ts >= previous)
+    # ts - previous ts in u64 arithmetic: exact for any two int64 (ts >= previous), as the
+    # SQL's HUGEINT
     u64 = pl.col("ts").reinterpret(signed=False)
     users = users.with_columns(step=u64 - u64.shift(1).over("user_key"))
-    over = users.filter(pl.col("step") > np.iinfo(np.int64).max)
-    if over.height:  # DuckDB's `ts - lag(ts)` overflows
-        row = over.row(0, named=True)
-        raise DataError(
-            f"user {row['user_key']!r}: request {row['request_id']!r} (ts {row['ts']}) comes "
-            "more than 2^63 - 1 ms after the user's previous record; the gap does not fit int64"
-        )
     new = pl.when(pl.col("step") <= gap).then(0).otherwise(1)
     users = users.select(
         "file_id",
@@ -761,19 +736,6 @@ def _labels(ev_good):
     import polars as pl
 
     return ev_good.group_by("request_id").agg(pl.col("label").max())
-
-
-def _check_label_range(keep) -> None:
-    """DuckDB's ``label::FLOAT`` fails on a finite label beyond float32; so does this engine."""
-    import polars as pl
-
-    over = keep.filter(pl.col("label").is_finite() & ~pl.col("label").cast(pl.Float32).is_finite())
-    if over.height:
-        row = over.row(0, named=True)
-        raise DataError(
-            f"request {row['request_id']!r}: label {row['label']!r} is beyond the float32 "
-            "range of the `label` column"
-        )
 
 
 def _counts(good_all, bad, good, keep, ev_good, ev_bad, labels) -> dict[str, Any]:
@@ -812,18 +774,18 @@ def _counts(good_all, bad, good, keep, ev_good, ev_bad, labels) -> dict[str, Any
 def _write_quarantine(bad, files: list[InputFile], path: Path) -> None:
     """``_quarantine/*.parquet``: the DuckDB engine's columns, rows and order.
 
-    Rows that share ``(file, line)`` (unroutable records from several sources) keep their file
-    order, which the DuckDB engine's ORDER BY leaves unspecified. DuckDB marks some columns
-    NOT NULL from its statistics; here every column is nullable.
+    An unroutable record names the file and line it came from (records of several files may
+    share one; they stay in the order of the unroutable file). DuckDB marks some columns NOT
+    NULL from its statistics; here every column is nullable.
     """
     import polars as pl
 
     table = (
         bad.join(_paths(files), on="file_id", how="left")
-        .sort("file_id", "line_no", maintain_order=True)
+        .sort("file_id", "line_no")
         .select(
             source=pl.coalesce("source", "path"),
-            line=pl.col("line_no"),
+            line=pl.coalesce("source_line", "line_no"),
             reason="reason",
             detail="detail",
             raw="raw",
@@ -862,7 +824,7 @@ def _hour_labels(ms):
     return pl.format("{}-{}-{}-{}", year_text, two(month), two(day), two(hours % 24))
 
 
-def _final_columns(keep, schema: DatasetSchema, config: Any) -> tuple[list, str | None]:
+def _final_columns(schema: DatasetSchema, config: Any) -> tuple[list, str | None]:
     """The dataset's columns (and the partition label column), as ``etl.build._final_sql``."""
     import polars as pl
 
@@ -876,14 +838,6 @@ def _final_columns(keep, schema: DatasetSchema, config: Any) -> tuple[list, str 
     if config.partition_by != "hour":
         return cols, None
     basis = "first_ts" if config.order == "session" else "ts"
-    lo, hi = _HOUR_TS_RANGE
-    out = keep.filter(~pl.col(basis).is_between(lo, hi))
-    if out.height:  # DuckDB's epoch_ms fails there
-        row = out.row(0, named=True)
-        raise DataError(
-            f"request {row['request_id']!r}: {basis} {row[basis]} is outside the timestamps "
-            f"`partition_by='hour'` can name ({lo} .. {hi} ms)"
-        )
     return [*cols, _hour_labels(pl.col(basis)).alias("__dt")], "__dt"
 
 
@@ -905,7 +859,7 @@ def build_into(
     """
     import polars as pl
 
-    from etl.build import DEFAULT_SETTINGS_NOTE
+    from etl.build import _dataset_writer, _manifest
 
     del spill  # nothing spills: the build is in memory
     t = time.perf_counter()
@@ -933,7 +887,6 @@ def build_into(
     t = phases.timed("parse", t)
 
     with phases.bar("dedup, join, sessionize", total=4) as bar:
-        _refuse_shared_lines(good_all, bad, feat_files)
         # keys and timestamps only: the wide feature columns are gathered once, sorted
         narrow = good_all.select(
             "file_id", "line_no", "request_id", "session_key", "user_key", "ts"
@@ -952,7 +905,6 @@ def build_into(
             .join(labels, on="request_id", how="left")
             .with_columns(pl.col("label").fill_null(0.0))
         )
-        _check_label_range(keep)
         counts = _counts(good_all, bad, good, keep, ev_good, ev_bad, labels)
         bar.update(1)
     t = phases.timed("dedup_join_sessionize", t)
@@ -964,20 +916,9 @@ def build_into(
     con.close()
     t = phases.timed("quarantine", t)
 
-    arrow_schema = schema.arrow_schema()
-    writer = SessionAlignedWriter(
-        root=tmp,
-        schema=arrow_schema,
-        session_col=schema.session_key,
-        row_group_size=config.row_group_size,
-        zstd_level=config.zstd_level,
-        dictionary=None
-        if config.dictionary == "auto"
-        else (arrow_schema.names if config.dictionary == "all" else []),
-        max_file_bytes=config.max_file_bytes,
-        align_sessions=config.order == "session",
-    )
-    cols, part_col = _final_columns(keep, schema, config)
+    writer = _dataset_writer(tmp, schema, config)
+    arrow_schema = writer.schema
+    cols, part_col = _final_columns(schema, config)
     order = ["sid", "ts"] if config.order == "session" else ["ts", "sid"]
     wide = good_all.select("file_id", "line_no", *feature_columns(schema))
     final = (
@@ -992,48 +933,16 @@ def build_into(
             writer.write(batch.cast(arrow_schema), partition=part)
             bar.update(batch.num_rows)
     files = writer.close()
-    if writer.sessions != counts["sessions"]:  # cannot happen; checked to promise it
-        raise RecpipeError(
-            f"internal: the files hold {writer.sessions} sessions, the build kept "
-            f"{counts['sessions']}"
-        )
-    t = phases.timed("write", t)
-
-    bytes_in = sum(i["bytes"] for i in inputs)
-    bytes_out = sum(f["bytes"] for f in files)
-    feature_bytes_in = sum(i["bytes"] for i in inputs[: len(feat_files)])
-    return {
-        "format": "recpipe-clustered/1",
-        "schema": schema.to_toml(),
-        "config": config.to_dict(),
-        "order": config.order,
-        "inputs": inputs,
-        "feature_inputs": len(feat_files),
-        "event_inputs": len(ev_files),
-        **counts,
-        "rows_duplicate": dups.height,
-        "reconciles": counts["rows_in"]
-        == counts["rows_out"] + counts["rows_quarantined"] + counts["rows_sampled_out"],
-        "files": files,
-        "sessions_split_across_files": writer.sessions_split_across_files,
-        "session_continuations": writer.session_continuations,
-        "row_groups": sum(f["row_groups"] for f in files),
-        "bytes_in": bytes_in,
-        "bytes_out": bytes_out,
-        "compression_ratio": round(feature_bytes_in / bytes_out, 4) if bytes_out else None,
-        "parquet": {
-            "compression": "zstd",
-            "level": config.zstd_level,
-            "row_group_size": config.row_group_size,
-            "session_aligned_row_groups": config.order == "session",
-            "dictionary_columns": list(writer.dictionary or []),
-            "dictionary_measured": writer.dictionary_measured,
-            "settings_note": DEFAULT_SETTINGS_NOTE,
-        },
-        "quarantine": {
-            "features": "_quarantine/features.parquet",
-            "events": "_quarantine/events.parquet",
-        },
-        "phase_s": phases.times,
-        "arrow_schema": pa.schema(arrow_schema).to_string(show_schema_metadata=False),
-    }
+    phases.timed("write", t)
+    return _manifest(
+        schema=schema,
+        config=config,
+        inputs=inputs,
+        feat_files=feat_files,
+        ev_files=ev_files,
+        counts=counts,
+        rows_duplicate=dups.height,
+        writer=writer,
+        files=files,
+        phases=phases,
+    )

@@ -19,7 +19,7 @@ from etl import reasons
 from etl._build_io import LINE_FACT_COLUMNS
 from schemas import DatasetSchema
 
-__all__ = ["PENDING", "event_select", "feature_columns", "feature_select", "sql_str"]
+__all__ = ["PENDING", "TS_RANGE", "event_select", "feature_columns", "feature_select", "sql_str"]
 
 _INT_TYPES = "('BIGINT', 'UBIGINT')"
 _NUM_TYPES = "('BIGINT', 'UBIGINT', 'DOUBLE')"
@@ -29,6 +29,9 @@ PENDING = "pending"
 _INT_LIST_RE = r"\[(-?[0-9]+(,-?[0-9]+)*)?\]"
 _TRAILING_COMMA_RE = r",\s*[\]}]"  # DuckDB's JSON reader accepts `[1,]`; strict JSON does not
 _FLOAT32_MAX = "3.4028234663852886e38"
+TS_RANGE = (-9_223_372_022_400_000, 9_223_372_036_854_775)
+"""The ts values (epoch ms) a build accepts: those DuckDB's ``epoch_ms`` turns into a timestamp
+(about 290,000 BC .. 294,000 AD); others are quarantined as ``ts_out_of_range``."""
 
 
 def sql_str(text: str) -> str:
@@ -104,7 +107,7 @@ def feature_columns(schema: DatasetSchema) -> list[str]:
 def feature_select(
     schema: DatasetSchema, src: str, *, fast: bool, guarded: bool = True, facts: bool = False
 ) -> str:
-    """SELECT over ``src(file_id, line_no, line, source)`` yielding validated feature rows.
+    """SELECT over ``src(file_id, line_no, line, source, source_line)``: validated feature rows.
 
     With ``fast``, rows that pass cheap, conservative text tests are accepted and every other
     row gets the reason :data:`PENDING` (and keeps its raw line): run those few again without
@@ -115,9 +118,9 @@ def feature_select(
     ``facts`` (fast path only): ``src`` also carries the columns of
     :func:`etl._build_io.line_facts`, which replace the text tests done in SQL.
 
-    Columns: ``line_no``, ``reason``, ``detail``, ``raw`` and ``source`` (bad rows only),
-    ``request_id``, ``session_key`` (raw session id as text, or NULL), ``user_key``, ``ts``, the
-    dense columns ``d0..`` (float, filled), the sparse columns ``s0..`` (BIGINT[], truncated) and
+    Columns: ``line_no``, ``reason``, ``detail``, ``raw``, ``source`` and ``source_line`` (bad
+    rows only), ``request_id``, ``session_key`` (raw session id as text, or NULL), ``user_key``,
+    ``ts``, the dense columns ``d0..`` (float, filled), the sparse columns ``s0..`` (BIGINT[], truncated) and
     ``unknown`` (names of features the schema does not know, or NULL).
     """
     rk, sk, uk, tk = schema_keys(schema)
@@ -139,6 +142,15 @@ def feature_select(
             f"OR {_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL",
             reasons.WRONG_TYPE,
             _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
+        ),
+        (
+            f"{_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} NOT BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
+            reasons.TS_OUT_OF_RANGE,
+            _detail(
+                tk,
+                f"expected epoch milliseconds in {TS_RANGE[0]}..{TS_RANGE[1]}",
+                f"j.{_ident(tk)}",
+            ),
         ),
         (
             f"j.{_ident(sk)} IS NOT NULL AND json_type(j.{_ident(sk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
@@ -228,7 +240,7 @@ def feature_select(
 
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source,
+  SELECT file_id, line_no, line, source, source_line,
     CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
   FROM {src}
 ), typed AS (
@@ -245,6 +257,7 @@ SELECT
   bad.d AS detail,
   CASE WHEN bad IS NOT NULL THEN line END AS raw,
   CASE WHEN bad IS NOT NULL THEN source END AS source,
+  CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,
   CASE WHEN bad IS NULL THEN {text_of(f"j.{_ident(rk)}")} END AS request_id,
   CASE WHEN bad IS NULL AND j.{_ident(sk)}::VARCHAR <> 'null' THEN {text_of(f"j.{_ident(sk)}")} END
     AS session_key,
@@ -266,9 +279,10 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
     - as many ``"`` in the line as two per known key parsed plus two per string-valued id: no
       unknown, repeated or null keys, no number written as a string,
     - no ``true``/``false``, no trailing comma, no list where an object belongs,
-    - ids are integers or strings, ``ts`` an integer, sparse ids free of fractions and
-      negative exponents (no ``.``, ``e-``, ``E`` after the ``"sparse"`` key; an integral
-      ``1e5`` is taken as 100000), dense values finite,
+    - ids are integers or strings (a number without ``.`` or exponent), ``ts`` an integer in
+      :data:`TS_RANGE`, sparse ids free of fractions and exponents (no ``.``, ``E`` or digit
+      followed by ``e`` after the ``"sparse"`` key: the full checks quarantine ``1e5``), dense
+      values finite,
       sparse lists free of NULLs (ids outside int64, strings, nulls) and short enough.
 
     Values are not masked for rows that fail (they are deleted after their second look).
@@ -310,14 +324,19 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
     n_str = " + ".join(f"{str_id(k)}::INTEGER" for k in (rk, sk, uk))
 
     def id_ok(key: str) -> str:
+        # a number is read as text: DuckDB writes a JSON double with a `.` or an exponent
+        # (`1e5` -> "100000.0", `1e-300` -> "1e-300"), which TRY_CAST may still read
         col = f"j.{_ident(key)}"
-        as_int = f"(TRY_CAST({col} AS BIGINT) IS NOT NULL AND NOT contains({col}, '.'))"
+        as_int = (
+            f"(TRY_CAST({col} AS BIGINT) IS NOT NULL "
+            f"AND NOT (contains({col}, '.') OR contains(lower({col}), 'e')))"
+        )
         return f"({col} IS NULL OR {is_str(key)} OR {as_int})"
 
     tests = [
         "j IS NOT NULL",
         f"j.{_ident(rk)} IS NOT NULL",
-        f"TRY_CAST(j.{_ident(tk)} AS BIGINT) IS NOT NULL",
+        f"TRY_CAST(j.{_ident(tk)} AS BIGINT) BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
         f"NOT (contains(j.{_ident(tk)}, '.') OR contains(lower(j.{_ident(tk)}), 'e'))",
         f"NOT {is_str(tk)}",
         id_ok(rk),
@@ -350,9 +369,10 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
         tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
     if schema.sparse and not facts:
         tail = "substr(line, strpos(line, '\"sparse\"'))"
-        # no fraction or negative exponent among the sparse ids
+        # no fraction or exponent among the sparse ids (key names may hold an `e`)
         tests.append(
-            f"NOT (contains({tail}, '.') OR contains({tail}, 'e-') OR contains({tail}, 'E'))"
+            f"NOT (contains({tail}, '.') OR contains({tail}, 'E') "
+            f"OR regexp_matches({tail}, '[0-9]e'))"
         )
     fact_cols = (" " + ", ".join(LINE_FACT_COLUMNS) + ",") if facts else ""
     parse = f"from_json(line, '{struct}')"
@@ -360,7 +380,7 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
         parse = f"CASE WHEN json_valid(line) THEN {parse} END"
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source,{fact_cols}
+  SELECT file_id, line_no, line, source, source_line,{fact_cols}
     {parse} AS j
   FROM {src}
 ), checked AS (
@@ -373,6 +393,7 @@ SELECT
   NULL::VARCHAR AS detail,
   CASE WHEN NOT ok THEN line END AS raw,
   CASE WHEN NOT ok THEN source END AS source,
+  CASE WHEN NOT ok THEN source_line END AS source_line,
   j.{_ident(rk)} AS request_id,
   j.{_ident(sk)} AS session_key,
   j.{_ident(uk)} AS user_key,
@@ -415,11 +436,11 @@ def _unknown_keys(schema: DatasetSchema) -> str:
 
 
 def event_select(schema: DatasetSchema, src: str) -> str:
-    """SELECT over ``src(file_id, line_no, line, source)`` yielding validated event rows.
+    """SELECT over ``src(file_id, line_no, line, source, source_line)``: validated event rows.
 
-    Columns: ``file_id``, ``line_no``, ``reason``, ``detail``, ``raw`` and ``source`` (bad rows
-    only), ``request_id``,
-    ``label`` (DOUBLE; booleans count as 0/1).
+    Columns: ``file_id``, ``line_no``, ``reason``, ``detail``, ``raw``, ``source`` and
+    ``source_line`` (bad rows only), ``request_id``, ``label`` (DOUBLE; booleans count as 0/1;
+    a number beyond float32, the type of the dataset's label, is ``non_finite``).
     """
     rk, _, _, tk = schema_keys(schema)
     lk = schema.label_key
@@ -445,6 +466,11 @@ def event_select(schema: DatasetSchema, src: str) -> str:
             reasons.NON_FINITE,
             _detail(lk, "expected a finite number", lab),
         ),
+        (
+            f"abs({_num(lab, 'DOUBLE', _NUM_TYPES)}) > {_FLOAT32_MAX}",
+            reasons.NON_FINITE,
+            _detail(lk, "expected a number within float32", lab),
+        ),
     ]
     label = (
         f"CASE json_type({lab}) WHEN 'BOOLEAN' THEN TRY_CAST({lab} AS BOOLEAN)::DOUBLE "
@@ -453,7 +479,7 @@ def event_select(schema: DatasetSchema, src: str) -> str:
     rid = f"j.{_ident(rk)}"
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source,
+  SELECT file_id, line_no, line, source, source_line,
     CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
   FROM {src}
 ), checked AS (
@@ -466,6 +492,7 @@ SELECT
   bad.d AS detail,
   CASE WHEN bad IS NOT NULL THEN line END AS raw,
   CASE WHEN bad IS NOT NULL THEN source END AS source,
+  CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,
   CASE WHEN bad IS NULL THEN
     CASE json_type({rid}) WHEN 'VARCHAR' THEN {rid} ->> '$' ELSE {rid}::VARCHAR END END AS request_id,
   CASE WHEN bad IS NULL THEN {label} END AS label

@@ -393,7 +393,7 @@ def _parse_with_facts(con, cur, src: str, view: str, table: str, select_facts, k
 
     reader_cur = con.cursor()
     try:
-        reader = reader_cur.sql(f"SELECT file_id, line_no, line, source FROM {src}")
+        reader = reader_cur.sql(f"SELECT file_id, line_no, line, source, source_line FROM {src}")
         for batch in reader.to_arrow_reader(_FACT_BATCH_ROWS):
             facts = line_facts(batch.column("line"), keys)
             lines = pa.Table.from_batches([batch])
@@ -463,7 +463,6 @@ def _build_into(
     phases: _Phases,
     spill: Path,
 ) -> dict:
-    import pyarrow as pa
 
     t = time.perf_counter()
     pool = ThreadPoolExecutor(max_workers=1)  # digests overlap with DuckDB's parse
@@ -474,7 +473,10 @@ def _build_into(
     con, spill = _connect(duckdb, spill, config)
     t = phases.timed("setup", t)
 
-    empty = "(SELECT 0 AS file_id, 0::BIGINT AS line_no, NULL::VARCHAR AS line, NULL::VARCHAR AS source)"
+    empty = (
+        "(SELECT 0 AS file_id, 0::BIGINT AS line_no, NULL::VARCHAR AS line, "
+        "NULL::VARCHAR AS source, NULL::BIGINT AS source_line)"
+    )
     feat_sel = lambda src, guarded=True: feature_select(schema, src, fast=True, guarded=guarded)  # noqa: E731
     con.execute(f"CREATE TABLE feat AS {feat_sel(empty)} LIMIT 0")
     side_by_side = _parse_workers(config, max(len(feat_files), len(ev_files))) > 1
@@ -500,7 +502,10 @@ def _build_into(
         keys=schema_keys(schema),
     )
     # the few rows the fast path did not accept: full checks on their raw lines
-    pending = f"(SELECT file_id, line_no, raw AS line, source FROM feat WHERE reason = '{PENDING}')"
+    pending = (
+        "(SELECT file_id, line_no, raw AS line, source, source_line "
+        f"FROM feat WHERE reason = '{PENDING}')"
+    )
     con.execute(f"INSERT INTO feat {feature_select(schema, pending, fast=False)}")
     con.execute(f"DELETE FROM feat WHERE reason = '{PENDING}'")
     ev_sel = lambda src, guarded=True: event_select(schema, src)  # noqa: E731
@@ -546,19 +551,8 @@ def _build_into(
     _write_quarantine(con, "ev", ev_files, qdir / "events.parquet")
     t = phases.timed("quarantine", t)
 
-    arrow_schema = schema.arrow_schema()
-    writer = SessionAlignedWriter(
-        root=tmp,
-        schema=arrow_schema,
-        session_col=schema.session_key,
-        row_group_size=config.row_group_size,
-        zstd_level=config.zstd_level,
-        dictionary=None
-        if config.dictionary == "auto"
-        else (arrow_schema.names if config.dictionary == "all" else []),
-        max_file_bytes=config.max_file_bytes,
-        align_sessions=config.order == "session",
-    )
+    writer = _dataset_writer(tmp, schema, config)
+    arrow_schema = writer.schema
     con.execute(
         """
         CREATE TABLE keep AS
@@ -584,13 +578,70 @@ def _build_into(
             raise _oom_error(exc) from None
     files = writer.close()
     con.close()
-    if writer.sessions != counts["sessions"]:  # cannot happen; checked to promise it
+    phases.timed("write", t)
+    return _manifest(
+        schema=schema,
+        config=config,
+        inputs=inputs,
+        feat_files=feat_files,
+        ev_files=ev_files,
+        counts=counts,
+        rows_duplicate=dup_count,
+        writer=writer,
+        files=files,
+        phases=phases,
+    )
+
+
+def _dataset_writer(root: Path, schema: DatasetSchema, config: BuildConfig) -> SessionAlignedWriter:
+    """The Parquet writer of both engines, set up from ``config``."""
+    arrow_schema = schema.arrow_schema()
+    return SessionAlignedWriter(
+        root=root,
+        schema=arrow_schema,
+        session_col=schema.session_key,
+        row_group_size=config.row_group_size,
+        zstd_level=config.zstd_level,
+        dictionary=None
+        if config.dictionary == "auto"
+        else (arrow_schema.names if config.dictionary == "all" else []),
+        max_file_bytes=config.max_file_bytes,
+        align_sessions=config.order == "session",
+    )
+
+
+def _manifest(
+    *,
+    schema: DatasetSchema,
+    config: BuildConfig,
+    inputs: list[dict],
+    feat_files: list[InputFile],
+    ev_files: list[InputFile],
+    counts: dict[str, Any],
+    rows_duplicate: int,
+    writer: SessionAlignedWriter,
+    files: list[dict],
+    phases: _Phases,
+) -> dict:
+    """The manifest of both engines (without ``elapsed_s``), once the files are written.
+
+    Raises:
+        RecpipeError: "internal: ..." when the files do not hold exactly the rows and sessions
+            counted (cannot happen; checked to promise it).
+    """
+    import pyarrow as pa
+
+    rows_written = sum(f["rows"] for f in files)
+    if rows_written != counts["rows_out"]:
+        raise RecpipeError(
+            f"internal: the files hold {rows_written} rows, the build counted "
+            f"{counts['rows_out']} rows out"
+        )
+    if writer.sessions != counts["sessions"]:
         raise RecpipeError(
             f"internal: the files hold {writer.sessions} sessions, the build kept "
             f"{counts['sessions']}"
         )
-    t = phases.timed("write", t)
-
     bytes_in = sum(i["bytes"] for i in inputs)
     bytes_out = sum(f["bytes"] for f in files)
     feature_bytes_in = sum(i["bytes"] for i in inputs[: len(feat_files)])
@@ -603,7 +654,7 @@ def _build_into(
         "feature_inputs": len(feat_files),
         "event_inputs": len(ev_files),
         **counts,
-        "rows_duplicate": dup_count,
+        "rows_duplicate": rows_duplicate,
         "reconciles": counts["rows_in"]
         == counts["rows_out"] + counts["rows_quarantined"] + counts["rows_sampled_out"],
         "files": files,
@@ -630,7 +681,7 @@ def _build_into(
             "events": "_quarantine/events.parquet",
         },
         "phase_s": phases.times,
-        "arrow_schema": pa.schema(arrow_schema).to_string(show_schema_metadata=False),
+        "arrow_schema": pa.schema(writer.schema).to_string(show_schema_metadata=False),
     }
 
 
@@ -665,7 +716,8 @@ def _quarantine_duplicates(con, files: list[InputFile]) -> int:
         return 0
     # the raw line is not kept for good rows: read back just the duplicate lines
     con.execute(
-        "CREATE TABLE dup_raw (file_id INTEGER, line_no BIGINT, line VARCHAR, source VARCHAR)"
+        "CREATE TABLE dup_raw "
+        "(file_id INTEGER, line_no BIGINT, line VARCHAR, source VARCHAR, source_line BIGINT)"
     )
     dup_files = [
         r[0] for r in con.execute("SELECT DISTINCT file_id FROM dups ORDER BY 1").fetchall()
@@ -673,7 +725,8 @@ def _quarantine_duplicates(con, files: list[InputFile]) -> int:
     for fid in dup_files:
         src = source_sql(files[fid], fid, sql_str)
         con.execute(
-            f"INSERT INTO dup_raw SELECT {fid}, s.line_no, s.line, s.source FROM {src} s "
+            f"INSERT INTO dup_raw SELECT {fid}, s.line_no, s.line, s.source, s.source_line "
+            f"FROM {src} s "
             f"SEMI JOIN (SELECT line_no FROM dups WHERE file_id = {fid}) d USING (line_no)"
         )
     src_name = _source_name(files).replace("file_id", "d.first_file")
@@ -682,7 +735,7 @@ def _quarantine_duplicates(con, files: list[InputFile]) -> int:
         UPDATE feat SET reason = {sql_str(reasons.DUPLICATE_REQUEST_ID)},
           detail = 'field `request_id`: ' || to_json(d.request_id)::VARCHAR
                    || ' already seen at ' || {src_name} || ':' || d.first_line::VARCHAR,
-          raw = r.line, source = r.source
+          raw = r.line, source = r.source, source_line = r.source_line
         FROM dups d LEFT JOIN dup_raw r USING (file_id, line_no)
         WHERE feat.file_id = d.file_id AND feat.line_no = d.line_no
         """
@@ -708,7 +761,9 @@ def _sessionize(con, config: BuildConfig) -> None:
                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)::VARCHAR
         FROM (
           SELECT file_id, line_no, user_key, ts,
-                 CASE WHEN ts - lag(ts) OVER (PARTITION BY user_key ORDER BY ts, file_id, line_no)
+                 -- in HUGEINT: two int64 ts may lie more than 2^63 ms apart
+                 CASE WHEN ts::HUGEINT - (lag(ts) OVER (
+                        PARTITION BY user_key ORDER BY ts, file_id, line_no))::HUGEINT
                       <= {gap} THEN 0 ELSE 1 END AS new_session
           FROM feat WHERE reason IS NULL AND session_key IS NULL AND user_key IS NOT NULL)
         """
@@ -776,11 +831,13 @@ def _counts(con) -> dict[str, Any]:
 
 
 def _write_quarantine(con, table: str, files: list[InputFile], path: Path) -> None:
+    """Bad rows in input order; an unroutable record names the file and line it came from."""
     src = _source_name(files)
     con.execute(
         f"""
         COPY (
-          SELECT coalesce(source, {src}) AS source, line_no AS line, reason, detail, raw
+          SELECT coalesce(source, {src}) AS source, coalesce(source_line, line_no) AS line,
+                 reason, detail, raw
           FROM {table} WHERE reason IS NOT NULL ORDER BY file_id, line_no
         ) TO {sql_str(str(path))} (FORMAT parquet, COMPRESSION zstd)
         """

@@ -15,6 +15,7 @@ __all__ = [
     "MISSING_TS",
     "NON_FINITE",
     "QUARANTINE_REASONS",
+    "TS_OUT_OF_RANGE",
     "WRONG_TYPE",
 ]
 
@@ -26,8 +27,11 @@ MISSING_TS = "missing_ts"
 """The record has no ``ts`` (or it is ``null``)."""
 WRONG_TYPE = "wrong_type"
 """A field has the wrong JSON type: ``ts`` not an integer, a dense value not a number, ..."""
+TS_OUT_OF_RANGE = "ts_out_of_range"
+"""``ts`` is an int64 outside the timestamps DuckDB can name (about 290,000 BC .. 294,000 AD:
+``etl._build_sql.TS_RANGE``); such a ts cannot be an hour partition, or any time."""
 NON_FINITE = "non_finite"
-"""A number is NaN or +-Infinity (or overflows float32 for a dense feature)."""
+"""A number is NaN or +-Infinity (or overflows float32: a dense feature, an event's label)."""
 ID_OUT_OF_RANGE = "id_out_of_range"
 """A sparse id is an integer outside int64."""
 LIST_TOO_LONG = "list_too_long"
@@ -40,6 +44,7 @@ QUARANTINE_REASONS: tuple[str, ...] = (
     MISSING_REQUEST_ID,
     MISSING_TS,
     WRONG_TYPE,
+    TS_OUT_OF_RANGE,
     NON_FINITE,
     ID_OUT_OF_RANGE,
     LIST_TOO_LONG,

@@ -61,6 +61,7 @@ BAD_CASES = [
     ({"request_id": "b1"}, reasons.MISSING_TS, "ts"),
     (_rec("b1", "yesterday"), reasons.WRONG_TYPE, "`ts`"),
     (_rec("b1", 12.5), reasons.WRONG_TYPE, "`ts`"),
+    (_rec("b1", 2**62), reasons.TS_OUT_OF_RANGE, "`ts`"),
     (_rec("b1", 5, dense={"user_age": "old"}), reasons.WRONG_TYPE, "dense.user_age"),
     (_rec("b1", 5, sparse={"item_id": ["abc"]}), reasons.WRONG_TYPE, "sparse.item_id"),
     (_rec("b1", 5, sparse={"item_id": [1.5]}), reasons.WRONG_TYPE, "sparse.item_id"),
@@ -132,20 +133,21 @@ def test_lenient_but_valid_records_are_accepted(tmp_path):
     assert by_ts[5]["user_liked_items"] == list(range(30, 80))  # keeps the last max_len=50
 
 
+#: events of requests r0..r3: labels 1, 0, 1 and none; one of an unknown request, two bad ones
+LABEL_EVENTS = [
+    {"request_id": "r0", "ts": 9, "label": 0},
+    {"request_id": "r0", "ts": 9, "label": 1},
+    {"request_id": "r1", "ts": 9, "label": 0},
+    {"request_id": "r2", "label": True},
+    {"request_id": "nope", "ts": 9, "label": 1},
+    '{"request_id": "r3", "label": 1',
+    {"request_id": "r3", "label": "yes"},
+]
+
+
 def test_labels_are_the_max_event_and_bad_events_are_quarantined(tmp_path):
     feats = _write(tmp_path / "f.jsonl", [_rec(f"r{i}", i, session="s") for i in range(4)])
-    evs = _write(
-        tmp_path / "e.jsonl",
-        [
-            {"request_id": "r0", "ts": 9, "label": 0},
-            {"request_id": "r0", "ts": 9, "label": 1},
-            {"request_id": "r1", "ts": 9, "label": 0},
-            {"request_id": "r2", "label": True},
-            {"request_id": "nope", "ts": 9, "label": 1},
-            '{"request_id": "r3", "label": 1',
-            {"request_id": "r3", "label": "yes"},
-        ],
-    )
+    evs = _write(tmp_path / "e.jsonl", LABEL_EVENTS)
     m = build(feats, tmp_path / "out", events=evs)
     assert _dataset(tmp_path / "out").column("label").to_pylist() == [1.0, 0.0, 1.0, 0.0]
     assert m["events_in"] == 7 and m["events_quarantined"] == 2

@@ -66,6 +66,14 @@ LINES = [
     _compact(GOOD).replace(',"sparse"', ',}"sparse"'),
     _compact(GOOD).replace("[3,1,2]", "[3,1e5,2]"),
     _compact(GOOD).replace("[3,1,2]", "[3,1e-5,2]"),
+    _compact(GOOD).replace("[3,1,2]", "[3,1e+5,2]"),
+    _compact(GOOD).replace("[3,1,2]", "[3,1E5,2]"),
+    _variant(request_id=7).replace("7", "1e-300", 1),  # DuckDB reads it as the text "1e-300"
+    _variant(session_id=3).replace(":3,", ":1e2,", 1),
+    _compact(GOOD).replace('"user_id":60399', '"user_id":-0'),
+    _variant(request_id=2**63),  # an integer beyond int64 (UBIGINT)
+    _variant(ts=2**62),  # an int64 outside the timestamps (ts_out_of_range)
+    _variant(ts=-(2**62)),
     _compact(GOOD).replace('"dense":{', '"dense" :{'),
     _compact(GOOD).replace('"user_id":60399', '"user_id" : 60399'),
     _compact(GOOD).replace("31.0", "NaN"),
@@ -96,6 +104,7 @@ def test_compiled_text_tests_accept_the_same_lines_as_sql():
             "line_no": pa.array(range(1, len(LINES) + 1), pa.int64()),
             "line": lines,
             "source": pa.nulls(len(LINES), pa.string()),
+            "source_line": pa.nulls(len(LINES), pa.int64()),
             **{name: pa.array(facts[name]) for name in LINE_FACT_COLUMNS},
         }
     )
@@ -107,18 +116,46 @@ def test_compiled_text_tests_accept_the_same_lines_as_sql():
         (line, a, b) for line, a, b in zip(LINES, sql_ok, facts_ok, strict=True) if a != b
     ]
     # the plain layouts take the fast path; null ids, look-alike text inside strings and every
-    # lenient reading go to the full checks (`1e5` is the one integral exponent let through)
+    # lenient reading go to the full checks
     fast = {i for i, ok in enumerate(facts_ok) if ok}
-    assert fast == {
-        0,
-        1,
-        2,
-        3,
-        5,
-        6,
-        7,
-        LINES.index(_compact(GOOD).replace("[3,1,2]", "[3,1e5,2]")),
-    }
+    assert fast == {0, 1, 2, 3, 5, 6, 7, LINES.index(_compact(GOOD).replace(":60399", ":-0"))}
+
+
+def test_fast_path_accepts_only_what_the_full_checks_accept_with_equal_values():
+    numbers = ["1e-300", "1E2", "1e5", "1e+2", "-0", "0", "-7", "1.0", "NaN", "-Infinity"]
+    numbers += ["9223372036854775807", "9223372036854775808", "-9223372036854775809"]
+    lines = list(LINES)
+    for key in ("request_id", "session_id", "user_id", "ts"):
+        rest = {k: v for k, v in GOOD.items() if k != key}
+        lines += ["{" + f'"{key}":{n},' + _compact(rest)[1:] for n in numbers]
+    for n in numbers:
+        lines.append(_compact(GOOD).replace("[3,1,2]", f"[3,{n},2]"))
+    table = pa.table(
+        {
+            "file_id": pa.array([0] * len(lines), pa.int32()),
+            "line_no": pa.array(range(1, len(lines) + 1), pa.int64()),
+            "line": pa.array(lines, pa.string()),
+            "source": pa.nulls(len(lines), pa.string()),
+            "source_line": pa.nulls(len(lines), pa.int64()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("lines", table)
+
+    def rows(fast: bool) -> list[dict]:
+        sql = feature_select(default_schema(), "lines", fast=fast)
+        return con.sql(f"SELECT * FROM ({sql}) ORDER BY line_no").to_arrow_table().to_pylist()
+
+    accepted = 0
+    for line, fast, full in zip(lines, rows(True), rows(False), strict=True):
+        if fast["reason"] == PENDING:
+            continue
+        accepted += 1
+        assert full["reason"] is None, (line, full["reason"])
+        assert {k: v for k, v in fast.items() if k != "unknown"} == {
+            k: v for k, v in full.items() if k != "unknown"
+        }, line
+    assert accepted >= 10
 
 
 def test_line_facts_reports_quotes_and_id_kinds():

@@ -17,11 +17,11 @@ import zstandard
 
 from etl import _build_polars, reasons
 from etl._build_io import LINE_FACT_COLUMNS, line_facts
-from etl._build_sql import PENDING, feature_select, schema_keys
+from etl._build_sql import PENDING, TS_RANGE, feature_select, schema_keys
 from etl.build import BuildConfig, build
 from recpipe.errors import CorruptInputError, DataError
 from schemas import default_schema
-from tests.etl.test_build import BAD_CASES, GOOD, _rec, _write
+from tests.etl.test_build import BAD_CASES, GOOD, LABEL_EVENTS, _rec, _write
 from tests.etl.test_build_fastpath import LINES
 
 #: manifest entries that may differ between the engines
@@ -33,12 +33,8 @@ def _nullable(table: pa.Table) -> pa.Table:
     return table.cast(pa.schema([pa.field(f.name, f.type) for f in table.schema]))
 
 
-def _both(tmp_path: Path, features, *, events=None, ties=False, **options) -> tuple[dict, dict]:
-    """Build with each engine into ``tmp_path/duckdb`` and ``tmp_path/polars``; assert parity.
-
-    ``ties``: quarantine rows share (file, line) (unroutable records of several sources), an
-    order the DuckDB engine leaves unspecified: compare them sorted.
-    """
+def _both(tmp_path: Path, features, *, events=None, **options) -> tuple[dict, dict]:
+    """Build with each engine into ``tmp_path/duckdb`` and ``tmp_path/polars``; assert parity."""
     out = {}
     for engine in ("duckdb", "polars"):
         cfg = BuildConfig(engine=engine, **options)
@@ -51,15 +47,15 @@ def _both(tmp_path: Path, features, *, events=None, ties=False, **options) -> tu
     assert {**a["config"], "engine": "polars"} == b["config"]
     for name in ("features", "events"):
         qa, qb = (pq.read_table(tmp_path / e / "_quarantine" / f"{name}.parquet") for e in out)
-        if ties:
-            keys = [("line", "ascending"), ("source", "ascending"), ("raw", "ascending")]
-            qa, qb = qa.sort_by(keys), qb.sort_by(keys)
         assert _nullable(qa).equals(qb), name
     for f in a["files"]:  # the same writer on the same rows: the same bytes
         assert (tmp_path / "duckdb" / f["path"]).read_bytes() == (
             tmp_path / "polars" / f["path"]
         ).read_bytes(), f["path"]
     assert a["reconciles"] and b["reconciles"]
+    for engine, m in out.items():  # the files hold exactly the rows counted
+        parts = sorted((tmp_path / engine).rglob("part-*.parquet"))
+        assert sum(pq.read_metadata(p).num_rows for p in parts) == m["rows_out"], engine
     return a, b
 
 
@@ -103,16 +99,14 @@ def _corpus_labels(tmp: Path):
     evs = _write(
         tmp / "e.jsonl",
         [
-            {"request_id": "r0", "ts": 9, "label": 0},
-            {"request_id": "r0", "ts": 9, "label": 1},
+            *LABEL_EVENTS,
             {"request_id": "r1", "ts": 9, "label": 0.25},
-            {"request_id": "r2", "label": True},
-            {"request_id": "nope", "ts": 9, "label": 1},
-            '{"request_id": "r3", "label": 1',
-            {"request_id": "r3", "label": "yes"},
             {"request_id": "r3", "ts": 1.5, "label": 1},
             {"request_id": 4, "label": -0.0, "extra": [1]},
             '{"request_id": "r4", "label": NaN}',
+            {"request_id": "r1", "label": 1e300},  # beyond float32: quarantined
+            {"request_id": "r4", "label": -1e39},
+            {"request_id": "r2", "label": 3.4028234663852886e38},  # float32's largest
         ],
     )
     return feats, evs
@@ -156,6 +150,10 @@ def _corpus_parquet_and_unroutable(tmp: Path):
         unroutable_record("raw/f.jsonl", 7, "malformed_json", b'{"request_id": "x"'),
         unroutable_record("raw/f.jsonl", 9, "no_key", json.dumps(_rec("b", 2)).encode()),
         unroutable_record("raw/g.jsonl", 3, "malformed_json", b"\xff\xfe"),
+        # records of other files sharing line 9
+        unroutable_record("raw/g.jsonl", 9, "no_key", json.dumps(_rec("c", 3)).encode()),
+        unroutable_record("raw/h.jsonl", 9, "malformed_json", b"{"),
+        unroutable_record("raw/i.jsonl", 9, "no_key", json.dumps(_rec("b", 4)).encode()),
     ]
     (shards / UNROUTABLE_NAME).write_bytes(
         zstandard.ZstdCompressor().compress(b"\n".join(records) + b"\n")
@@ -311,6 +309,7 @@ def test_polars_fast_path_accepts_a_subset_of_duckdb_fast_path_with_equal_values
             "line_no": pa.array(np.arange(1, len(lines) + 1, dtype=np.int64)),
             "line": pa.array(lines, pa.large_string()),
             "source": pa.nulls(len(lines), pa.large_string()),
+            "source_line": pa.nulls(len(lines), pa.int64()),
         }
     )
     parser = _build_polars._Parser(duckdb.connect(), schema)
@@ -338,7 +337,7 @@ def test_polars_fast_path_accepts_a_subset_of_duckdb_fast_path_with_equal_values
 
 
 def test_hour_partition_labels_match_duckdb_strftime():
-    lo, hi = _build_polars._HOUR_TS_RANGE
+    lo, hi = TS_RANGE
     rnd = random.Random(2)
     ms = [lo, hi, 0, -1, 253_402_300_800_000, -62_167_219_200_001]
     ms += [rnd.randrange(lo, hi) for _ in range(500)] + [
@@ -399,51 +398,47 @@ def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("lines", "label", "options", "message"),
+    ("lines", "label", "options"),
     [
-        ([_rec("a", 1, session="s")], 1e300, {}, "beyond the float32 range"),
+        ([_rec("a", 1, session="s"), _rec("b", 2, session="t")], 1e300, {}),
+        ([_rec("a", TS_RANGE[0], user=1), _rec("b", TS_RANGE[1], user=1)], 1, {}),
         (
-            [_rec("a", -(2**62) * 3 // 2, user=1), _rec("b", 2**62 * 3 // 2, user=1)],
+            [_rec(x, ts, session=x) for x, ts in zip("abcd", [*TS_RANGE, 2**62, -(2**62)])],
             1,
-            {},
-            "2\\^63",
+            {"partition_by": "hour"},
         ),
-        ([_rec("a", 2**62, session="s")], 1, {"partition_by": "hour"}, "outside the timestamps"),
     ],
     ids=["label", "user-gap", "hour"],
 )
-def test_where_duckdb_stops_polars_stops_with_a_clear_error(
-    tmp_path, lines, label, options, message
-):
+def test_engines_agree_where_duckdb_used_to_stop(tmp_path, lines, label, options):
+    """A label beyond float32 is quarantined; far-apart records and extreme ts build alike."""
     src = _write(tmp_path / "f.jsonl", lines)
     events = _write(tmp_path / "e.jsonl", [{"request_id": "a", "label": label}])
-    with pytest.raises(Exception):  # noqa: B017 - DuckDB's own error (a ConversionException, ...)
-        build(src, tmp_path / "duckdb", events=events, config=BuildConfig(**options))
-    with pytest.raises(DataError, match=message):
-        build(
-            src, tmp_path / "polars", events=events, config=BuildConfig(engine="polars", **options)
-        )
+    a, _ = _both(tmp_path, src, events=events, **options)
+    assert a["rows_out"] == 2 and a["sessions"] == 2
+    assert a["events_quarantine_by_reason"][reasons.NON_FINITE] == (label == 1e300)
+    assert a["quarantine_by_reason"][reasons.TS_OUT_OF_RANGE] == len(lines) - 2
 
 
 def test_unroutable_records_sharing_a_line_number(tmp_path):
-    """Quarantined ones build alike; a good one is refused (DuckDB would write it twice)."""
+    """Records of several source files may share a line: each is built once, in both engines."""
     from etl.rawio import UNROUTABLE_NAME, unroutable_record
 
     shards = tmp_path / "shards"
     shards.mkdir()
     _write(shards / "shard-00000.jsonl", [_rec("a", 1, session="s")])
     records = [
-        unroutable_record("raw/a.jsonl", 9, "malformed_json", b'{"request_id": "x"'),
         unroutable_record("raw/b.jsonl", 9, "malformed_json", b"{"),
+        unroutable_record("raw/a.jsonl", 9, "malformed_json", b'{"request_id": "x"'),
+        unroutable_record("raw/c.jsonl", 9, "no_key", json.dumps(_rec("b", 2)).encode()),
+        unroutable_record("raw/d.jsonl", 9, "no_key", json.dumps(_rec("c", 3)).encode()),
     ]
     unroutable = shards / UNROUTABLE_NAME
     unroutable.write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(records) + b"\n"))
-    a, _ = _both(tmp_path / "bad", shards, ties=True)
-    assert a["quarantine_by_reason"][reasons.MALFORMED_JSON] == 2
-    records.append(unroutable_record("raw/c.jsonl", 9, "no_key", json.dumps(_rec("b", 2)).encode()))
-    unroutable.write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(records) + b"\n"))
-    with pytest.raises(DataError, match=r"_unroutable.jsonl.zst: records from different source"):
-        build(shards, tmp_path / "out", config=BuildConfig(engine="polars"))
+    a, _ = _both(tmp_path, shards)
+    assert (a["rows_in"], a["rows_out"], a["rows_quarantined"]) == (5, 3, 2)
+    q = pq.read_table(tmp_path / "polars" / "_quarantine" / "features.parquet").to_pylist()
+    assert [(x["source"], x["line"]) for x in q] == [("raw/b.jsonl", 9), ("raw/a.jsonl", 9)]
 
 
 def test_cli_builds_with_the_polars_engine(tmp_path, capsys):
