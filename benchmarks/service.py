@@ -84,15 +84,20 @@ def build_dataset(work: Path, *, requests: int, seed: int) -> Path:
 
 
 def measure_inprocess(
-    dataset: Path, *, batch_size: int, preprocess: Any, dedup: bool, max_batches: int | None
+    dataset: Path,
+    *,
+    batch_size: int,
+    preprocess: Any,
+    dedup: bool,
+    max_batches: int | None,
+    read_ahead: int = 1,
 ) -> dict[str, float]:
     """Run the reader pipeline in this process; steady-state wall clock from the first batch."""
     from readers.dataset import iter_batches
     from readers.source import ReaderConfig
 
-    stream = iter_batches(
-        dataset, config=ReaderConfig(batch_size=batch_size), transforms=preprocess, dedup=dedup
-    )
+    config = ReaderConfig(batch_size=batch_size, read_ahead=read_ahead)
+    stream = iter_batches(dataset, config=config, transforms=preprocess, dedup=dedup)
     return _timed(stream, max_batches, lambda: 0)
 
 
@@ -105,12 +110,17 @@ def measure_service(
     readers: int,
     queue_depth: int,
     max_batches: int | None,
+    read_ahead: int = 1,
 ) -> dict[str, float]:
     """Serve the same pipeline over loopback TCP and read it with a client in this process."""
     from readers.service import DatasetProducer, ReaderServer, ServiceClient, ServiceConfig
 
     producer = DatasetProducer(
-        str(dataset), batch_size=batch_size, dedup=dedup, preprocess=preprocess
+        str(dataset),
+        batch_size=batch_size,
+        dedup=dedup,
+        preprocess=preprocess,
+        read_ahead=read_ahead,
     )
     config = ServiceConfig(readers=readers, queue_depth=queue_depth, report_every_s=0)
     with ReaderServer(producer, config=config, log=io.StringIO()) as server:
@@ -212,9 +222,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "preprocess": preprocess,
         "max_batches": args.max_batches,
     }
-    service = {"readers": args.readers, "queue_depth": args.queue_depth}
+    service = {
+        "readers": args.readers,
+        "queue_depth": args.queue_depth,
+        "read_ahead": args.read_ahead,
+    }
     cases = {
-        "inprocess_ikjt": lambda: measure_inprocess(dataset, dedup=True, **common),
+        "inprocess_ikjt": lambda: measure_inprocess(
+            dataset, dedup=True, read_ahead=args.read_ahead, **common
+        ),
         "service_ikjt": lambda: measure_service(dataset, dedup=True, **common, **service),
         "service_kjt": lambda: measure_service(dataset, dedup=False, **common, **service),
     }
@@ -249,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "batch_size": args.batch_size,
             "readers": args.readers,
             "queue_depth": args.queue_depth,
+            "read_ahead": args.read_ahead,
             "max_batches": args.max_batches,
             "repeats": args.repeats,
             "vocab_size": args.vocab_size,
@@ -325,6 +342,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--queue-depth", type=int, default=8, help="service queue depth (default 8)"
+    )
+    parser.add_argument(
+        "--read-ahead",
+        type=int,
+        default=1,
+        help="row groups decoded ahead in a second thread, in both paths (default 1, the "
+        "readers' default; 0: one thread per reader)",
     )
     parser.add_argument(
         "--max-batches",

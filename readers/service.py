@@ -23,10 +23,10 @@ them with itself, each first runs a few batches through the pipeline and drops t
 (:meth:`DatasetProducer.warm_up`), and a client's readers go back to the server when it is done
 or disconnects, to serve the next client (a trainer connects once per epoch and DataLoader
 worker). Up to ``idle_readers`` are kept; a reader that died or does not stop within a grace is
-replaced. Measured (benchmarks/service.py, ``kept_reader``): a reader process that was not
-warmed up spends ~1.24x the CPU per batch on its first client than on the next (kernel loading,
-memory pools growing; 0.97x when warmed up), and a client that gets a kept reader has its first
-batch in ~0.09 s instead of ~2.3 s. A job reaches a kept reader as a pickled :class:`ShardSpec` and
+replaced. Measured (benchmarks/service.py, ``kept_reader``): a client that gets a kept reader
+has its first batch in 0.09-0.21 s instead of ~2.3 s. Warm-up targets a fresh process's first
+epoch costing more CPU per batch (kernel loading, memory pools growing): 1.24x in one run, but
+0.93-1.20x with or without warm-up in later ones, i.e. within noise. A job reaches a kept reader as a pickled :class:`ShardSpec` and
 the socket to its session, passed as a file descriptor over a pipe between the server and its
 own reader processes (the TCP wire to clients carries no pickle).
 
@@ -168,6 +168,8 @@ class DatasetProducer:
         seed: the shuffle seed.
         warmup_batches: batches a new reader process runs through the pipeline and drops
             before its first client (see :meth:`warm_up`); 0 turns it off.
+        read_ahead: row groups a reader process decodes ahead in a second thread
+            (:class:`readers.source.ReaderConfig`; 0: one thread per reader process).
     """
 
     dataset: str
@@ -178,6 +180,7 @@ class DatasetProducer:
     shuffle: bool = False
     seed: int = 0
     warmup_batches: int = 20
+    read_ahead: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_batches, bool) or not (
@@ -185,12 +188,16 @@ class DatasetProducer:
         ):
             msg = f"`warmup_batches` must be a non-negative integer, got {self.warmup_batches!r}"
             raise DataError(msg)
+        from readers.source import ReaderConfig
+
+        ReaderConfig(read_ahead=self.read_ahead)  # checks it here, not in a reader process
 
     def warm_up(self) -> None:
         """Run the first ``warmup_batches`` batches of the epoch through the pipeline and drop
         them. A fresh process loads its compiled kernels and grows its memory pools on first
-        use; measured, its first epoch costs ~1.24x the CPU per batch of the next. The default, 20,
-        crosses one 65,536-row group at B=4096. Errors are left to the first client's run."""
+        use (measured once at 1.24x the CPU per batch of the next; within noise since). The
+        default, 20, crosses one 65,536-row group at B=4096. Errors are left to the first
+        client's run."""
         with contextlib.suppress(Exception):
             for _ in itertools.islice(self(ShardSpec()), self.warmup_batches):
                 pass
@@ -201,7 +208,12 @@ class DatasetProducer:
         from readers.source import ReaderConfig
         from schemas import load_schema
 
-        config = ReaderConfig(batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed)
+        config = ReaderConfig(
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            read_ahead=self.read_ahead,
+        )
         return iter_batches(
             self.dataset,
             schema=None if self.schema is None else load_schema(self.schema),
@@ -1505,6 +1517,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "client, so that kernel loading is not paid while a trainer waits (default 20; 0: off)",
     )
     parser.add_argument(
+        "--read-ahead",
+        type=int,
+        default=1,
+        help="row groups each reader process decodes ahead in a second thread (default 1; "
+        "0: one thread per reader process)",
+    )
+    parser.add_argument(
         "--batch-size", type=int, default=4096, help="rows per batch (default 4096)"
     )
     parser.add_argument(
@@ -1571,6 +1590,7 @@ def _cli_serve(args: argparse.Namespace) -> int:
             shuffle=args.shuffle,
             seed=args.seed,
             warmup_batches=args.warmup_batches,
+            read_ahead=args.read_ahead,
         )
     config = ServiceConfig(
         host=args.host,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections import Counter
@@ -92,9 +93,11 @@ def test_resume_mid_epoch_loses_and_repeats_nothing(make_dataset, tiny_schema, n
     assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["positions"] == {}
 
 
-def test_loop_left_early_goes_on_where_it_stopped(make_dataset, tiny_schema):
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_loop_left_early_goes_on_where_it_stopped(make_dataset, tiny_schema, read_ahead):
     root = make_dataset(num_sessions=40)
-    loader = make_dataloader(root, schema=tiny_schema, config=CFG, num_workers=2)
+    config = dataclasses.replace(CFG, read_ahead=read_ahead)  # read-ahead threads in workers
+    loader = make_dataloader(root, schema=tiny_schema, config=config, num_workers=2)
     seen: Counter = Counter()
     for _ in range(3):
         for step, batch in enumerate(loader):

@@ -27,9 +27,9 @@ params = { max_len = 3 }
 """
 
 
-@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize(("dedup", "read_ahead"), [(True, 0), (False, 0), (True, 2)])
 def test_service_serves_the_reader_pipeline_exactly(
-    make_dataset, tiny_schema, tmp_path, dedup: bool
+    make_dataset, tiny_schema, tmp_path, dedup: bool, read_ahead: int
 ) -> None:
     dataset = make_dataset(num_sessions=40, files=2, row_group_rows=30)
     schema_path = tmp_path / "tiny.toml"
@@ -42,6 +42,7 @@ def test_service_serves_the_reader_pipeline_exactly(
         dedup=dedup,
         preprocess=str(preprocess),
         schema=str(schema_path),
+        read_ahead=read_ahead,
     )
     config = ServiceConfig(readers=0, report_every_s=0, heartbeat_s=0.5)
     with ReaderServer(producer, config=config, log=io.StringIO()) as server:
@@ -94,8 +95,10 @@ def test_a_kept_warm_reader_process_serves_shard_after_shard_exactly(
         assert server.stats().reader_processes_started == 1
 
 
-def test_warmup_batches_is_validated(tmp_path) -> None:
+def test_producer_options_are_validated(tmp_path) -> None:
     from recpipe.errors import DataError
 
     with pytest.raises(DataError, match="`warmup_batches` must be a non-negative integer"):
         DatasetProducer(str(tmp_path), warmup_batches=-1)
+    with pytest.raises(DataError, match="`read_ahead` must be a non-negative integer"):
+        DatasetProducer(str(tmp_path), read_ahead=-1)
