@@ -13,6 +13,10 @@ Default mode, on ``--requests`` synthetic requests (1M by default, ``--quick``: 
    build and the one-liner run ``--repeat`` times (3), interleaved; the fastest of each counts,
    since on a shared machine noise only ever adds time.
 5. ``stats`` on both datasets: DedupeFactor per feature at ``--batch-size`` (4096).
+6. ``build --engine polars`` of the clustered dataset, interleaved with the DuckDB builds
+   (``--repeat`` times, fastest counts): ``polars_vs_duckdb_build`` = its time / DuckDB's, and
+   ``polars_same_parquet`` whether its part files are byte-identical to the DuckDB engine's.
+   Skipped with ``--threads`` (the Polars engine takes no thread count) or ``--no-polars``.
 
 Out-of-core mode (``--memory-limit 512MB``): synth, then only the clustered build with that
 DuckDB memory limit in a child process; reports its peak RSS and how much larger than the limit
@@ -87,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--work", type=Path, default=None, help="work directory (default: a temp dir)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--no-polars",
+        dest="polars",
+        action="store_false",
+        help="skip the `--engine polars` builds",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON ({RESULTS})")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -271,7 +281,15 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "threads": args.threads,
     }
     # the build-vs-one-liner ratio: interleaved repeats, fastest of each (noise only adds time)
-    runs: dict[str, list[dict[str, Any]]] = {"clustered": [], "oneliner": []}
+    polars = args.polars and args.threads is None
+    polars_spec = {
+        "kind": "build",
+        "features": shards,
+        "events": events,
+        "out": str(work / "clustered_polars"),
+        "config": {"order": "session", "engine": "polars"},
+    }
+    runs: dict[str, list[dict[str, Any]]] = {"clustered": [], "oneliner": [], "polars": []}
     for i in range(args.repeat):
         print(f"[etl bench] build clustered ({i + 1}/{args.repeat})", file=sys.stderr)
         runs["clustered"].append(
@@ -279,8 +297,21 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         print(f"[etl bench] DuckDB one-liner ({i + 1}/{args.repeat})", file=sys.stderr)
         runs["oneliner"].append(_require(_run_child(oneliner_spec, work), "DuckDB one-liner"))
+        if polars:
+            print(f"[etl bench] build --engine polars ({i + 1}/{args.repeat})", file=sys.stderr)
+            runs["polars"].append(_require(_run_child(polars_spec, work), "build --engine polars"))
     clustered = min(runs["clustered"], key=lambda r: r["elapsed_s"])
     oneliner = min(runs["oneliner"], key=lambda r: r["elapsed_s"])
+    engines: dict[str, Any] = {"polars_vs_duckdb_build": None}
+    if polars:
+        fastest = min(runs["polars"], key=lambda r: r["elapsed_s"])
+        engines = {
+            "build_polars_s": fastest["elapsed_s"],
+            "build_polars_s_runs": [r["elapsed_s"] for r in runs["polars"]],
+            "build_polars_peak_rss_mb": fastest["peak_rss_mb"],
+            "polars_vs_duckdb_build": fastest["elapsed_s"] / clustered["elapsed_s"],
+            "polars_same_parquet": _same_parts(work / "clustered", work / "clustered_polars"),
+        }
     print("[etl bench] build time-ordered", file=sys.stderr)
     timed = _require(_run_child(build_spec("time", "time_ordered"), work), "build time-ordered")
     print("[etl bench] stats", file=sys.stderr)
@@ -346,7 +377,15 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "proposed_groups_clustered": [list(g) for g in st_clustered.proposed_groups],
         "proposed_groups_time_ordered": [list(g) for g in st_timed.proposed_groups],
         "parquet_settings": manifest.get("parquet"),
+        **engines,
     }
+
+
+def _same_parts(a: Path, b: Path) -> bool:
+    """Whether two datasets' part files have the same names and bytes."""
+    parts_a = sorted(p.relative_to(a) for p in a.rglob("part-*.parquet"))
+    parts_b = sorted(p.relative_to(b) for p in b.rglob("part-*.parquet"))
+    return parts_a == parts_b and all((a / p).read_bytes() == (b / p).read_bytes() for p in parts_a)
 
 
 def run_out_of_core(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -440,6 +479,17 @@ def format_results(results: dict[str, Any]) -> str:
                 f"{r['build_s']:.1f} s / {r['duckdb_oneliner_s']:.1f} s, fastest of {r['repeat']}",
             ),
             ("build_peak_rss_mb", f"{r['build_peak_rss_mb']:,.0f}", rss_other),
+        ]
+        if r.get("polars_vs_duckdb_build") is not None:
+            same = "byte-identical parts" if r["polars_same_parquet"] else "PARTS DIFFER"
+            rows.append(
+                (
+                    "polars_vs_duckdb_build",
+                    f"{r['polars_vs_duckdb_build']:.2f}x",
+                    f"{r['build_polars_s']:.1f} s, {r['build_polars_peak_rss_mb']:,.0f} MB; {same}",
+                )
+            )
+        rows += [
             (
                 "dedup factor, all sparse",
                 f"{r['dedup_factor_all_sparse_clustered']:.2f}x",
