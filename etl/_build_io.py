@@ -9,11 +9,14 @@ files, so the same rows and settings give byte-identical Parquet.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
+import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,12 +211,14 @@ def source_sql(f: InputFile, file_id: int, sql_str) -> str:
 def choose_dictionary(table: pa.Table, *, level: int, min_gain: float = 0.02) -> dict[str, dict]:
     """Measure, per column, zstd bytes with and without dictionary encoding on ``table``.
 
+    The columns are measured side by side on the CPU cores (pyarrow writes without the GIL).
+
     Returns:
         ``{column: {"dict": bytes, "plain": bytes, "use": bool}}``; a column uses dictionary
         encoding when that saves at least ``min_gain`` of its plain size.
     """
-    out = {}
-    for name in table.column_names:
+
+    def measure(name: str) -> dict:
         sizes = {}
         col = table.select([name])
         for use in (True, False):
@@ -222,12 +227,53 @@ def choose_dictionary(table: pa.Table, *, level: int, min_gain: float = 0.02) ->
                 col, buf, compression="zstd", compression_level=level, use_dictionary=use
             )
             sizes[use] = buf.tell()
-        out[name] = {
+        return {
             "dict": sizes[True],
             "plain": sizes[False],
             "use": sizes[True] <= (1.0 - min_gain) * sizes[False],
         }
-    return out
+
+    names = table.column_names
+    workers = max(1, min(len(names), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(names, pool.map(measure, names)))
+
+
+class _Encoder:
+    """Runs calls in order on a second thread, ``depth`` at most waiting.
+
+    The first error is raised by the next :meth:`submit` or by :meth:`finish`; after it the
+    thread runs nothing more, but keeps taking calls so the submitting side never blocks.
+    """
+
+    _DONE = object()
+
+    def __init__(self, depth: int) -> None:
+        self._calls: queue.Queue = queue.Queue(maxsize=depth)
+        self._failed: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="recpipe-parquet", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not self._DONE:
+            if not self._failed:
+                try:
+                    call[0](*call[1:])
+                except BaseException as exc:  # raised on the submitting thread
+                    self._failed.append(exc)
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        if self._failed:
+            self.finish()
+        self._calls.put((fn, *args))
+
+    def finish(self) -> None:
+        """Wait for every call submitted; raise the first error."""
+        if self._thread.is_alive():
+            self._calls.put(self._DONE)
+            self._thread.join()
+        if self._failed:
+            raise self._failed[0]
 
 
 @dataclass
@@ -256,6 +302,10 @@ class SessionAlignedWriter:
             row group with :func:`choose_dictionary`).
         max_file_bytes: start a new file once one passes this size.
         align_sessions: False for the time-ordered baseline (cut every ``row_group_size``).
+        background: encode row groups on a second thread (pyarrow's Parquet encoding is
+            single-threaded), while the caller fetches and cuts the next ones; the files are
+            the same bytes. Errors of that thread are raised by a later :meth:`write` or by
+            :meth:`close`; call :meth:`abort` when giving up without :meth:`close`.
 
     Session counts: a file's ``sessions`` is the number of distinct session ids with rows in
     it, so a session that a file or partition boundary cuts counts in every file it reaches.
@@ -274,6 +324,7 @@ class SessionAlignedWriter:
     dictionary: Sequence[str] | None = None
     max_file_bytes: int = 256 << 20
     align_sessions: bool = True
+    background: bool = False
     files: list[_FileStats] = field(default_factory=list)
     dictionary_measured: dict[str, dict] | None = None
     _pending: list[pa.Table] = field(default_factory=list)
@@ -288,6 +339,7 @@ class SessionAlignedWriter:
     _file_new: int = field(default=0, init=False)  # sessions first seen in the open file
     _file_old: list[np.ndarray] = field(default_factory=list, init=False)  # ids <= the floor
     _split: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), init=False)
+    _encoder: _Encoder | None = field(default=None, init=False)
 
     @property
     def sessions_split_across_files(self) -> int:
@@ -298,7 +350,7 @@ class SessionAlignedWriter:
         """Append sorted rows (all of one partition; ``partition`` is e.g. ``dt=2024-...``)."""
         if partition != self._partition:
             self._flush(final=True)
-            self._close_file()
+            self._encode(self._close_file)
             self._partition = partition
         table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
         if table.num_rows == 0:
@@ -310,8 +362,32 @@ class SessionAlignedWriter:
     def close(self) -> list[dict]:
         """Flush what is buffered, close the last file; return per-file statistics."""
         self._flush(final=True)
-        self._close_file()
+        self._encode(self._close_file)
+        if self._encoder is not None:
+            encoder, self._encoder = self._encoder, None
+            encoder.finish()
         return [vars(f).copy() for f in self.files]
+
+    def abort(self) -> None:
+        """Stop without writing what is buffered (after an error); the files stay incomplete."""
+        encoder, self._encoder = self._encoder, None
+        if encoder is not None:
+            with contextlib.suppress(Exception):  # the caller reports its own error
+                encoder.finish()
+        for handle in (self._writer, self._sink):
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.close()
+        self._writer = self._sink = None
+
+    def _encode(self, fn: Callable[..., None], *args: object) -> None:
+        """Run a step that touches the open file: here, or in order on the second thread."""
+        if not self.background:
+            fn(*args)
+            return
+        if self._encoder is None:
+            self._encoder = _Encoder(depth=1)  # one group waits: bounds the memory held
+        self._encoder.submit(fn, *args)
 
     def _flush(self, *, final: bool) -> None:
         r = self.row_group_size
@@ -321,7 +397,7 @@ class SessionAlignedWriter:
             self._pending_rows = 0
             while table.num_rows > r or (final and table.num_rows):
                 cut = self._cut(table) if table.num_rows > r else table.num_rows
-                self._write_group(table.slice(0, cut))
+                self._encode(self._write_group, table.slice(0, cut), self._partition)
                 table = table.slice(cut)
             if table.num_rows:
                 self._pending = [table]
@@ -336,9 +412,9 @@ class SessionAlignedWriter:
         starts = np.flatnonzero(sid[1:] != sid[:-1]) + 1  # row i starts a new session
         return int(starts[-1]) if starts.size else r
 
-    def _write_group(self, group: pa.Table) -> None:
+    def _write_group(self, group: pa.Table, partition: str | None) -> None:
         if self._writer is None:
-            self._open_file(group)
+            self._open_file(group, partition)
         assert self._writer is not None and self._sink is not None
         self._writer.write_table(group, row_group_size=group.num_rows)
         stats = self.files[-1]
@@ -361,15 +437,15 @@ class SessionAlignedWriter:
             if old.size:
                 self._file_old.append(np.unique(old))
 
-    def _open_file(self, first_group: pa.Table) -> None:
+    def _open_file(self, first_group: pa.Table, partition: str | None) -> None:
         if self.dictionary is None:
             sample = first_group.slice(0, min(first_group.num_rows, 32768))
             self.dictionary_measured = choose_dictionary(sample, level=self.zstd_level)
             self.dictionary = [c for c, m in self.dictionary_measured.items() if m["use"]]
-        folder = self.root / self._partition if self._partition else self.root
+        folder = self.root / partition if partition else self.root
         folder.mkdir(parents=True, exist_ok=True)
-        index = sum(1 for f in self.files if Path(f.path).parent == Path(self._partition or "."))
-        rel = Path(self._partition or ".") / f"part-{index:05d}.parquet"
+        index = sum(1 for f in self.files if Path(f.path).parent == Path(partition or "."))
+        rel = Path(partition or ".") / f"part-{index:05d}.parquet"
         self._sink = pa.OSFile(str(self.root / rel), "wb")
         sorting = (
             [pq.SortingColumn(0), pq.SortingColumn(1)]

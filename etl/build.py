@@ -16,7 +16,8 @@ The whole build runs in DuckDB, out of core (``memory_limit`` + a spill director
    inactivity, else the request alone. Sessions get int64 ids by (first ts, raw key), so ids
    ascend in file order; ``sample_sessions`` keeps a seeded fraction of whole sessions.
 5. **write**: one ``ORDER BY session_id, ts`` streamed into pyarrow, cut into row groups at
-   session boundaries (:class:`etl._build_io.SessionAlignedWriter`).
+   session boundaries (:class:`etl._build_io.SessionAlignedWriter`), each encoded on a second
+   thread while DuckDB fetches the next rows.
 
 Everything is written into a temporary directory beside ``out_dir`` that replaces it at the
 end, with ``_manifest.json`` written last, so a crashed run never leaves a dataset that looks
@@ -551,7 +552,8 @@ def _build_into(
     _write_quarantine(con, "ev", ev_files, qdir / "events.parquet")
     t = phases.timed("quarantine", t)
 
-    writer = _dataset_writer(tmp, schema, config)
+    # row groups are encoded on a second thread while DuckDB sorts and fetches the next rows
+    writer = _dataset_writer(tmp, schema, config, background=True)
     arrow_schema = writer.schema
     con.execute(
         """
@@ -575,7 +577,11 @@ def _build_into(
                     writer.write(batch.cast(arrow_schema), partition=part)
                     bar.update(batch.num_rows)
         except duckdb.OutOfMemoryException as exc:
+            writer.abort()
             raise _oom_error(exc) from None
+        except BaseException:
+            writer.abort()
+            raise
     files = writer.close()
     con.close()
     phases.timed("write", t)
@@ -593,8 +599,11 @@ def _build_into(
     )
 
 
-def _dataset_writer(root: Path, schema: DatasetSchema, config: BuildConfig) -> SessionAlignedWriter:
-    """The Parquet writer of both engines, set up from ``config``."""
+def _dataset_writer(
+    root: Path, schema: DatasetSchema, config: BuildConfig, *, background: bool = False
+) -> SessionAlignedWriter:
+    """The Parquet writer of both engines, set up from ``config`` (``background``: see
+    :class:`etl._build_io.SessionAlignedWriter`)."""
     arrow_schema = schema.arrow_schema()
     return SessionAlignedWriter(
         root=root,
@@ -607,6 +616,7 @@ def _dataset_writer(root: Path, schema: DatasetSchema, config: BuildConfig) -> S
         else (arrow_schema.names if config.dictionary == "all" else []),
         max_file_bytes=config.max_file_bytes,
         align_sessions=config.order == "session",
+        background=background,
     )
 
 
