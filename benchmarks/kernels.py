@@ -91,6 +91,26 @@ def session_batch(
     return out
 
 
+def batch_shape(args: argparse.Namespace) -> dict[str, int]:
+    """The :func:`session_batch` arguments given on the command line."""
+    return {
+        "rows": args.rows,
+        "session_rows": args.session_rows,
+        "min_len": args.min_len,
+        "max_len": args.max_len,
+    }
+
+
+def unique_offsets(
+    offsets: torch.Tensor, unique_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets, lengths)`` of the unique rows' lists, on ``offsets``' device."""
+    lengths = (offsets[1:] - offsets[:-1])[unique_rows]
+    out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=offsets.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out, lengths
+
+
 # --------------------------------------------------------------------------------------------
 # baselines
 
@@ -200,12 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     rng = np.random.default_rng(args.seed)
-    shape = {
-        "rows": args.rows,
-        "session_rows": args.session_rows,
-        "min_len": args.min_len,
-        "max_len": args.max_len,
-    }
+    shape = batch_shape(args)
     one = [session_batch(rng, keys=1, **shape) for _ in range(args.batches)]
     three = [session_batch(rng, keys=3, **shape) for _ in range(args.batches)]
     to_torch = [
@@ -246,8 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Jagged index select: expand the unique rows' embeddings [N_u, D] to the batch.
     values_b, offsets_b = one_t[0][0]
     unique_rows, inverse = dedup_rows([values_b], [offsets_b])
-    lengths_u = (offsets_b[1:] - offsets_b[:-1])[unique_rows]
-    offsets_u = torch.cat([torch.zeros(1, dtype=torch.int64), lengths_u.cumsum(0)])
+    offsets_u, lengths_u = unique_offsets(offsets_b, unique_rows)
     emb = torch.randn(int(offsets_u[-1]), args.dim, requires_grad=True)
     grad = torch.randn(int(offsets_b[-1]), args.dim)
 
@@ -401,19 +415,12 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
     else:
         return {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
     rng = np.random.default_rng(args.seed)
-    shape = {
-        "rows": args.rows,
-        "session_rows": args.session_rows,
-        "min_len": args.min_len,
-        "max_len": args.max_len,
-    }
+    shape = batch_shape(args)
     ids_np, offsets_np = session_batch(rng, keys=1, **shape)[0]
     ids = torch.from_numpy(ids_np).to(device)
     offsets_b = torch.from_numpy(offsets_np).to(device)
     unique_rows, inverse = kc.dedup_rows([ids], [offsets_b])
-    lengths_u = (offsets_b[1:] - offsets_b[:-1])[unique_rows]
-    offsets_u = torch.zeros(unique_rows.shape[0] + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths_u, 0, out=offsets_u[1:])
+    offsets_u, _ = unique_offsets(offsets_b, unique_rows)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     emb = torch.randn(int(offsets_u[-1]), args.dim, generator=gen, device=device)
     out, out_offsets = kc.jagged_index_select(emb, offsets_u, inverse)

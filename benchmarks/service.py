@@ -20,6 +20,9 @@ Figures (written to benchmarks/results/service.json):
                           reader's CPU seconds per batch of each, with the reader warmed up
                           before the first client (the default) and without; and the kept
                           reader's resident memory.
+  read_ahead_speedup      samples/s with `--read-ahead` (default 1: a second thread decodes the
+                          next row group) / with 0, in-process and over the service, IKJT path;
+                          measured in the same alternated loop (not with `--read-ahead 0`).
                           Whole epochs of the 1M-request dataset (~245 batches): every 16th
                           batch waits for a new row group (70-240 ms), so an epoch of 49
                           batches (200k requests) is ruled by three such waits and the ratio
@@ -30,7 +33,8 @@ Each service case starts a server (its reader process starts with it and warms u
 includes that) and reads one whole epoch through one client.
 
 Every thread pool is limited to one thread (OMP/Numba/Arrow), in this process and in the
-reader processes, so `--readers 1` compares one reader core with one reader core. Cases are
+reader processes, so `--readers 1` compares one reader with one reader; with read-ahead each of
+them also runs its decode thread. Cases are
 alternated and the median of `--repeats` is kept, so drift and other load hit both alike.
 """
 
@@ -234,6 +238,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "service_ikjt": lambda: measure_service(dataset, dedup=True, **common, **service),
         "service_kjt": lambda: measure_service(dataset, dedup=False, **common, **service),
     }
+    if args.read_ahead:  # the same two IKJT paths without read-ahead, for its speedup
+        cases["inprocess_ikjt_no_read_ahead"] = lambda: measure_inprocess(
+            dataset, dedup=True, read_ahead=0, **common
+        )
+        cases["service_ikjt_no_read_ahead"] = lambda: measure_service(
+            dataset, dedup=True, **common, **{**service, "read_ahead": 0}
+        )
     measure_inprocess(dataset, dedup=True, **{**common, "max_batches": 2})  # warm up Numba, cache
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
     with tqdm(total=args.repeats * len(cases), desc="service timings", file=sys.stderr) as bar:
@@ -251,12 +262,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kjt, ikjt = per_sample("service_kjt"), per_sample("service_ikjt")
     reuse = measure_next_client(dataset, **common)
     ratio = median("service_ikjt", "samples_per_s") / median("inprocess_ikjt", "samples_per_s")
+    read_ahead_speedup = None
+    if args.read_ahead:
+        read_ahead_speedup = {
+            path: median(f"{path}_ikjt", "samples_per_s")
+            / median(f"{path}_ikjt_no_read_ahead", "samples_per_s")
+            for path in ("inprocess", "service")
+        }
     return {
         "sent_bytes_per_sample": {"kjt": kjt, "ikjt": ikjt, "ratio_kjt_over_ikjt": kjt / ikjt},
         "service_vs_inprocess": ratio,
         "samples_per_s": {name: median(name, "samples_per_s") for name in cases},
         "startup_s": {name: median(name, "startup_s") for name in cases},
         "kept_reader": reuse,
+        "read_ahead_speedup": read_ahead_speedup,
         "targets": {"service_vs_inprocess": TARGET_SERVICE_VS_INPROCESS},
         "meets_target": ratio >= TARGET_SERVICE_VS_INPROCESS,
         "settings": {
@@ -305,6 +324,14 @@ def format_table(results: dict[str, Any]) -> str:
         ),
         ("kept reader RSS (MB)", f"{kept['reader_rss_mb']:,.0f}"),
     ]
+    speedup = results.get("read_ahead_speedup")
+    if speedup:
+        rows.append(
+            (
+                "read-ahead on / off, samples/s",
+                f"{speedup['inprocess']:.2f}x in-process, {speedup['service']:.2f}x service",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     lines = ["benchmark: reader service", "-" * (width + 24)]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]

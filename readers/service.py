@@ -26,7 +26,7 @@ worker). Up to ``idle_readers`` are kept; a reader that died or does not stop wi
 replaced. Measured (benchmarks/service.py, ``kept_reader``): a client that gets a kept reader
 has its first batch in 0.09-0.21 s instead of ~2.3 s. Warm-up targets a fresh process's first
 epoch costing more CPU per batch (kernel loading, memory pools growing): 1.24x in one run, but
-0.93-1.20x with or without warm-up in later ones, i.e. within noise. A job reaches a kept reader as a pickled :class:`ShardSpec` and
+0.90-1.20x with or without warm-up in later ones, i.e. within noise. A job reaches a kept reader as a pickled :class:`ShardSpec` and
 the socket to its session, passed as a file descriptor over a pipe between the server and its
 own reader processes (the TCP wire to clients carries no pickle).
 

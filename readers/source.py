@@ -82,8 +82,8 @@ class ReaderConfig:
         read_ahead: splits a background thread reads and decodes ahead of the one being consumed
             (at most this many extra row groups in memory); 0 reads each split when the stream
             reaches it, on the reader's one core. The stream is the same either way. Measured on
-            2 cores (``benchmarks/service.py --read-ahead 0|1``): 1 gives the in-process reader
-            1.6-1.8x the samples/s of 0 and the reader service 1.5-1.7x.
+            2 cores (``read_ahead_speedup`` of ``benchmarks/service.py``): 1 gives the in-process
+            reader 1.39-1.48x the samples/s of 0 and the reader service 1.23-1.25x.
     """
 
     batch_size: int = 4096

@@ -22,7 +22,14 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
     sent = results["sent_bytes_per_sample"]
     assert 0 < sent["ikjt"] < sent["kjt"]
     assert results["service_vs_inprocess"] > 0
-    assert set(results["samples_per_s"]) == {"inprocess_ikjt", "service_ikjt", "service_kjt"}
+    assert set(results["samples_per_s"]) == {
+        "inprocess_ikjt",
+        "service_ikjt",
+        "service_kjt",
+        "inprocess_ikjt_no_read_ahead",  # the default read-ahead is measured against none
+        "service_ikjt_no_read_ahead",
+    }
+    assert all(v > 0 for v in results["read_ahead_speedup"].values())
     for kept in results["kept_reader"].values():
         assert kept["reader_processes_started"] == 1  # the next client got the first one's reader
         nxt = kept["next_client"]

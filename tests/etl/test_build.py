@@ -296,10 +296,11 @@ def test_same_inputs_give_byte_identical_parquet_and_atomic_overwrite(tmp_path):
     assert manifest["inputs"][0]["sha256"] and manifest["parquet"]["compression"] == "zstd"
 
 
-def test_corrupt_inputs_raise_errors_naming_the_file(tmp_path):
+def corrupt_inputs() -> dict[str, bytes]:
+    """Input files every engine must refuse with an error naming the file, by name."""
     text = "\n".join(json.dumps(_rec(f"r{i}", i, session="s")) for i in range(3000)) + "\n"
     blob = zstandard.ZstdCompressor().compress(text.encode())
-    cases = {
+    return {
         "trunc.jsonl.zst": blob[: len(blob) // 2],
         "garbage.jsonl.zst": b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 4,
         "binary.jsonl": b"\x00\xff\xfe binary \x80\x81\n" * 10,
@@ -308,7 +309,10 @@ def test_corrupt_inputs_raise_errors_naming_the_file(tmp_path):
         "fake.parquet": b"this is not parquet at all",
         "renamed.jsonl.zst": text.encode(),
     }
-    for name, data in cases.items():
+
+
+def test_corrupt_inputs_raise_errors_naming_the_file(tmp_path):
+    for name, data in corrupt_inputs().items():
         p = tmp_path / name
         p.write_bytes(data)
         with pytest.raises(CorruptInputError, match=name):

@@ -21,7 +21,14 @@ from etl._build_sql import PENDING, TS_RANGE, feature_select, schema_keys
 from etl.build import BuildConfig, build
 from recpipe.errors import CorruptInputError, DataError
 from schemas import default_schema
-from tests.etl.test_build import BAD_CASES, GOOD, LABEL_EVENTS, _rec, _write
+from tests.etl.test_build import (
+    BAD_CASES,
+    GOOD,
+    LABEL_EVENTS,
+    _rec,
+    _write,
+    corrupt_inputs,
+)
 from tests.etl.test_build_fastpath import LINES
 
 #: manifest entries that may differ between the engines
@@ -378,17 +385,7 @@ def test_duckdb_only_options_and_odd_line_ends_are_refused(tmp_path):
 
 
 def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(tmp_path):
-    text = "\n".join(json.dumps(_rec(f"r{i}", i, session="s")) for i in range(3000)) + "\n"
-    blob = zstandard.ZstdCompressor().compress(text.encode())
-    cases = {
-        "trunc.jsonl.zst": blob[: len(blob) // 2],
-        "garbage.jsonl.zst": b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 4,
-        "binary.jsonl": b"\x00\xff\xfe binary \x80\x81\n" * 10,
-        "late_binary.jsonl": text.encode() * 2 + b"\xc3(\n",
-        "fake.parquet": b"this is not parquet at all",
-        "renamed.jsonl.zst": text.encode(),
-        "long_line.jsonl": b'{"a": 1}\n' + b"x" * 2_000_000 + b"\n",
-    }
+    cases = {**corrupt_inputs(), "long_line.jsonl": b'{"a": 1}\n' + b"x" * 2_000_000 + b"\n"}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         for engine in ("duckdb", "polars"):

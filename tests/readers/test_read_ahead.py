@@ -8,28 +8,14 @@ import os
 import threading
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
 from readers.source import DatasetSource, ReaderConfig, SourcePosition, _ReadAhead, plan_splits
 from recpipe.errors import CorruptInputError, DataError
+from tests.readers.test_source import _same
 
 THREAD_NAME = "recpipe-read-ahead"
-
-
-def _same(a: pa.Table, b: pa.Table) -> bool:
-    """Equal tables, NaN equal to NaN."""
-    if a.schema != b.schema or a.num_rows != b.num_rows:
-        return False
-    for name in a.column_names:
-        x, y = a.column(name), b.column(name)
-        if pa.types.is_floating(x.type):
-            if not np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True):
-                return False
-        elif not x.equals(y):
-            return False
-    return True
 
 
 def _read_ahead_threads() -> list[threading.Thread]:
