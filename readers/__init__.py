@@ -10,8 +10,7 @@ service's command-line parsing do not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recpipe._lazy import lazy_exports
 
 __all__ = [
     "BatchConverter",
@@ -60,18 +59,4 @@ _WHERE = {
     ),
     "readers.service": ("ReaderServer", "ServiceClient", "ServiceConfig", "ServiceDataset"),
 }  # fmt: skip
-_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        msg = f"module 'readers' has no attribute {name!r}"
-        raise AttributeError(msg)
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

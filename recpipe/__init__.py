@@ -6,9 +6,7 @@ The tensor types are re-exported lazily (PEP 562) so that importing ``recpipe.er
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from recpipe._lazy import lazy_exports
 from recpipe.errors import (
     CorruptInputError,
     DataError,
@@ -20,12 +18,10 @@ from recpipe.errors import (
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "JaggedTensor": "recpipe.jagged",
-    "KeyedJaggedTensor": "recpipe.jagged",
-    "InverseKeyedJaggedTensor": "recpipe.ikjt",
-    "PartialInverseKeyedJaggedTensor": "recpipe.ikjt",
-    "Batch": "recpipe.batch",
+_WHERE = {
+    "recpipe.jagged": ("JaggedTensor", "KeyedJaggedTensor"),
+    "recpipe.ikjt": ("InverseKeyedJaggedTensor", "PartialInverseKeyedJaggedTensor"),
+    "recpipe.batch": ("Batch",),
 }
 
 __all__ = [
@@ -44,9 +40,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        msg = f"module 'recpipe' has no attribute {name!r}"
-        raise AttributeError(msg)
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -5,8 +5,21 @@ Names are re-exported lazily (PEP 562) so that ``recpipe --help`` does not impor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recpipe._lazy import lazy_exports
+
+__all__ = [
+    "DLRM",
+    "AttentionPooling",
+    "EmbeddingBagCollection",
+    "JaggedEmbeddings",
+    "ModelConfig",
+    "ParameterTable",
+    "SequenceEmbeddingCollection",
+    "TableConfig",
+    "TrainConfig",
+    "Trainer",
+    "train",
+]
 
 _WHERE = {
     "trainer.modules": (
@@ -16,20 +29,4 @@ _WHERE = {
     "trainer.models": ("DLRM", "ModelConfig"),
     "trainer.train": ("TrainConfig", "Trainer", "train"),
 }  # fmt: skip
-_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        msg = f"module 'trainer' has no attribute {name!r}"
-        raise AttributeError(msg)
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -9,8 +9,9 @@ Importing this package does not import torch; the store and the module import it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from recpipe._lazy import lazy_exports
 from trainer.store.hotset import (
     CostCoefficients,
     HotPlan,
@@ -49,20 +50,12 @@ __all__ = [
     "rho_curve",
 ]
 
-_LAZY = {
-    "EmbeddingStore": "trainer.store.store",
-    "Locations": "trainer.store.store",
-    "StoreConfig": "trainer.store.store",
-    "StoreStats": "trainer.store.store",
-    "init_rows": "trainer.store.store",
-    "open_store": "trainer.store.store",
-    "StoreEmbeddingBag": "trainer.store.module",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trainer.store' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "trainer.store.store": (
+            "EmbeddingStore", "Locations", "StoreConfig", "StoreStats", "init_rows", "open_store",
+        ),
+        "trainer.store.module": ("StoreEmbeddingBag",),
+    },
+)  # fmt: skip
