@@ -809,6 +809,9 @@ def _format_summary(result: SynthResult) -> str:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    from etl.paths import check_output
+
+    check_output(args.out, kind="synth")
     cfg = SynthConfig(
         num_requests=args.requests,
         seed=args.seed,
