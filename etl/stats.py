@@ -780,7 +780,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "average length, byte share, d(f), and RecD's DedupeFactor model next to the factor "
             "measured in real batches of --batch-size rows in file order. Proposes the sparse "
             "features to deduplicate (measured factor > 1.5) and groups of features that change "
-            "together, as a schema [dedup] snippet. Writes stats.json and PNG plots to --out."
+            "together, as a schema [dedup] snippet. Writes stats.json and PNG plots to --out. "
+            "First, every part file's size and sha256 are compared with the manifest (DuckDB "
+            "does not check Parquet page checksums, so a corrupt page would skew the figures "
+            "silently); `recpipe etl verify` also checks every page."
         ),
     )
     parser.add_argument("dataset", type=Path, help="clustered dataset directory (etl build output)")
@@ -788,7 +791,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
-        help="directory for stats.json and the plots (default: DATASET/_stats)",
+        help="directory for stats.json and the plots (default: DATASET/_stats); not the "
+        "dataset, nor a folder in it unless its name starts with `_` or `.`",
     )
     parser.add_argument(
         "--schema", default=None, help="schema TOML (default: the one in DATASET/_manifest.json)"
