@@ -780,7 +780,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "average length, byte share, d(f), and RecD's DedupeFactor model next to the factor "
             "measured in real batches of --batch-size rows in file order. Proposes the sparse "
             "features to deduplicate (measured factor > 1.5) and groups of features that change "
-            "together, as a schema [dedup] snippet. Writes stats.json and PNG plots to --out."
+            "together, as a schema [dedup] snippet. Writes stats.json and PNG plots to --out. "
+            "First, every part file's size and sha256 are compared with the manifest (DuckDB "
+            "does not check Parquet page checksums, so a corrupt page would skew the figures "
+            "silently); `recpipe etl verify` also checks every page."
         ),
     )
     parser.add_argument("dataset", type=Path, help="clustered dataset directory (etl build output)")
@@ -788,7 +791,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
-        help="directory for stats.json and the plots (default: DATASET/_stats)",
+        help="directory for stats.json and the plots (default: DATASET/_stats); not the "
+        "dataset, nor a folder in it unless its name starts with `_` or `.`",
     )
     parser.add_argument(
         "--schema", default=None, help="schema TOML (default: the one in DATASET/_manifest.json)"
@@ -799,12 +803,42 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the check of every part file's size and sha256 against the manifest (DuckDB "
+        "does not check Parquet page checksums, so without it a corrupt page can skew the "
+        "figures silently; `recpipe etl verify` also checks every page)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print the JSON report instead of the table"
     )
     parser.set_defaults(func=_main)
 
 
+def _verify_digests(dataset: Path) -> None:
+    """Sizes and sha256 of the part files against the manifest, before DuckDB reads them."""
+    from etl.verify import verify_digests
+
+    if not dataset.is_dir():
+        return  # compute_stats says what is wrong
+    report = verify_digests(dataset, progress=sys.stderr.isatty())
+    if report is None:
+        print(
+            f"stats: {dataset} not verified: its manifest records no sha256 digests (or it has "
+            "no manifest); a corrupt page would go unnoticed",
+            file=sys.stderr,
+        )
+        return
+    report.raise_if_failed(hint=f"`recpipe etl verify {dataset}` checks every page too")
+
+
 def _main(args: argparse.Namespace) -> int:
+    from etl.paths import check_output
+
+    out = args.out if args.out is not None else Path(args.dataset) / "_stats"
+    check_output(out, kind="stats", inputs=[args.dataset, args.schema])
+    if not args.no_verify:
+        _verify_digests(args.dataset)
     schema = None
     if args.schema is not None:
         from schemas import load_schema
@@ -820,7 +854,6 @@ def _main(args: argparse.Namespace) -> int:
         threads=args.threads,
         progress=sys.stderr.isatty(),
     )
-    out = args.out if args.out is not None else Path(args.dataset) / "_stats"
     written = [report.write_json(out / "stats.json")]
     if not args.no_plots:
         written += report.plot(out)

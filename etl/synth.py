@@ -809,6 +809,9 @@ def _format_summary(result: SynthResult) -> str:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    from etl.paths import check_output
+
+    check_output(args.out, kind="synth")
     cfg = SynthConfig(
         num_requests=args.requests,
         seed=args.seed,
@@ -830,10 +833,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "synth",
         help="generate deterministic synthetic session logs",
         description=(
-            "Write synthetic feature and event logs (.jsonl.zst, DESIGN §2.1) following "
+            "Write synthetic feature and event logs (.jsonl.zst, the raw-log format) following "
             "schemas/examples/synth.toml: interleaved sessions with a long-tailed length, static "
             "and slowly shifting user features, labels from a hidden model. The same seed gives "
-            "byte-identical files."
+            "byte-identical files. --out must be new, empty, or an earlier synth output (it has "
+            "_synth.json), which is rewritten."
         ),
     )
     parser.add_argument("--out", required=True, type=Path, help="output directory")

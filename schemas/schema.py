@@ -1,6 +1,6 @@
 """Dataset schemas: feature specs loaded from TOML, validated, and turned into Arrow schemas.
 
-A schema (DESIGN §2.2) names the session, time, label and user keys of the raw logs and every
+A schema names the session, time, label and user keys of the raw logs and every
 feature of the clustered dataset::
 
     [dataset]
@@ -17,7 +17,9 @@ feature of the clustered dataset::
     groups = [["user_liked_items", "user_liked_sellers"], ["user_segment"]]
 
 :func:`load_schema` parses and validates such a file; every problem raises
-:class:`~recpipe.errors.SchemaError` naming the file, the table and the key.
+:class:`~recpipe.errors.SchemaError` naming the file, the table and the key. Names are compared
+ignoring case too (DuckDB, which builds and measures the dataset, matches column and JSON-key
+names that way): features, the dataset keys and the fixed columns must differ in more than case.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ RESERVED_NAMES: frozenset[str] = frozenset(
     {"session_id", "ts", "label", "user_id", "request_id", "dense", "sparse"}
 )
 
+# keys every raw feature record has whatever the schema says
+_FIXED_RAW_KEYS = ("request_id", "dense", "sparse")
+
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MAX_LEN_LIMIT = 1_000_000
 
@@ -84,6 +89,20 @@ def _check_keys(table: Mapping[str, Any], allowed: Sequence[str], where: str) ->
         if key not in allowed:
             hint = _did_you_mean(key, allowed) or f"allowed keys: {', '.join(allowed)}"
             raise _fail(where, f"unknown key `{key}`", hint)
+
+
+def _check_keys_fold(keys: Mapping[str, str]) -> None:
+    """The session/time/label/user keys must differ from each other and from the fixed raw-log
+    keys ignoring case (DuckDB reads them as columns and JSON keys, case-insensitively)."""
+    seen = {n.casefold(): f"`{n}` (fixed raw-log key)" for n in _FIXED_RAW_KEYS}
+    for role, name in keys.items():
+        other = seen.get(name.casefold())
+        if other is not None:
+            raise SchemaError(
+                f"[dataset]: `{role}` {name!r} collides with {other} ignoring case "
+                "(DuckDB matches names ignoring case); rename one of them"
+            )
+        seen[name.casefold()] = f"`{role}` {name!r}"
 
 
 def _check_name(name: Any, where: str, *, what: str = "name") -> str:
@@ -192,7 +211,11 @@ class DatasetSchema:
             raise SchemaError(
                 f"[dataset]: the session/time/label/user keys must differ, got {keys}"
             )
+        _check_keys_fold(keys)
         reserved = RESERVED_NAMES | set(keys.values())
+        # lower-cased name -> its spelling: DuckDB (the build and `recpipe stats`) matches
+        # column and JSON-key names ignoring case, so `a` and `A` would be one column
+        folded = {n.casefold(): n for n in sorted(reserved)}
         by_name: dict[str, DenseFeature | SparseFeature] = {}
         for feature in (*self.dense, *self.sparse):
             if feature.name in reserved:
@@ -205,6 +228,14 @@ class DatasetSchema:
                     f"feature `{feature.name}` is defined twice (names must be unique across "
                     "[[dense]] and [[sparse]])"
                 )
+            other = folded.get(feature.name.casefold())
+            if other is not None:
+                what = "a dataset column or raw-log key" if other in reserved else "feature"
+                raise SchemaError(
+                    f"feature `{feature.name}` collides with {what} `{other}` ignoring case "
+                    "(DuckDB matches names ignoring case); rename one of them"
+                )
+            folded[feature.name.casefold()] = feature.name
             by_name[feature.name] = feature
         object.__setattr__(self, "_by_name", by_name)
         object.__setattr__(self, "dedup_groups", self._validated_groups(self.dedup_groups))
@@ -273,7 +304,7 @@ class DatasetSchema:
             raise _fail("", f"schema `{self.name}` has no feature `{name}`", hint) from None
 
     def arrow_schema(self) -> pa.Schema:
-        """Arrow schema of the clustered dataset (DESIGN §2.3).
+        """Arrow schema of the clustered dataset (README, "Build the clustered dataset").
 
         Columns: session key int64, time key int64, label float32, then one float32 column per
         dense feature and one ``list<int64>`` column per sparse feature, in schema order.

@@ -251,3 +251,76 @@ def test_preprocess_tables_are_left_to_the_readers(tmp_path):
     path = tmp_path / "with_preprocess.toml"
     path.write_text(text)
     assert load_schema(path) == load_schema(default_schema_path())
+
+
+# DuckDB matches column and JSON-key names ignoring case: such collisions ended in a raw
+# `_duckdb.InvalidInputException` (or a dataset `recpipe stats` could not read)
+CASE_COLLISIONS = [
+    (
+        lambda t: t.replace('name = "item_id"', 'name = "User_Segment"'),
+        r"feature `User_Segment` collides with feature `user_segment` ignoring case",
+    ),
+    (
+        lambda t: t.replace('name = "user_age"', 'name = "Label"'),
+        r"feature `Label` collides with a dataset column or raw-log key `label` ignoring case",
+    ),
+    (
+        lambda t: t.replace('name = "user_age"', 'name = "SESSION_ID"'),
+        r"feature `SESSION_ID` collides with a dataset column or raw-log key `session_id`",
+    ),
+    (
+        lambda t: t.replace("[dataset]", "[dataset]\nsession_key = 'sid'").replace(
+            'name = "item_id"', 'name = "SID"'
+        ),
+        r"feature `SID` collides with a dataset column or raw-log key `sid` ignoring case",
+    ),
+    (
+        lambda t: t.replace("[dataset]", "[dataset]\nsession_key = 'SID'\nuser_key = 'sid'"),
+        r"\[dataset\]: `user_key` 'sid' collides with `session_key` 'SID' ignoring case",
+    ),
+    (
+        lambda t: t.replace("[dataset]", "[dataset]\ntime_key = 'Request_Id'"),
+        r"`time_key` 'Request_Id' collides with `request_id` \(fixed raw-log key\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    CASE_COLLISIONS,
+    ids=[
+        "feature-feature",
+        "dense-label",
+        "feature-session_id",
+        "feature-session_key",
+        "key-key",
+        "key-request_id",
+    ],
+)
+def test_names_colliding_ignoring_case_are_refused_naming_both_and_the_file(tmp_path, edit, match):
+    path = tmp_path / "case.toml"
+    path.write_text(edit(BASE))
+    with pytest.raises(SchemaError, match=match) as caught:
+        load_schema(path)
+    assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_a_case_collision_stops_the_cli_build_with_the_schema_error(tmp_path, capsys):
+    from recpipe.cli import main
+
+    logs = tmp_path / "f.jsonl"
+    logs.write_text(
+        '{"request_id": "r1", "session_id": "s1", "ts": 1700000000000, '
+        '"sparse": {"a": [1], "A": [2]}}\n'
+    )
+    schema = tmp_path / "s.toml"
+    schema.write_text(
+        '[dataset]\nname = "x"\n'
+        '[[sparse]]\nname = "a"\nkind = "user"\nmax_len = 5\n'
+        '[[sparse]]\nname = "A"\nkind = "user"\nmax_len = 5\n'
+    )
+    rc = main(["etl", "build", str(logs), "--schema", str(schema), "--out", str(tmp_path / "ds")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "s.toml: feature `A` collides with feature `a` ignoring case" in err
+    assert not (tmp_path / "ds").exists()
