@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from recpipe.cli import main
+from recpipe_cli import main
 
 COMMANDS = ["synth", "etl", "stats", "serve", "train", "store"]
 
@@ -40,7 +40,7 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_etl_commands_do_not_import_torch(argv):
     code = (
         "import sys\n"
-        "from recpipe.cli import main\n"
+        "from recpipe_cli import main\n"
         "try:\n"
         f"    main({argv!r})\n"
         "except SystemExit:\n"
@@ -49,3 +49,14 @@ def test_etl_commands_do_not_import_torch(argv):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "recpipe_cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "usage: recpipe" in out.stdout

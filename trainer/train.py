@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -32,6 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.errors import DataError, RecpipeError
+from trainer.checkpoint import (
+    checkpoint_file,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from trainer.metrics import PredictionWindow, auc, peak_memory_bytes
 from trainer.models import DLRM, ModelConfig
 from trainer.modules import ParameterTable, PoolingMode, TableConfig, table_seed
@@ -57,8 +63,6 @@ __all__ = [
 OptimizerKind = Literal["adagrad", "sgd", "adam"]
 _OPTIMIZERS: tuple[str, ...] = ("adagrad", "sgd", "adam")
 DEFAULT_LR: dict[str, float] = {"adagrad": 0.05, "sgd": 0.1, "adam": 1e-3}
-CHECKPOINT_FILE = "checkpoint.pt"
-_CHECKPOINT_VERSION = 1
 
 
 # -------------------------------------------------------------------------------------------
@@ -479,33 +483,6 @@ class TrainResult:
         return self.evals[-1][1] if self.evals else None
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _model_config(config: TrainConfig) -> ModelConfig:
     from dataclasses import replace
 
@@ -618,7 +595,7 @@ class _Run:
     @property
     def checkpoint_path(self) -> Path | None:
         c = self.config.checkpoint
-        return None if c is None else Path(c) / CHECKPOINT_FILE
+        return None if c is None else checkpoint_file(c)
 
     def save(self) -> Path | None:
         path = self.checkpoint_path
@@ -626,40 +603,28 @@ class _Run:
             return None
         if self.saved_step == self.trainer.step:  # the last in-loop checkpoint, at the end
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
         # every store commits this step, then the rest is saved: after a crash in between the
         # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
         for store in self.stores:
             store.checkpoint(self.trainer.step)
         state = {
-            "version": _CHECKPOINT_VERSION,
             "trainer": self.trainer.state_dict(),
             "reader": self.loader.state_dict(),
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "losses": self.losses,
             "samples": self.samples,
             "evals": [(s, asdict(e)) for s, e in self.evals],
             "config": {k: v for k, v in asdict(self.config).items() if k != "model"},
             "model_config": asdict(self.config.model),
         }
-        _save_atomic(state, path)
+        save_checkpoint(state, path)
         self.saved_step = self.trainer.step
         return path
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         """The saved training state, or ``None`` when there is no checkpoint file yet."""
         path = self.checkpoint_path
-        if path is None or not path.is_file():
-            return None
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as exc:  # a truncated or foreign file
-            msg = f"{path}: cannot read the checkpoint: {exc}"
-            raise RecpipeError(msg) from exc
-        if not isinstance(state, dict) or state.get("version") != _CHECKPOINT_VERSION:
-            msg = f"{path}: not a recpipe training checkpoint (version {_CHECKPOINT_VERSION})"
-            raise RecpipeError(msg)
-        return state
+        return None if path is None else load_checkpoint(path, map_location=self.device)
 
     def restore(self) -> bool:
         state, path = self.resume_state, self.checkpoint_path
@@ -675,7 +640,7 @@ class _Run:
                 raise RecpipeError(msg)
         self.trainer.load_state_dict(state["trainer"])
         self.loader.load_state_dict(state["reader"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         self.losses = list(state["losses"])
         self.samples = int(state["samples"])
         self.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]

@@ -112,14 +112,14 @@ def test_hybrid_resume_after_a_crash_between_the_stores_and_the_state_file(
 
     kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
     full = train(_config(dataset, tmp_path / "full", steps=6, **kw), progress=False)
-    save = train_module._save_atomic
+    save = train_module.save_checkpoint
 
     def crash_at_step_4(state, path):
         if state["trainer"]["step"] == 4:
             raise _Crash
         save(state, path)
 
-    monkeypatch.setattr(train_module, "_save_atomic", crash_at_step_4)
+    monkeypatch.setattr(train_module, "save_checkpoint", crash_at_step_4)
     with pytest.raises(_Crash):
         train(_config(dataset, tmp_path / "crash", steps=6, **kw), progress=False)
     monkeypatch.undo()
@@ -145,7 +145,7 @@ def test_hybrid_resume_without_a_state_file_starts_afresh(dataset, tmp_path, mon
 
     kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
     full = train(_config(dataset, tmp_path / "full", steps=3, **kw), progress=False)
-    monkeypatch.setattr(train_module, "_save_atomic", lambda *a: (_ for _ in ()).throw(_Crash()))
+    monkeypatch.setattr(train_module, "save_checkpoint", lambda *a: (_ for _ in ()).throw(_Crash()))
     with pytest.raises(_Crash):
         train(_config(dataset, tmp_path / "crash", steps=3, **kw), progress=False)
     monkeypatch.undo()
@@ -243,7 +243,7 @@ def test_other_optimizers_step(optimizer, dataset):
 
 
 def test_cli_trains_resumes_and_summarises(dataset, tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     ck, js = tmp_path / "ck", tmp_path / "summary.json"
     args = [
@@ -263,7 +263,7 @@ def test_cli_trains_resumes_and_summarises(dataset, tmp_path, capsys):
 
 
 def test_cli_rejects_bad_options(dataset, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     with pytest.raises(SystemExit):
         main(["train", str(dataset), "--steps", "0"])
