@@ -4,7 +4,7 @@ A command's options are the fields of its config dataclass: the option name is t
 (``batch_size`` -> ``--batch-size``), the type, choices and default come from the annotation and
 the field's default, and the help text is the field's entry in the class docstring's Google-style
 ``Attributes:`` (or ``Args:``) section. Checks stay where they are, in the dataclass's
-``__post_init__``: a value it refuses becomes an ordinary argparse error (usage line, exit status
+``__post_init__``: a value it refuses (``RecpipeError`` or ``ValueError``) becomes an ordinary argparse error (usage line, exit status
 2) quoting its message, with the field names in it turned into option names.
 
 Converting a command (what ``recpipe train`` does)::
@@ -39,8 +39,8 @@ a nested dataclass         skipped: list it in ``exclude`` (or call again with i
 =========================  ===================================================================
 
 :class:`Option` overrides what a field needs differently (name, metavar, help, choices mapped to
-values, ``type``). The module imports only the standard library, so every layer (``etl``
-included) can use it.
+values, ``type``). The module imports only the standard library and :mod:`recpipe.errors`, so
+every layer (``etl`` included) can use it.
 
 >>> import argparse
 >>> from dataclasses import dataclass
@@ -72,6 +72,8 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from recpipe.errors import RecpipeError
+
 __all__ = ["ConfigOptions", "Option", "add_config_options", "docstring_attributes"]
 
 _SECTION = re.compile(r"^(\s*)(Attributes|Args|Arguments|Parameters):\s*$")
@@ -97,11 +99,11 @@ class Option:
     type: Callable[[str], Any] | None = None
 
 
-def docstring_attributes(cls: type) -> dict[str, str]:
+def docstring_attributes(cls: type, *, raw: bool = False) -> dict[str, str]:
     """Field name -> description, from the ``Attributes:`` or ``Args:`` section of the docstring.
 
     Continuation lines join their entry; ``a, b: text`` describes both; Sphinx roles and double
-    backticks are reduced to plain text.
+    backticks are reduced to plain text (unless ``raw``).
 
     >>> class C:
     ...     '''Doc.
@@ -138,12 +140,21 @@ def docstring_attributes(cls: type) -> dict[str, str]:
         elif names:
             for name in names:
                 out[name] = f"{out[name]} {line.strip()}".strip()
-    return {name: _plain(text) for name, text in out.items()}
+    return out if raw else {name: _plain(text) for name, text in out.items()}
 
 
 def _plain(text: str) -> str:
     text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).split(".")[-1], text)
-    return text.replace("``", "").replace("%", "%%")
+    return text.replace("``", "")
+
+
+def _help_text(text: str, fields: Iterable[str]) -> str:
+    """A docstring entry as help: ````field```` becomes ``--field``, ``%`` is escaped."""
+    names = set(fields)
+    text = re.sub(
+        r"``(\w+)``", lambda m: _flag(m.group(1)) if m.group(1) in names else m.group(0), text
+    )
+    return _plain(text).rstrip(".").replace("%", "%%")
 
 
 def _flag(name: str) -> str:
@@ -252,12 +263,13 @@ class ConfigOptions:
     def build(self, args: argparse.Namespace, **extra: Any) -> Any:
         """The config from the parsed options (and ``extra`` fields, e.g. a nested config).
 
-        A ``ValueError`` or ``TypeError`` from the dataclass (its ``__post_init__`` checks)
-        becomes ``parser.error``: the usage line and the message, exit status 2.
+        A :class:`~recpipe.errors.RecpipeError` or ``ValueError`` from the dataclass (its
+        ``__post_init__`` checks) becomes ``parser.error``: the usage line and the message,
+        exit status 2.
         """
         try:
             return self.cls(**self.values(args), **extra)
-        except (ValueError, TypeError) as exc:
+        except (RecpipeError, ValueError) as exc:
             self.parser.error(self._with_flags(str(exc)))
 
     def _with_flags(self, message: str) -> str:
@@ -314,7 +326,10 @@ def add_config_options(
         wanted = set(include)
         fields = [f for f in fields if f.name in wanted]
     fields = [f for f in fields if f.name not in exclude]
-    docs = docstring_attributes(cls)
+    docs = {
+        name: _help_text(text, (f.name for f in fields))
+        for name, text in docstring_attributes(cls, raw=True).items()
+    }
     groups = {name: parser.add_mutually_exclusive_group() for g in exclusive for name in g[:1]}
     group_of = {name: groups[g[0]] for g in exclusive for name in g}
     for f in fields:
@@ -383,6 +398,6 @@ def _add_field(
 
 
 def _with_default(help_text: str, shown: str) -> str:
-    if "default" in help_text.lower():
+    if "(default" in help_text:
         return help_text
     return f"{help_text} (default {shown})" if help_text else f"(default {shown})"

@@ -202,6 +202,36 @@ def test_hash_ids_maps_raw_ids_into_the_table():
 
 
 # -- embedding bags (O5) -----------------------------------------------------------------------
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("bad_id", [500, 10**12, -1])
+def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, dedup, bad_id):
+    """Regression: torch's index error named neither the table, the feature nor the id."""
+    kjt = batch.to_plain().kjt
+    lists = {k: kjt[k].to_dense_list() for k in kjt.keys}
+    lists["liked_items"][5] = torch.tensor([3, bad_id, 4])  # in a dedup group
+    rebuilt = KeyedJaggedTensor.from_jagged_dict(
+        {k: JaggedTensor.from_dense_list(v, dtype=torch.int64) for k, v in lists.items()}
+    )
+    plain = Batch(dense=batch.dense, labels=batch.labels, kjt=rebuilt)
+    inputs = plain
+    if dedup:
+        groups = {g: InverseKeyedJaggedTensor.from_kjt(rebuilt, g.split("+")) for g in batch.ikjts}
+        grouped = [k for g in groups for k in g.split("+")]
+        plain_keys = [k for k in rebuilt.keys if k not in grouped]
+        inputs = Batch(
+            dense=batch.dense, labels=batch.labels, kjt=rebuilt.select(plain_keys), ikjts=groups
+        )
+    tables = _tables(small_schema, num=500, hash_ids=False)  # the batch draws ids below 500
+    for module in (EmbeddingBagCollection(tables), SequenceEmbeddingCollection(tables)):
+        with pytest.raises(DataError) as exc:
+            module(inputs)
+        text = str(exc.value)
+        assert "feature 'liked_items'" in text and "table 'liked_items' of 500 rows" in text
+        assert f"id {bad_id} " in text and "hash_ids" in text and "num_embeddings" in text
+    # with hash_ids the same ids are taken modulo the table and the lookup succeeds
+    EmbeddingBagCollection(_tables(small_schema, num=500, hash_ids=True))(inputs)
+
+
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_ebc_dedup_matches_plain_values_and_gradients(small_schema, batch, pooling):
     ebc = EmbeddingBagCollection(_tables(small_schema, pooling=pooling), seed=1).double()

@@ -268,8 +268,10 @@ def test_cli_rejects_bad_options(dataset, capsys):
     with pytest.raises(SystemExit):
         main(["train", str(dataset), "--steps", "0"])
     assert "must be a positive integer" in capsys.readouterr().err
-    assert main(["train", str(dataset), "--resume", "--no-progress"]) == 1
-    assert "`resume` needs a `checkpoint`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # TrainConfig's check, as a usage error
+        main(["train", str(dataset), "--resume", "--no-progress"])
+    assert exc.value.code == 2
+    assert "`--resume` needs a `--checkpoint`" in capsys.readouterr().err
 
 
 def test_summary_renders(dataset, tmp_path):
