@@ -199,7 +199,7 @@ def _select_offsets(offsets, indices, out_offsets):
 
 
 # Unsigned positions below: with signed ones Numba wraps negative indices, which keeps LLVM from
-# vectorising the copy loops (measured 4-5x slower).
+# vectorising the copy loops (several times slower).
 
 
 @njit(cache=True, nogil=True)
