@@ -79,10 +79,12 @@ train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=
 	$(RECPIPE) train $(OUT)/dataset --dedup $(DEDUP) --epochs $(EPOCHS) --batch-size $(BATCH) \
 	  --checkpoint $(OUT)/checkpoints
 
-bench: setup  ## run every benchmark; JSON lands in benchmarks/results/
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+bench: setup  ## run every benchmark (JSON in benchmarks/results/), then write the README's tables from it
+	@for b in $(filter-out benchmarks/report.py,$(wildcard benchmarks/[a-z]*.py)); do \
+	  echo "== $$b"; $(PY) $$b || exit 1; done
 	@echo "== benchmarks/etl.py, out of core (raw logs ~4.7x the memory limit)"
 	$(PY) benchmarks/etl.py --memory-limit 512MB --requests 2200000
+	$(PY) benchmarks/report.py
 
 test: setup  ## the whole suite, slow tests included (what CI runs)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -n 2 --dist loadfile -q

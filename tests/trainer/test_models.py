@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_modules import SMALL_SCHEMA, session_batch
 
 from recpipe.errors import RecpipeError
 from schemas import default_schema, parse_schema
+from tests.common.data import session_batch
+from tests.common.schemas import SMALL_SCHEMA
 from trainer.models import DLRM, ModelConfig, attention_features, default_tables
 from trainer.modules import TableConfig
 

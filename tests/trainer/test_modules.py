@@ -1,12 +1,11 @@
 """Dedup embedding modules (O5, O6) and deduplicated attention pooling (O7): dedup == plain.
 
-Batches are built directly from recpipe types by :func:`session_batch` (also used by the model
-and training tests), so these tests do not depend on the ETL or the readers.
+Batches are built directly from recpipe types by ``tests.common.data.session_batch`` (also used
+by the model tests), so these tests do not depend on the ETL or the readers.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,6 +14,8 @@ from recpipe.errors import DataError, RecpipeError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from schemas import default_schema, parse_schema
+from tests.common.data import session_batch
+from tests.common.schemas import SMALL_SCHEMA
 from trainer.modules import (
     AttentionPooling,
     EmbeddingBagCollection,
@@ -24,114 +25,6 @@ from trainer.modules import (
     TableConfig,
     locate_features,
 )
-
-SMALL_SCHEMA = """
-[dataset]
-name = "small"
-[[dense]]
-name = "age"
-[[dense]]
-name = "price"
-[[sparse]]
-name = "liked_items"
-kind = "user"
-max_len = 6
-[[sparse]]
-name = "liked_sellers"
-kind = "user"
-max_len = 4
-[[sparse]]
-name = "segment"
-kind = "user"
-max_len = 1
-[[sparse]]
-name = "item_id"
-kind = "item"
-max_len = 1
-[[sparse]]
-name = "item_tags"
-kind = "item"
-max_len = 3
-[dedup]
-groups = [["liked_items", "liked_sellers"], ["segment"]]
-"""
-
-
-def group_name(keys):
-    return "+".join(keys)
-
-
-def session_batch(
-    schema,
-    batch_size: int,
-    *,
-    seed: int = 0,
-    mean_session_len: float = 6.0,
-    shift_prob: float = 0.3,
-    vocab: int = 500,
-    label_signal: bool = False,
-) -> Batch:
-    """A deduplicated Batch of whole sessions for ``schema`` (plain: ``batch.to_plain()``).
-
-    User features stay constant within a session except that each dedup group's lists shift
-    together by one id with ``shift_prob`` per row; item/context features change every row.
-    Empty lists occur. With ``label_signal`` labels depend on the item id and segment.
-    """
-    rng = np.random.default_rng(seed)
-    rows, session_ids = 0, []
-    sid = 0
-    while rows < batch_size:
-        n = min(int(rng.geometric(1.0 / mean_session_len)), batch_size - rows)
-        session_ids += [sid] * n
-        rows += n
-        sid += 1
-    sessions = np.array(session_ids)
-    first = np.r_[True, sessions[1:] != sessions[:-1]]
-    groups = [tuple(g) for g in schema.dedup_groups]
-    shift_of = {}
-    for g in groups:
-        shift = rng.random(batch_size) < shift_prob
-        for f in g:
-            shift_of[f] = shift
-    features = {}
-    for spec in schema.sparse:
-        lists = []
-        if spec.kind == "user":
-            shift = shift_of.get(spec.name, rng.random(batch_size) < shift_prob)
-            current: list[int] = []
-            for r in range(batch_size):
-                if first[r]:
-                    length = int(rng.integers(0, spec.max_len + 1))
-                    current = rng.integers(0, vocab, length).tolist()
-                elif shift[r]:
-                    current = [*current, int(rng.integers(0, vocab))][-spec.max_len :]
-                lists.append(current)
-        else:
-            for _ in range(batch_size):
-                length = int(rng.integers(0 if spec.max_len > 1 else 1, spec.max_len + 1))
-                lists.append(rng.integers(0, vocab, length).tolist())
-        features[spec.name] = JaggedTensor.from_dense_list(
-            [torch.tensor(x, dtype=torch.int64) for x in lists], dtype=torch.int64
-        )
-    kjt = KeyedJaggedTensor.from_jagged_dict(features)
-    grouped = {f for g in groups for f in g}
-    plain = kjt.select([f for f in schema.sparse_names if f not in grouped])
-    dense = torch.from_numpy(rng.normal(size=(batch_size, len(schema.dense))).astype(np.float32))
-    if label_signal:
-        item_f = next(s.name for s in schema.sparse if s.kind == "item" and s.max_len == 1)
-        item = features[item_f].values.numpy()
-        logit = ((item % 7) - 3.0) * 0.8 + dense[:, 0].numpy()
-        p = 1.0 / (1.0 + np.exp(-logit))
-        labels = torch.from_numpy((rng.random(batch_size) < p).astype(np.float32))
-    else:
-        labels = torch.from_numpy((rng.random(batch_size) < 0.3).astype(np.float32))
-    return Batch(
-        dense=dense,
-        labels=labels,
-        kjt=plain,
-        ikjts={group_name(g): InverseKeyedJaggedTensor.from_kjt(kjt, g) for g in groups},
-        session_ids=torch.from_numpy(sessions),
-    )
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recpipe.errors import DataError, RecpipeError
+from tests.common.data import synthetic_dataset
 from trainer.metrics import PredictionWindow, auc
 from trainer.models import ModelConfig
 from trainer.train import TrainConfig, Trainer, format_summary, holdout_splits, train
@@ -21,21 +22,8 @@ SMALL_MODEL = ModelConfig(
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """12k synthetic requests clustered into row groups of ~1k rows (about 12 row groups)."""
-    from etl.build import BuildConfig, build
-    from etl.synth import SynthConfig, generate
-    from schemas import default_schema
-
     root = tmp_path_factory.mktemp("train_data")
-    logs = generate(root / "raw", SynthConfig(num_requests=12_000, seed=3, files=2))
-    out = root / "dataset"
-    build(
-        logs.features,
-        out,
-        events=logs.events,
-        schema=default_schema(),
-        config=BuildConfig(row_group_size=1024),
-    )
-    return out
+    return synthetic_dataset(root, requests=12_000, seed=3, files=2, row_group_size=1024)
 
 
 def _config(dataset, tmp_path=None, **kw):
