@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SMALL_SCHEMA", "TINY_SCHEMA"]
+__all__ = ["TINY_SCHEMA"]
 
 TINY_SCHEMA = """
 [dataset]
@@ -45,36 +45,4 @@ max_len = 3
 groups = [["user_items", "user_sellers"], ["user_segment"]]
 """
 """2 dense, 5 sparse features (user lists in two dedup groups, two plain item features): the
-readers' hand-made datasets."""
-
-SMALL_SCHEMA = """
-[dataset]
-name = "small"
-[[dense]]
-name = "age"
-[[dense]]
-name = "price"
-[[sparse]]
-name = "liked_items"
-kind = "user"
-max_len = 6
-[[sparse]]
-name = "liked_sellers"
-kind = "user"
-max_len = 4
-[[sparse]]
-name = "segment"
-kind = "user"
-max_len = 1
-[[sparse]]
-name = "item_id"
-kind = "item"
-max_len = 1
-[[sparse]]
-name = "item_tags"
-kind = "item"
-max_len = 3
-[dedup]
-groups = [["liked_items", "liked_sellers"], ["segment"]]
-"""
-"""The same shape under short names: the trainer's directly built batches."""
+readers' hand-made datasets and the trainer's directly built batches."""

@@ -15,7 +15,7 @@ from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTens
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from schemas import default_schema, parse_schema
 from tests.common.data import session_batch
-from tests.common.schemas import SMALL_SCHEMA
+from tests.common.schemas import TINY_SCHEMA
 from trainer.modules import (
     AttentionPooling,
     EmbeddingBagCollection,
@@ -29,7 +29,7 @@ from trainer.modules import (
 
 @pytest.fixture(scope="module")
 def small_schema():
-    return parse_schema(SMALL_SCHEMA, source="small.toml")
+    return parse_schema(TINY_SCHEMA, source="tiny.toml")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, de
     """Regression: torch's index error named neither the table, the feature nor the id."""
     kjt = batch.to_plain().kjt
     lists = {k: kjt[k].to_dense_list() for k in kjt.keys}
-    lists["liked_items"][5] = torch.tensor([3, bad_id, 4])  # in a dedup group
+    lists["user_items"][5] = torch.tensor([3, bad_id, 4])  # in a dedup group
     rebuilt = KeyedJaggedTensor.from_jagged_dict(
         {k: JaggedTensor.from_dense_list(v, dtype=torch.int64) for k, v in lists.items()}
     )
@@ -119,7 +119,7 @@ def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, de
         with pytest.raises(DataError) as exc:
             module(inputs)
         text = str(exc.value)
-        assert "feature 'liked_items'" in text and "table 'liked_items' of 500 rows" in text
+        assert "feature 'user_items'" in text and "table 'user_items' of 500 rows" in text
         assert f"id {bad_id} " in text and "hash_ids" in text and "num_embeddings" in text
     # with hash_ids the same ids are taken modulo the table and the lookup succeeds
     EmbeddingBagCollection(_tables(small_schema, num=500, hash_ids=True))(inputs)
@@ -152,13 +152,13 @@ def test_ebc_looks_up_unique_rows_only(small_schema, batch):
     ebc = EmbeddingBagCollection(_tables(small_schema), table_factory=CountingTable)
     ebc(batch)
     rows = dict(seen)
-    assert rows["liked_items"] == batch.ikjts["liked_items+liked_sellers"].num_unique
-    assert rows["segment"] == batch.ikjts["segment"].num_unique
+    assert rows["user_items"] == batch.ikjts["user_items+user_sellers"].num_unique
+    assert rows["user_segment"] == batch.ikjts["user_segment"].num_unique
     assert rows["item_id"] == 64
 
 
 def test_shared_table_accumulates_both_features(small_schema, batch):
-    shared = TableConfig("items", 50, 4, ("liked_items", "item_id"), hash_ids=True)
+    shared = TableConfig("items", 50, 4, ("user_items", "item_id"), hash_ids=True)
     ebc = EmbeddingBagCollection([shared], seed=2).double()
     weights = {f: torch.ones(64, 4, dtype=torch.float64) for f in ebc.features}
     _, grads_d = _backward_grads(ebc, batch, weights)
@@ -167,7 +167,7 @@ def test_shared_table_accumulates_both_features(small_schema, batch):
     # every looked-up id of both features got gradient
     plain = batch.to_plain().kjt
     counts = torch.bincount(
-        torch.cat([plain["liked_items"].values, plain["item_id"].values]) % 50, minlength=50
+        torch.cat([plain["user_items"].values, plain["item_id"].values]) % 50, minlength=50
     ).double()
     torch.testing.assert_close(grads_p["tables.items.weight"][:, 0], counts)
 
@@ -180,10 +180,10 @@ def test_partial_ikjt_group_falls_back_to_expansion(small_schema, batch):
         labels=batch.labels,
         kjt=batch.kjt,
         ikjts={
-            "liked_items+liked_sellers": PartialInverseKeyedJaggedTensor.from_kjt(
-                plain.kjt, ["liked_items", "liked_sellers"]
+            "user_items+user_sellers": PartialInverseKeyedJaggedTensor.from_kjt(
+                plain.kjt, ["user_items", "user_sellers"]
             ),
-            "segment": batch.ikjts["segment"],
+            "user_segment": batch.ikjts["user_segment"],
         },
     )
     out_partial, out_plain = ebc(partial), ebc(plain)
@@ -203,29 +203,29 @@ def test_sequence_embeddings_stay_unique_and_expand_exactly(small_schema, batch)
     seq = SequenceEmbeddingCollection(_tables(small_schema)[:2], seed=4).double()
     out_d = seq(batch)
     out_p = seq(batch.to_plain())
-    group = batch.ikjts["liked_items+liked_sellers"]
-    for f in ("liked_items", "liked_sellers"):
+    group = batch.ikjts["user_items+user_sellers"]
+    for f in ("user_items", "user_sellers"):
         assert out_d[f].inverse is group.inverse_lookup
         assert out_d[f].num_rows == group.num_unique and out_d[f].batch_size == 64
         expanded = out_d[f].expand()
         torch.testing.assert_close(expanded.values, out_p[f].values, rtol=0, atol=0)
         assert torch.equal(expanded.offsets, out_p[f].offsets)
     # gradients through the jagged index select (backward: jagged index add)
-    w = torch.randn(out_p["liked_items"].values.shape, dtype=torch.float64)
+    w = torch.randn(out_p["user_items"].values.shape, dtype=torch.float64)
     seq.zero_grad(set_to_none=True)
-    (seq(batch)["liked_items"].expand().values * w).sum().backward()
-    g_d = _dense_grad(seq.tables["liked_items"].weight).clone()
+    (seq(batch)["user_items"].expand().values * w).sum().backward()
+    g_d = _dense_grad(seq.tables["user_items"].weight).clone()
     seq.zero_grad(set_to_none=True)
-    (seq(batch.to_plain())["liked_items"].values * w).sum().backward()
-    torch.testing.assert_close(g_d, _dense_grad(seq.tables["liked_items"].weight))
+    (seq(batch.to_plain())["user_items"].values * w).sum().backward()
+    torch.testing.assert_close(g_d, _dense_grad(seq.tables["user_items"].weight))
 
 
 # -- attention pooling (O7) --------------------------------------------------------------------
 def _attention(dim=8, **kw):
     return AttentionPooling(
-        ["liked_items", "liked_sellers"],
+        ["user_items", "user_sellers"],
         dim=dim,
-        max_len={"liked_items": 6, "liked_sellers": 4},
+        max_len={"user_items": 6, "user_sellers": 4},
         **kw,
     ).double()
 
@@ -258,7 +258,7 @@ def test_attention_dedup_matches_plain_values_and_gradients(small_schema, batch)
 
     out_d, grads_d, rows_d = run(batch)
     out_p, grads_p, rows_p = run(batch.to_plain())
-    assert rows_d == batch.ikjts["liked_items+liked_sellers"].num_unique < rows_p == 64
+    assert rows_d == batch.ikjts["user_items+user_sellers"].num_unique < rows_p == 64
     assert out_d.shape == (64, 8)
     torch.testing.assert_close(out_d, out_p, rtol=1e-10, atol=1e-12)
     assert grads_d.keys() == grads_p.keys()
