@@ -1,5 +1,6 @@
 # recpipe — `make demo` and `make test` are the two commands; everything else is optional.
 SHELL := /bin/bash
+## PYTHON    the interpreter `make setup` makes .venv from (default python3)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,23 +8,39 @@ RECPIPE := $(VENV)/bin/recpipe
 STAMP := $(VENV)/.recpipe-setup
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
-# `make etl` knobs: leave INPUT empty to generate synthetic logs first.
+# Knobs: `make help` lists them from the `##` line above each.
+## INPUT     raw feature logs for `make etl` (empty: generate synthetic logs first)
 INPUT ?=
+## EVENTS    raw event logs (labels) for `make etl` with INPUT
 EVENTS ?=
+## SCHEMA    dataset schema TOML (default: the bundled schemas/examples/synth.toml)
 SCHEMA ?=
+## OUT       where `make etl/stats/train/serve` read and write (default data/demo)
 OUT ?= data/demo
+## REQUESTS  synthetic requests `make etl`/`make demo` generate without INPUT (default 200000)
 REQUESTS ?= 200000
+## SHARDS    session shards `make etl` routes the logs to (default 8)
 SHARDS ?= 8
+## EPOCHS    passes over the data in `make train` (default 1)
 EPOCHS ?= 1
+## BATCH     rows per batch in `make train` (default 1024)
 BATCH ?= 1024
+## DEDUP     on or off: `make train` with or without deduplication (default on)
 DEDUP ?= on
+## PORT      TCP port of `make serve` (default 7777)
 PORT ?= 7777
+## READERS   reader processes of `make serve` (default 2)
 READERS ?= 2
+# What `make demo` writes under data/demo (`make clean-demo` removes exactly these).
+DEMO_OUTPUTS := raw shards dataset stats checkpoints
 
-.PHONY: setup demo etl stats serve train bench test test-fast lint format clean help
+.PHONY: setup demo etl stats serve train bench test test-fast lint format clean clean-demo help
 
-help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
+help:  ## list targets and knobs
+	@echo "targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t' | sed 's/^/  /'
+	@echo "knobs (make <target> NAME=value):"
+	@grep -E '^## [A-Z]+ ' $(MAKEFILE_LIST) | sed -E 's/^## /  /'
 
 setup: $(STAMP)  ## create .venv (torch==2.13.0 CPU first, then recpipe[dev,cuda,torchrec])
 
@@ -62,10 +79,12 @@ train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=
 	$(RECPIPE) train $(OUT)/dataset --dedup $(DEDUP) --epochs $(EPOCHS) --batch-size $(BATCH) \
 	  --checkpoint $(OUT)/checkpoints
 
-bench: setup  ## run every benchmark; JSON lands in benchmarks/results/
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+bench: setup  ## run every benchmark (JSON in benchmarks/results/), then write the README's tables from it
+	@for b in $(filter-out benchmarks/report.py,$(wildcard benchmarks/[a-z]*.py)); do \
+	  echo "== $$b"; $(PY) $$b || exit 1; done
 	@echo "== benchmarks/etl.py, out of core (raw logs ~4.7x the memory limit)"
 	$(PY) benchmarks/etl.py --memory-limit 512MB --requests 2200000
+	$(PY) benchmarks/report.py
 
 test: setup  ## the whole suite, slow tests included (what CI runs)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -n 2 --dist loadfile -q
@@ -73,13 +92,19 @@ test: setup  ## the whole suite, slow tests included (what CI runs)
 test-fast: setup  ## skip tests marked slow
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -n 2 --dist loadfile -q -m "not slow"
 
-lint: setup  ## ruff check + format check
+lint: setup  ## ruff check + format check + the import layering (lint-imports)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
-format: setup
+format: setup  ## ruff: fix what it can, then format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-clean:
-	rm -rf $(VENV) .numba_cache .pytest_cache data build *.egg-info
+clean:  ## remove what setup, tests and builds made (.venv, caches); never data/
+	rm -rf $(VENV) .numba_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info
+	find . -name __pycache__ -type d -not -path './.git/*' -prune -exec rm -rf {} +
+
+clean-demo:  ## remove what `make demo` wrote under data/demo (nothing else in data/)
+	rm -rf $(addprefix data/demo/,$(DEMO_OUTPUTS))
+	-rmdir data/demo 2>/dev/null

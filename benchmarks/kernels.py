@@ -5,7 +5,10 @@ Data: batches of ``--rows`` rows of session-clustered synthetic id lists (sessio
 repeat the session's list, so the dedup factor is about ``--session-rows``). A three-feature
 group changes its second and third lists mid-session now and then (unsynchronised keys).
 
-Figures (all ratios are measured in this run, on ``--threads`` threads, default 1 = per core):
+Figures (all ratios are measured in this run, on ``--threads`` threads, default 1 = per core;
+every case is warmed up once, untimed, then the cases alternate with the order rotating each
+repeat (``_common.alternate``), the median is kept and ``<figure>_spread`` holds the spread over
+the repeats, with the CPU-time ratio beside the wall-time one):
 
 * ``dedup_rows_per_s``: rows/s through ``recpipe.kernels.dedup_rows`` (one feature) streaming
   over ``--batches`` distinct batches (``_warm_cache``: one batch again and again), next to a
@@ -50,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import Timing, alternate, spread, timing_ratio
 
 from recpipe.kernels import dedup_rows, jagged_index_select
 
@@ -173,20 +177,14 @@ def dense_index_select(
 # measuring
 
 
-def interleaved_times(fns: dict[str, Callable[[], Any]], *, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin after one warm-up each.
+def median_times(runs: dict[str, list[Timing]]) -> dict[str, float]:
+    """Median wall seconds per call of each case of :func:`_common.alternate`."""
+    return {name: statistics.median(t.wall_s for t in ts) for name, ts in runs.items()}
 
-    Round-robin keeps a busy machine's slow spells from landing on one contender only.
-    """
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+
+def rate_spread(runs: list[Timing], units: float) -> dict[str, Any]:
+    """Spread of ``units`` per wall second over the repeats."""
+    return spread([units / t.wall_s for t in runs])
 
 
 def peak_bytes(fn: Callable[[], Any]) -> int:
@@ -246,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     torch_batches = one_t[: max(1, args.batches // 4)]  # torch.unique is slow: fewer batches
     torch_rows = args.rows * len(torch_batches)
-    t = interleaved_times(
+    dedup_runs = alternate(
         {
             "ours": ours(one_t),
             "ours_warm": ours(one_t[:1] * args.batches),
@@ -257,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         repeats=args.repeats,
     )
+    t = median_times(dedup_runs)
 
     # Jagged index select: expand the unique rows' embeddings [N_u, D] to the batch.
     values_b, offsets_b = one_t[0][0]
@@ -294,7 +293,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fbgemm_error = None
     except ImportError as exc:
         fbgemm_error = f"fbgemm_gpu not importable: {exc}"
-    ts = interleaved_times(select_fns, repeats=args.repeats * 3)
+    select_runs = alternate(select_fns, repeats=args.repeats * 3)
+    ts = median_times(select_runs)
     peak_ours, peak_dense = peak_bytes(ours_select), peak_bytes(dense_select)
     out_bytes = grad.numel() * grad.element_size()  # the [N_b, D] output, the same size as grad
     # What any implementation must allocate in forward + backward: the output and the [N_u, D]
@@ -311,15 +311,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dedup_factor": round(dedup_factor, 3),
         "dedup_factor_3_features": round(dedup_factor_3, 3),
         "dedup_rows_per_s": total_rows / t["ours"],
+        "dedup_rows_per_s_spread": rate_spread(dedup_runs["ours"], total_rows),
+        "dedup_rows_per_s_3_features_spread": rate_spread(dedup_runs["ours3"], total_rows),
         "dedup_rows_per_s_warm_cache": total_rows / t["ours_warm"],
         "dedup_rows_per_s_3_features": total_rows / t["ours3"],
         "numpy_unique_rows_per_s": total_rows / t["numpy"],
         "numpy_unique_rows_per_s_3_features": total_rows / t["numpy3"],
         "torch_unique_rows_per_s": torch_rows / t["torch"],
-        "dedup_speedup_vs_numpy": t["numpy"] / t["ours"],
+        "dedup_speedup_vs_numpy_spread": timing_ratio(dedup_runs, "ours", "numpy", per="rate"),
         "jagged_index_select_ms": ts["ours"] * 1e3,
         "dense_index_select_ms": ts["dense"] * 1e3,
-        "jagged_index_select_speedup": ts["dense"] / ts["ours"],
+        "jagged_index_select_speedup_spread": timing_ratio(
+            select_runs, "ours", "dense", per="rate"
+        ),
         "peak_bytes_ours": peak_ours,
         "peak_bytes_dense": peak_dense,
         "peak_memory_ratio": peak_dense / max(peak_ours, 1),
@@ -329,9 +333,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_memory_ratio_reachable": peak_dense / bound_bytes,
         "peak_ours_over_lower_bound": peak_ours / bound_bytes,
     }
+    for key in ("dedup_speedup_vs_numpy", "jagged_index_select_speedup"):
+        result[key] = result[f"{key}_spread"]["median"]  # the median of the paired ratios
     if fbgemm_error is None:
         with torch.no_grad():
-            tf = interleaved_times(
+            forward_runs = alternate(
                 {
                     "ours": lambda: jagged_index_select(emb, offsets_u, inverse),
                     "fbgemm": lambda: torch.ops.fbgemm.jagged_index_select(emb, lengths_u, inverse),
@@ -340,9 +346,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         result |= {
             "fbgemm_jagged_index_select_ms": ts["fbgemm"] * 1e3,
-            "vs_fbgemm_jagged_index_select": ts["fbgemm"] / ts["ours"],
-            "vs_fbgemm_jagged_index_select_forward": tf["fbgemm"] / tf["ours"],
+            "vs_fbgemm_jagged_index_select_spread": timing_ratio(
+                select_runs, "ours", "fbgemm", per="rate"
+            ),
+            "vs_fbgemm_jagged_index_select_forward_spread": timing_ratio(
+                forward_runs, "ours", "fbgemm", per="rate"
+            ),
         }
+        for key in ("vs_fbgemm_jagged_index_select", "vs_fbgemm_jagged_index_select_forward"):
+            result[key] = result[f"{key}_spread"]["median"]
     else:
         result |= {"vs_fbgemm_jagged_index_select": None, "fbgemm_skipped": fbgemm_error}
     return result
@@ -489,10 +501,13 @@ def print_table(result: dict[str, Any]) -> None:
     }
     print(f"{'figure':<40} {'value':>14}  target")
     for key, value in result.items():
-        if key in ("config", "machine", "gpu"):
+        if key in ("config", "machine", "gpu") or key.endswith("_spread"):
             continue
         shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
-        print(f"{key:<40} {shown:>14}  {targets.get(key, '')}")
+        s = result.get(f"{key}_spread")
+        s = s.get("wall", s) if isinstance(s, dict) else None
+        span = f"  [{s['min']:,.3f} .. {s['max']:,.3f}]" if s else ""
+        print(f"{key:<40} {shown:>14}  {targets.get(key, '')}{span}")
     gpu = result.get("gpu")
     if gpu is None:
         return

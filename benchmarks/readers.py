@@ -8,8 +8,10 @@ the other user lists, missing-value fill + log1p + normalisation of dense featur
 
 All timings run in this process on one core (torch, Arrow and Numba limited to one thread) and
 are reported as samples per CPU-second (`time.process_time`), so other load on the machine
-matters little; every figure is a ratio of two measurements taken in the same run (alternated,
-median of `--repeats`).
+matters little; every figure is a ratio of two measurements taken in the same run: each case is
+warmed up once untimed, the cases alternate with the order rotating each repeat
+(`_common.alternate`), the median of `--repeats` is kept and each ratio's spread over the
+paired repeats is written beside it (`<figure>_spread`, CPU-time and wall-time).
 
 Figures (written to benchmarks/results/readers.json):
   reader_speedup_vs_baseline   RecD path (clustered + IKJT + dedup preprocessing) samples/s over
@@ -35,6 +37,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from _common import alternate, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "readers.json"
 
@@ -211,13 +215,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "convert_ikjt": lambda: _measure_convert(clustered, batch_size=bsz, dedup=True, max_batches=cap),
         "convert_kjt": lambda: _measure_convert(clustered, batch_size=bsz, dedup=False, max_batches=cap),
     }  # fmt: skip
-    cases["recd"]()  # warm up: Numba compilation, page cache, vocabulary
-    runs: dict[str, list[dict]] = {name: [] for name in cases}
     with tqdm(total=args.repeats * len(cases), desc="reader timings", file=sys.stderr) as bar:
-        for _ in range(args.repeats):
-            for name, fn in cases.items():  # alternated, so drift hits every case alike
-                runs[name].append(fn())
-                bar.update()
+        # every case warmed up once, untimed (Numba, page cache, vocabulary), then alternated
+        timings = alternate(cases, repeats=args.repeats, progress=bar.update)
+    runs = {name: [t.value for t in ts] for name, ts in timings.items()}
 
     def rate(name: str) -> float:
         return statistics.median(r["samples_per_cpu_s"] for r in runs[name])
@@ -225,11 +226,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def per_batch(name: str) -> float:
         return statistics.median(r["cpu_s"] / max(r["batches"], 1) for r in runs[name])
 
+    def ratio(a: str, b: str, *, per: str) -> dict[str, Any]:
+        """Paired per-repeat ratio, the CPU-time one the headline (samples per CPU-second)."""
+        return {**timing_ratio(timings, a, b, per=per), "headline": "cpu"}
+
     bytes_clustered, bytes_timed = _read_bytes(clustered, schema), _read_bytes(timed, schema)
+    spreads = {
+        "reader_speedup_vs_baseline": ratio("recd", "baseline", per="rate"),
+        "ikjt_vs_kjt_samples_per_s": ratio("recd", "clustered_kjt", per="rate"),
+        "convert_overhead": ratio("convert_ikjt", "convert_kjt", per="time"),
+    }
     results = {
-        "reader_speedup_vs_baseline": rate("recd") / rate("baseline"),
-        "ikjt_vs_kjt_samples_per_s": rate("recd") / rate("clustered_kjt"),
-        "convert_overhead": per_batch("convert_ikjt") / per_batch("convert_kjt"),
+        **{name: spread["cpu"]["median"] for name, spread in spreads.items()},
+        **{f"{name}_spread": spread for name, spread in spreads.items()},
         "read_bytes_per_sample": {
             "clustered": bytes_clustered["per_sample"],
             "time_ordered": bytes_timed["per_sample"],
@@ -251,7 +260,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads,
             "vocab_size": args.vocab_size,
             "seed": args.seed,
-            "timing": "median samples per CPU-second (time.process_time), one thread",
+            "timing": (
+                "median samples per CPU-second (time.process_time), one thread; every case "
+                "warmed up once, then the cases alternated with the order rotating each repeat"
+            ),
             "preprocess": config,
         },
         "raw": runs,

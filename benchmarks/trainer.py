@@ -3,9 +3,11 @@
 Generates the default synthetic logs (`etl.synth.generate`), builds the clustered dataset
 (`etl.build.build`), reads the same batches twice through the readers (with IKJTs per dedup group,
 and as one plain KJT), and trains the same DLRM (attention-pooled user history: liked items +
-liked sellers) on both. Every figure is a ratio of two measurements taken in this run: steps are
-alternated on/off, timed in CPU seconds of this process (`time.process_time`, torch on
-`--threads` threads) and the median step is used, so other load on the machine matters little.
+liked sellers) on both. Every figure is a ratio of two measurements taken in this run: both ways
+take the same untimed warm-up, then steps alternate on/off with the order rotating each step,
+timed in CPU seconds of this process (`time.process_time`, torch on `--threads` threads; wall
+time beside it), and the median of the paired per-step ratios is kept, its spread written beside
+it (`<figure>_spread`), so other load on the machine matters little.
 
 Figures (written to benchmarks/results/trainer.json):
   dedup_speedup            training samples/s with dedup on / off (forward + backward + optimizer
@@ -35,10 +37,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from _common import Timing, timed, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "trainer.json"
 
@@ -102,24 +105,47 @@ def load_batches(dataset: Path, *, batch_size: int, count: int, dedup: bool) -> 
 
 
 # -- measurements -------------------------------------------------------------------------------
-def _cpu_time(fn: Callable[[], Any], device: Any) -> float:
+def _timed(fn: Callable[[], Any], device: Any) -> Timing:
+    """Wall and process-CPU seconds of ``fn`` (the device synchronised around it on CUDA)."""
     import torch
 
-    if device.type == "cuda":
+    if device.type != "cuda":
+        return timed(fn)
+
+    def synchronised() -> Any:
+        out = fn()
         torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        return time.perf_counter() - t
-    t = time.process_time()
-    fn()
-    return time.process_time() - t
+        return out
+
+    torch.cuda.synchronize(device)
+    return timed(synchronised)
+
+
+def _rotated(names: list[str], repeat: int) -> list[str]:
+    """``names`` in the order of repeat ``repeat``: rotated by one each repeat (as ``alternate``)."""
+    k = repeat % len(names)
+    return names[k:] + names[:k]
+
+
+def _ratio(times: dict[str, list[Timing]], a: str, b: str, device: Any) -> dict[str, Any]:
+    """How many times faster ``a`` is than ``b``, paired repeat by repeat; the headline is the
+    CPU-time ratio on a CPU device (wall time on a GPU)."""
+    ratio = timing_ratio(times, a, b, per="rate")
+    return {**ratio, "headline": "cpu" if device.type == "cpu" else "wall"}
+
+
+def _headline(ratio: dict[str, Any]) -> float:
+    return ratio[ratio["headline"]]["median"]
 
 
 def measure_speedup(
     schema: Any, on: list[Any], off: list[Any], *, model_config: Any, warmup: int, device: Any
 ) -> dict[str, Any]:
-    """Alternate training steps of two identical models on the dedup and the plain batches."""
+    """Alternate training steps of two identical models on the dedup and the plain batches.
+
+    Both modes take the same ``warmup`` untimed steps; then step ``i`` of each mode runs on the
+    same rows, the mode that goes first alternating from step to step.
+    """
     from trainer.models import DLRM
     from trainer.train import Trainer
 
@@ -127,29 +153,30 @@ def measure_speedup(
         mode: Trainer(DLRM.from_schema(schema, model_config), device=device)
         for mode in ("on", "off")
     }
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    batches = {"on": on, "off": off}
+    times: dict[str, list[Timing]] = {"on": [], "off": []}
     losses: dict[str, list[float]] = {"on": [], "off": []}
-    for i, (b_on, b_off) in enumerate(zip(on, off)):
-        for mode, batch in (("on", b_on), ("off", b_off)):
-            batch = batch.to(device)
-            out: list[Any] = []
-            dt = _cpu_time(
-                lambda t=trainers[mode], b=batch, o=out: o.append(t.train_step(b)), device
-            )
-            losses[mode].append(float(out[0][0]))
+    for i in range(min(len(on), len(off))):
+        for mode in _rotated(["on", "off"], i):
+            batch = batches[mode][i].to(device)
+            t = _timed(lambda tr=trainers[mode], b=batch: tr.train_step(b), device)
+            losses[mode].append(float(t.value[0]))
             if i >= warmup:
-                times[mode].append(dt)
-            print(f"  step {i} dedup {mode:3s} {dt * 1000:9.1f} ms  loss {losses[mode][-1]:.5f}",
-                  file=sys.stderr)  # fmt: skip
+                times[mode].append(t)
+            print(f"  step {i} dedup {mode:3s} {t.cpu_s * 1000:9.1f} ms CPU  loss "
+                  f"{losses[mode][-1]:.5f}", file=sys.stderr)  # fmt: skip
     rows = on[0].batch_size
-    sps = {m: rows / statistics.median(times[m]) for m in times}
+    kind = "cpu_s" if device.type == "cpu" else "wall_s"
+    step_s = {m: statistics.median(getattr(t, kind) for t in times[m]) for m in times}
+    ratio = _ratio(times, "on", "off", device)
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["on"], losses["off"]))
     return {
-        "dedup_speedup": sps["on"] / sps["off"],
-        "samples_per_s_on": sps["on"],
-        "samples_per_s_off": sps["off"],
-        "median_step_s_on": statistics.median(times["on"]),
-        "median_step_s_off": statistics.median(times["off"]),
+        "dedup_speedup": _headline(ratio),
+        "dedup_speedup_spread": ratio,
+        "samples_per_s_on": rows / step_s["on"],
+        "samples_per_s_off": rows / step_s["off"],
+        "median_step_s_on": step_s["on"],
+        "median_step_s_off": step_s["off"],
         "timed_steps": len(times["on"]),
         "max_loss_rel_diff_on_vs_off": rel,
     }
@@ -297,26 +324,41 @@ def measure_vs_torchrec(
             out.values().sum().backward()
 
     cpu = torch.device("cpu")
-    times: dict[str, list[float]] = {}
-    for _ in range(2):  # second pass is timed (first warms up)
-        times = {
-            k: [] for k in ("ours_fb", "torchrec_fb", "ours_f", "torchrec_f", "ours_sparse_fb")
+
+    def cases(k: Any, tk: Any) -> dict[str, Callable[[], Any]]:
+        def forward_only(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                with torch.no_grad():
+                    return fn()
+
+            return run
+
+        return {
+            "ours_fb": lambda: step_ours(ebc_dense, k, True),
+            "torchrec_fb": lambda: step_theirs(tk, True),
+            "ours_f": forward_only(lambda: step_ours(ebc_dense, k, False)),
+            "torchrec_f": forward_only(lambda: step_theirs(tk, False)),
+            "ours_sparse_fb": lambda: step_ours(ebc_sparse, k, True),
         }
-        for k, tk in zip(kjts, tr_kjts):
-            times["ours_fb"].append(_cpu_time(lambda k=k: step_ours(ebc_dense, k, True), cpu))
-            times["torchrec_fb"].append(_cpu_time(lambda tk=tk: step_theirs(tk, True), cpu))
-            with torch.no_grad():
-                times["ours_f"].append(_cpu_time(lambda k=k: step_ours(ebc_dense, k, False), cpu))
-                times["torchrec_f"].append(_cpu_time(lambda tk=tk: step_theirs(tk, False), cpu))
-            times["ours_sparse_fb"].append(
-                _cpu_time(lambda k=k: step_ours(ebc_sparse, k, True), cpu)
-            )
+
+    names = list(cases(kjts[0], tr_kjts[0]))
+    times: dict[str, list[Timing]] = {}
+    for _ in range(2):  # the second pass is timed: the first warms every case up alike
+        times = {name: [] for name in names}
+        for r, (k, tk) in enumerate(zip(kjts, tr_kjts)):
+            fns = cases(k, tk)
+            for name in _rotated(names, r):
+                times[name].append(_timed(fns[name], cpu))
     b = plain[0].batch_size
-    sps = {k: b / statistics.median(v) for k, v in times.items()}
+    sps = {k: b / statistics.median(t.cpu_s for t in v) for k, v in times.items()}
+    ratios = {
+        "vs_torchrec_ebc": _ratio(times, "ours_fb", "torchrec_fb", cpu),
+        "vs_torchrec_ebc_forward": _ratio(times, "ours_f", "torchrec_f", cpu),
+        "vs_torchrec_ebc_ours_sparse_grad": _ratio(times, "ours_sparse_fb", "torchrec_fb", cpu),
+    }
     return {
-        "vs_torchrec_ebc": sps["ours_fb"] / sps["torchrec_fb"],
-        "vs_torchrec_ebc_forward": sps["ours_f"] / sps["torchrec_f"],
-        "vs_torchrec_ebc_ours_sparse_grad": sps["ours_sparse_fb"] / sps["torchrec_fb"],
+        **{name: _headline(r) for name, r in ratios.items()},
+        **{f"{name}_spread": r for name, r in ratios.items()},
         "ebc_samples_per_s": sps,
         "ebc_max_abs_diff_vs_torchrec": max_diff,
         "ebc_tables": len(names),

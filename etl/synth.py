@@ -42,6 +42,7 @@ import orjson
 import zstandard
 
 from recpipe.errors import RecpipeError
+from recpipe.kernels.splitmix import splitmix64
 from schemas import default_schema
 
 __all__ = [
@@ -108,17 +109,10 @@ _SESSION_PARTS = (
     b'"context_device":[%d],',
 )
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
-    x = x.astype(np.uint64) + _GOLD
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
+    """One splitmix64 step from each state of ``x`` (uint64 out, wrapping arithmetic)."""
+    return splitmix64(x)
 
 
 def _hash(x: np.ndarray, salt: int) -> np.ndarray:

@@ -89,9 +89,8 @@ class ReaderConfig:
         use_threads: let Arrow decode with its thread pool (off: one core per reader).
         read_ahead: splits a background thread reads and decodes ahead of the one being consumed
             (at most this many extra row groups in memory); 0 reads each split when the stream
-            reaches it, on the reader's one core. The stream is the same either way. Measured on
-            2 cores (``read_ahead_speedup`` of ``benchmarks/service.py``): 1 gives the in-process
-            reader 1.39-1.48x the samples/s of 0 and the reader service 1.23-1.25x.
+            reaches it, on the reader's one core. The stream is the same either way; what it
+            gains is measured by ``read_ahead_speedup`` in ``benchmarks/service.py``.
         verify: how much of the files is checked. ``"pages"`` (the default) verifies each Parquet
             page's checksum (CRC) as it is read, so a corrupt page raises
             :class:`~recpipe.errors.CorruptInputError` naming the file, row group and column (or

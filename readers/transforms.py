@@ -23,7 +23,8 @@ the values dtype::
 
     import torch
 
-    from readers.transforms import SparseTransform, lengths_to_offsets, register_transform
+    from readers.transforms import SparseTransform, register_transform
+    from recpipe.jagged import lengths_to_offsets
 
     @register_transform
     @dataclass
@@ -59,14 +60,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
 import torch
-from numba import njit
 
 from recpipe.batch import Batch
 from recpipe.errors import DataError, SchemaError
 from recpipe.ikjt import InverseKeyedJaggedTensor
-from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+from recpipe.jagged import JaggedTensor, KeyedJaggedTensor, lengths_to_offsets
+from recpipe.kernels.hashing import hash_modulo_tensor
 
 if TYPE_CHECKING:
     from schemas import DatasetSchema
@@ -84,7 +84,6 @@ __all__ = [
     "Transform",
     "Truncate",
     "VocabLookup",
-    "lengths_to_offsets",
     "load_preprocess_entries",
     "register_transform",
     "transform_from_config",
@@ -103,13 +102,6 @@ def register_transform(cls: type[Transform]) -> type[Transform]:
 def transform_registry() -> dict[str, type[Transform]]:
     """Name -> class of every registered transform."""
     return dict(_REGISTRY)
-
-
-def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
-    """``[R]`` lengths -> ``[R+1]`` int64 offsets starting at 0."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths, 0, out=out[1:])
-    return out
 
 
 @dataclass
@@ -166,52 +158,13 @@ def _check(cond: bool, cls: object, name: str, value: object, why: str) -> None:
         raise SchemaError(msg)
 
 
-_MASK_64 = (1 << 64) - 1
-
-
-def _signed(x: int) -> int:
-    x &= _MASK_64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix64(x: torch.Tensor, salt: int) -> torch.Tensor:
-    """splitmix64 finaliser over int64 (wrapping arithmetic), vectorised (any device)."""
-    x = x + _signed(0x9E3779B97F4A7C15 * (salt + 1))
-    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
-    return x ^ _shr(x, 31)
-
-
-@njit(cache=True, nogil=True)
-def _hash_modulo_kernel(ids: np.ndarray, add: np.uint64, modulus: np.int64, out: np.ndarray):
-    """``out[i] = mix64(ids[i]) mod modulus`` (Python's non-negative remainder); ids as uint64."""
-    for i in range(ids.shape[0]):
-        x = ids[i] + add
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-        out[i] = np.int64(x) % modulus
-
-
-def _hash_modulo(ids: torch.Tensor, salt: int, modulus: int) -> torch.Tensor:
-    """``mix64(ids, salt) mod modulus`` for int64 ids: one Numba pass on CPU, torch elsewhere."""
-    if ids.device.type != "cpu":
-        return torch.remainder(_mix64(ids, salt), modulus)
-    out = np.empty(ids.shape[0], dtype=np.int64)
-    add = np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & _MASK_64)
-    _hash_modulo_kernel(ids.contiguous().numpy().view(np.uint64), add, np.int64(modulus), out)
-    return torch.from_numpy(out)
-
-
 @register_transform
 @dataclass
 class HashModulo(SparseTransform):
-    """Map ids into ``[0, modulus)``: ``mix64(id, salt) mod modulus`` (or plain modulo).
+    """Map ids into ``[0, modulus)``: a salted splitmix64 of the id, mod ``modulus``.
+
+    The hash is :func:`recpipe.kernels.hashing.hash_modulo_tensor` (the same numbers on every
+    device and in every release); ``hash=False`` gives the plain modulo.
 
     Attributes:
         modulus: size of the id space after the transform (an embedding table's rows).
@@ -232,7 +185,7 @@ class HashModulo(SparseTransform):
     def apply_jagged(self, values, offsets):
         ids = values.to(torch.int64)
         if self.hash:
-            out = _hash_modulo(ids, self.salt, self.modulus)
+            out = hash_modulo_tensor(ids, salt=self.salt, modulus=self.modulus)
         else:
             out = torch.remainder(ids, self.modulus)
         return out.to(values.dtype), offsets
@@ -273,7 +226,7 @@ class VocabLookup(SparseTransform):
 
     The vocabulary is a text file with one integer id per line (line order = index; blank lines
     and lines starting with ``#`` ignored), or an inline ``vocab`` list. Index ``i`` of the
-    vocabulary maps to ``i``; an id not in it maps to ``V + mix64(id) mod num_oov_buckets``.
+    vocabulary maps to ``i``; an id not in it maps to ``V + hash(id) mod num_oov_buckets`` (the hash of :class:`HashModulo`, salt 0).
 
     Attributes:
         path: the vocabulary file.
@@ -333,14 +286,14 @@ class VocabLookup(SparseTransform):
         ids = values.to(torch.int64)
         vocab_size = len(self._keys)
         if vocab_size == 0:
-            out = vocab_size + _hash_modulo(ids, 0, self.num_oov_buckets)
+            out = vocab_size + hash_modulo_tensor(ids, salt=0, modulus=self.num_oov_buckets)
             return out.to(values.dtype), offsets
         pos = torch.searchsorted(self._keys, ids).clamp_(max=vocab_size - 1)
         found = self._keys[pos] == ids
         if self.num_oov_buckets == 1:
             oov = torch.full_like(ids, vocab_size)
         else:
-            oov = vocab_size + _hash_modulo(ids, 0, self.num_oov_buckets)
+            oov = vocab_size + hash_modulo_tensor(ids, salt=0, modulus=self.num_oov_buckets)
         return torch.where(found, self._index[pos], oov).to(values.dtype), offsets
 
 

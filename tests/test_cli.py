@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from recpipe.cli import main
+from recpipe_cli import build_parser, main
 
 COMMANDS = ["synth", "etl", "stats", "serve", "train", "store"]
 
@@ -40,7 +40,7 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_etl_commands_do_not_import_torch(argv):
     code = (
         "import sys\n"
-        "from recpipe.cli import main\n"
+        "from recpipe_cli import main\n"
         "try:\n"
         f"    main({argv!r})\n"
         "except SystemExit:\n"
@@ -49,3 +49,41 @@ def test_etl_commands_do_not_import_torch(argv):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "recpipe_cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "usage: recpipe" in out.stdout
+
+
+# `recpipe train`'s options before they were generated from TrainConfig and ModelConfig.
+TRAIN_OPTIONS_BEFORE = {
+    "--dedup": "on", "--steps": None, "--epochs": None, "--batch-size": 4096, "--lr": None,
+    "--optimizer": "adagrad", "--eval-fraction": 0.1, "--eval-every": 0, "--eval-batches": None,
+    "--device": "cpu", "--checkpoint": None, "--checkpoint-every": 0, "--resume": False,
+    "--service": None, "--store": "module", "--seed": 0, "--workers": 0, "--preprocess": None,
+    "--embedding-dim": 16, "--num-embeddings": 100_000, "--attention": "auto", "--json": None,
+    "--no-progress": False,
+}  # fmt: skip
+
+
+def test_train_keeps_every_option_and_default(monkeypatch):
+    import trainer.cli
+    from trainer.config import TrainConfig
+
+    parser = build_parser("train")
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    by_flag = {f: a for a in train_parser._actions for f in a.option_strings}
+    for flag, default in TRAIN_OPTIONS_BEFORE.items():
+        assert flag in by_flag, flag
+        assert by_flag[flag].default == {"on": True}.get(default, default), flag
+    built = []
+    monkeypatch.setattr(trainer.cli, "_run", lambda config, args: built.append(config) or 0)
+    assert main(["train", "DS"]) == 0
+    assert built == [TrainConfig(dataset="DS")]  # the options' defaults are the config's

@@ -22,11 +22,12 @@ __all__ = [
 ]
 
 _WHERE = {
+    "trainer.config": ("ModelConfig", "TableConfig", "TrainConfig"),
     "trainer.modules": (
         "AttentionPooling", "EmbeddingBagCollection", "JaggedEmbeddings", "ParameterTable",
-        "SequenceEmbeddingCollection", "TableConfig",
+        "SequenceEmbeddingCollection",
     ),
-    "trainer.models": ("DLRM", "ModelConfig"),
-    "trainer.train": ("TrainConfig", "Trainer", "train"),
+    "trainer.models": ("DLRM",),
+    "trainer.train": ("Trainer", "train"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

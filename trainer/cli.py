@@ -1,5 +1,7 @@
 """``recpipe train``: train a DLRM on a clustered dataset, with or without dedup.
 
+The options are generated from :class:`~trainer.config.TrainConfig` and
+:class:`~trainer.config.ModelConfig` (:mod:`recpipe.config_cli`): their docstrings are the help.
 Parsing imports nothing heavy; torch and the trainer are imported when the command runs.
 """
 
@@ -9,46 +11,22 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
+
+from recpipe.config_cli import Option, add_config_options
+from trainer.config import ModelConfig, TrainConfig
 
 __all__ = ["register_cli"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        msg = f"must be a positive integer, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        msg = f"must be a non-negative integer, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        msg = f"must be in [0, 1), got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+# Model options `recpipe train` exposes (the rest of ModelConfig keeps its defaults).
+_MODEL_OPTIONS = (
+    "embedding_dim", "num_embeddings", "hash_ids", "pooling", "bottom_mlp", "top_mlp",
+    "attention", "attention_heads", "attention_layers", "sparse_grad",
+)  # fmt: skip
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``recpipe train`` to the top-level parser."""
+    """Add ``recpipe train`` to the top-level parser; its options are :class:`TrainConfig`'s."""
     parser = subparsers.add_parser(
         "train",
         help="train a DLRM with or without dedup",
@@ -62,120 +40,35 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "--resume continues exactly, and ends with a summary."
         ),
     )
-    parser.add_argument(
-        "dataset",
-        metavar="DATASET",
-        help="clustered dataset directory (with --service: the held-out evaluation data)",
+    run_options = add_config_options(
+        parser,
+        TrainConfig,
+        exclude=("model",),
+        overrides={
+            "dedup": Option(choices={"on": True, "off": False}),
+            "checkpoint": Option(metavar="DIR"),
+            "service": Option(metavar="HOST:PORT"),
+            "preprocess": Option(metavar="FILE"),
+        },
+        exclusive=[("steps", "epochs")],
     )
-    parser.add_argument(
-        "--dedup", choices=("on", "off"), default="on", help="deduplicate (default on)"
-    )
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument(
-        "--steps", type=_positive_int, help="total optimizer steps (default: one epoch)"
-    )
-    length.add_argument("--epochs", type=_positive_int, help="passes over the training data")
-    parser.add_argument(
-        "--batch-size", type=_positive_int, default=4096, help="rows per batch (default 4096)"
-    )
-    parser.add_argument(
-        "--lr", type=float, help="learning rate (default: adagrad 0.05, sgd 0.1, adam 0.001)"
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=("adagrad", "sgd", "adam"),
-        default="adagrad",
-        help="(default adagrad)",
-    )
-    parser.add_argument(
-        "--eval-fraction",
-        type=_fraction,
-        default=0.1,
-        help="share of row groups held out for evaluation (default 0.1)",
-    )
-    parser.add_argument(
-        "--eval-every", type=_non_negative_int, default=0, help="also evaluate every N steps"
-    )
-    parser.add_argument(
-        "--eval-batches", type=_positive_int, help="most held-out batches per evaluation"
-    )
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into DIR")
-    parser.add_argument(
-        "--checkpoint-every",
-        type=_non_negative_int,
-        default=0,
-        help="also checkpoint every N steps",
-    )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR"
-    )
-    parser.add_argument(
-        "--service", metavar="HOST:PORT", help="read training batches from `recpipe serve`"
-    )
-    parser.add_argument(
-        "--store",
-        choices=("module", "hybrid"),
-        default="module",
-        help="embedding tables as parameters (module) or in the hybrid embedding store",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of init, shuffles, hold-out")
-    parser.add_argument(
-        "--workers", type=_non_negative_int, default=0, help="DataLoader worker processes"
-    )
-    parser.add_argument("--preprocess", metavar="FILE", help="readers preprocessing config")
-    parser.add_argument(
-        "--embedding-dim", type=_positive_int, default=16, help="embedding dimension (default 16)"
-    )
-    parser.add_argument(
-        "--num-embeddings",
-        type=_positive_int,
-        default=100_000,
-        help="rows per table; raw ids are taken modulo this (default 100000)",
-    )
-    parser.add_argument(
-        "--attention",
-        default="auto",
-        help="features pooled by attention: auto, none, or a comma-separated list",
+    model_options = add_config_options(
+        parser.add_argument_group("model"),
+        ModelConfig,
+        include=_MODEL_OPTIONS,
+        overrides={"attention": Option(metavar="ATTENTION")},
+        owner=parser,
     )
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from trainer.models import ModelConfig
-    from trainer.train import TrainConfig, format_summary, train
-
-    attention: Any = args.attention
-    if attention not in ("auto", "none"):
-        attention = tuple(a.strip() for a in attention.split(",") if a.strip())
-    config = TrainConfig(
-        dataset=args.dataset,
-        dedup=args.dedup == "on",
-        steps=args.steps,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        eval_fraction=args.eval_fraction,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        device=args.device,
-        checkpoint=args.checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        service=args.service,
-        store=args.store,
-        seed=args.seed,
-        workers=args.workers,
-        preprocess=args.preprocess,
-        model=ModelConfig(
-            embedding_dim=args.embedding_dim,
-            num_embeddings=args.num_embeddings,
-            attention=attention,
-        ),
+    parser.set_defaults(
+        func=lambda args: _run(run_options.build(args, model=model_options.build(args)), args)
     )
+
+
+def _run(config: TrainConfig, args: argparse.Namespace) -> int:
+    from trainer.train import format_summary, train
+
     result = train(config, progress=not args.no_progress)
     print(format_summary(config, result))
     if args.json:

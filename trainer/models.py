@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +23,11 @@ from torch import nn
 
 from recpipe.batch import Batch
 from recpipe.errors import RecpipeError
+from trainer.config import ModelConfig, TableConfig
 from trainer.modules import (
     AttentionPooling,
     EmbeddingBagCollection,
-    PoolingMode,
     SequenceEmbeddingCollection,
-    TableConfig,
     TableFactory,
 )
 
@@ -37,79 +35,6 @@ if TYPE_CHECKING:
     from schemas import DatasetSchema
 
 __all__ = ["DLRM", "ModelConfig", "attention_features", "default_tables"]
-
-
-@dataclass
-class ModelConfig:
-    """What DLRM to build from a schema.
-
-    Args:
-        embedding_dim: D of every table, of the bottom MLP output and of attention pooling.
-        num_embeddings: rows of each default table (raw ids are taken modulo this).
-        tables: explicit tables; ``None``: one table per sparse feature (see
-            :func:`default_tables`). Tables may be shared by several features.
-        hash_ids: default tables take ids modulo ``num_embeddings`` (off when preprocessing
-            already mapped ids into range).
-        pooling: pooling of the default tables.
-        bottom_mlp: hidden widths of the bottom MLP (its output width is ``embedding_dim``).
-        top_mlp: hidden widths of the top MLP (its output is one logit).
-        attention: the sequence features pooled by attention: ``"auto"`` (the user dedup group
-            with the longest lists, see :func:`attention_features`), ``"none"``, or feature names.
-        attention_heads: heads of the attention layers.
-        attention_layers: encoder layers.
-        sparse_grad: tables produce sparse gradients (only looked-up rows).
-        seed: init seed; the same seed builds the same parameters.
-    """
-
-    embedding_dim: int = 16
-    num_embeddings: int = 100_000
-    tables: tuple[TableConfig, ...] | None = None
-    hash_ids: bool = True
-    pooling: PoolingMode = "sum"
-    bottom_mlp: tuple[int, ...] = (64,)
-    top_mlp: tuple[int, ...] = (128, 64)
-    attention: Literal["auto", "none"] | tuple[str, ...] = "auto"
-    attention_heads: int = 2
-    attention_layers: int = 1
-    sparse_grad: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("embedding_dim", "num_embeddings", "attention_heads", "attention_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"`{name}` must be a positive integer, got {value!r}"
-                raise RecpipeError(msg)
-        for name in ("bottom_mlp", "top_mlp"):
-            widths = tuple(getattr(self, name))
-            if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
-                msg = f"`{name}` must hold positive integer widths, got {list(widths)!r}"
-                raise RecpipeError(msg)
-            setattr(self, name, widths)
-        if isinstance(self.attention, str):
-            if self.attention not in ("auto", "none"):
-                msg = (
-                    f"`attention` must be 'auto', 'none' or a list of features, "
-                    f"got {self.attention!r}"
-                )
-                raise RecpipeError(msg)
-        else:
-            self.attention = tuple(self.attention)
-        if self.embedding_dim % self.attention_heads:
-            msg = (
-                f"`attention_heads` ({self.attention_heads}) must divide `embedding_dim` "
-                f"({self.embedding_dim})"
-            )
-            raise RecpipeError(msg)
-        if self.tables is not None:
-            self.tables = tuple(self.tables)
-            dims = {t.dim for t in self.tables}
-            if dims != {self.embedding_dim}:
-                msg = (
-                    f"every table must have dim `embedding_dim` = {self.embedding_dim} "
-                    f"(dot interaction), got dims {sorted(dims)}"
-                )
-                raise RecpipeError(msg)
 
 
 def attention_features(schema: DatasetSchema, config: ModelConfig) -> tuple[str, ...]:

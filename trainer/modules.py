@@ -34,7 +34,7 @@ import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from recpipe.errors import DataError, RecpipeError
 from recpipe.ikjt import PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from recpipe.kernels import jagged_index_select
+from trainer.config import PoolingMode, TableConfig
 
 __all__ = [
     "AttentionPooling",
@@ -63,63 +64,12 @@ __all__ = [
     "table_seed",
 ]
 
-PoolingMode = Literal["sum", "mean"]
-_POOLING: tuple[str, ...] = get_args(PoolingMode)
-
 SparseInput = Batch | KeyedJaggedTensor
 """What the modules accept: a whole Batch (KJT + IKJTs) or a plain KJT."""
 
 
 # -------------------------------------------------------------------------------------------
 # table configs and backends
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """One embedding table and the features that look it up.
-
-    Args:
-        name: table name (unique in a collection).
-        num_embeddings: rows of the table.
-        dim: embedding dimension D.
-        features: sparse features that read this table; several features may share it.
-        pooling: how a bag of ids is pooled by :class:`EmbeddingBagCollection`.
-        hash_ids: take ids modulo ``num_embeddings`` in the module (for raw ids; leave off when
-            preprocessing already mapped them into range, e.g. ``readers.HashModulo``).
-        sparse_grad: produce sparse gradients for the table (only the rows looked up); the
-            optimizer must accept them (SGD, Adagrad, SparseAdam).
-
-    Raises:
-        RecpipeError: a bad value, quoted.
-    """
-
-    name: str
-    num_embeddings: int
-    dim: int
-    features: tuple[str, ...]
-    pooling: PoolingMode = "sum"
-    hash_ids: bool = False
-    sparse_grad: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "features", tuple(self.features))
-        if not isinstance(self.name, str) or not self.name:
-            msg = f"`name` must be a non-empty string, got {self.name!r}"
-            raise RecpipeError(msg)
-        for attr in ("num_embeddings", "dim"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"table {self.name!r}: `{attr}` must be a positive integer, got {value!r}"
-                raise RecpipeError(msg)
-        if not self.features or len(set(self.features)) != len(self.features):
-            msg = (
-                f"table {self.name!r}: `features` must name at least one feature, each once, "
-                f"got {list(self.features)!r}"
-            )
-            raise RecpipeError(msg)
-        if self.pooling not in _POOLING:
-            msg = f"table {self.name!r}: `pooling` must be one of {list(_POOLING)}, got {self.pooling!r}"
-            raise RecpipeError(msg)
 
 
 class TableBackend(Protocol):
@@ -186,9 +136,55 @@ class ParameterTable(nn.Module):
         """``[n, D]`` rows of ``ids``."""
         return F.embedding(self._ids(ids), self.weight, sparse=self.config.sparse_grad)
 
+    def check_ids(self, ids: torch.Tensor, *, feature: str) -> None:
+        """Raise :class:`DataError` if ``feature``'s ``ids`` do not all index a row of the table.
+
+        Ids taken modulo ``num_embeddings`` (``hash_ids``) always do. The collections call this
+        only after torch refused a lookup (CPU: no cost while ids are in range), and before each
+        lookup on other devices, where an index out of range is a device-side assert.
+        """
+        c = self.config
+        if c.hash_ids or ids.numel() == 0:
+            return
+        ids = ids.to(torch.int64)
+        bad = (ids < 0) | (ids >= c.num_embeddings)
+        if not bool(bad.any()):
+            return
+        bad_ids = ids[bad]
+        msg = (
+            f"feature {feature!r}: id {int(bad_ids[0])} is outside table {c.name!r} of "
+            f"{c.num_embeddings:,} rows (valid ids 0..{c.num_embeddings - 1}; "
+            f"{bad_ids.numel():,} of the batch's {ids.numel():,} ids are outside, "
+            f"from {int(bad_ids.min())} to {int(bad_ids.max())})\n"
+            "hint: take ids modulo the table with `hash_ids=True` (ModelConfig.hash_ids, "
+            "`recpipe train --hash-ids`, the default), map them into range with the readers' "
+            "HashModulo preprocessing, or raise `num_embeddings` above the largest id"
+        )
+        raise DataError(msg)
+
     def extra_repr(self) -> str:
         c = self.config
         return f"{c.name!r}, {c.num_embeddings} x {c.dim}, features={list(c.features)}"
+
+
+def _lookup(
+    table: nn.Module,
+    feature: str,
+    lookup: Callable[..., torch.Tensor],
+    ids: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``lookup(ids, *args, **kwargs)`` (a method of ``table``); ids out of range name ``feature``."""
+    checked = isinstance(table, ParameterTable)
+    if checked and ids.device.type != "cpu":
+        table.check_ids(ids, feature=feature)  # on a GPU torch would end in a device assert
+    try:
+        return lookup(ids, *args, **kwargs)
+    except (IndexError, RuntimeError):
+        if checked:
+            table.check_ids(ids, feature=feature)
+        raise
 
 
 class TableDict(nn.Module):
@@ -343,7 +339,9 @@ class EmbeddingBagCollection(nn.Module):
         for key, rows in locate_features(features, self.features).items():
             table = self.tables[self.feature_table[key]]
             jt = rows.jagged
-            pooled = table.pool(jt.values, jt.offsets, mode=table.config.pooling)  # (R, D)
+            pooled = _lookup(
+                table, key, table.pool, jt.values, jt.offsets, mode=table.config.pooling
+            )  # (R, D)
             out[key] = _expand_rows(pooled, rows.inverse)  # (B, D)
         return out
 
@@ -427,7 +425,8 @@ class SequenceEmbeddingCollection(nn.Module):
         for key, rows in locate_features(features, self.features).items():
             table = self.tables[self.feature_table[key]]
             jt = rows.jagged
-            out[key] = JaggedEmbeddings(table.rows(jt.values), jt.offsets, rows.inverse, rows.group)
+            values = _lookup(table, key, table.rows, jt.values)  # (N, D)
+            out[key] = JaggedEmbeddings(values, jt.offsets, rows.inverse, rows.group)
         return out
 
 

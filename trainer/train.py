@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
@@ -32,9 +31,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.errors import DataError, RecpipeError
+from trainer.checkpoint import (
+    checkpoint_file,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.config import (
+    DEFAULT_LR,
+    OPTIMIZERS,
+    ModelConfig,
+    OptimizerKind,
+    PoolingMode,
+    TableConfig,
+    TrainConfig,
+)
 from trainer.metrics import PredictionWindow, auc, peak_memory_bytes
-from trainer.models import DLRM, ModelConfig
-from trainer.modules import ParameterTable, PoolingMode, TableConfig, table_seed
+from trainer.models import DLRM
+from trainer.modules import ParameterTable, table_seed
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
@@ -54,12 +69,6 @@ __all__ = [
     "train",
 ]
 
-OptimizerKind = Literal["adagrad", "sgd", "adam"]
-_OPTIMIZERS: tuple[str, ...] = ("adagrad", "sgd", "adam")
-DEFAULT_LR: dict[str, float] = {"adagrad": 0.05, "sgd": 0.1, "adam": 1e-3}
-CHECKPOINT_FILE = "checkpoint.pt"
-_CHECKPOINT_VERSION = 1
-
 
 # -------------------------------------------------------------------------------------------
 # optimizers and the step
@@ -78,8 +87,8 @@ def make_optimizers(
         kind: ``"adagrad"``, ``"sgd"`` or ``"adam"``.
         lr: learning rate (default :data:`DEFAULT_LR` of ``kind``).
     """
-    if kind not in _OPTIMIZERS:
-        msg = f"`optimizer` must be one of {list(_OPTIMIZERS)}, got {kind!r}"
+    if kind not in OPTIMIZERS:
+        msg = f"`optimizer` must be one of {list(OPTIMIZERS)}, got {kind!r}"
         raise RecpipeError(msg)
     lr = DEFAULT_LR[kind] if lr is None else float(lr)
     if not lr > 0:
@@ -355,92 +364,6 @@ def _create_store(path: Path | None, config: Any) -> Any:
 
 
 @dataclass
-class TrainConfig:
-    """A training run (what ``recpipe train`` parses its options into).
-
-    Args:
-        dataset: the clustered dataset; with ``service`` it is the evaluation data (and the
-            schema), the server reading the training data.
-        dedup: read IKJTs per dedup group (``False``: one plain KJT, same model).
-        steps: optimizer steps in total (a resumed run counts the steps already done);
-            ``None`` with ``epochs`` None means one epoch.
-        epochs: passes over the training splits (instead of ``steps``).
-        batch_size: rows per batch.
-        lr: learning rate (default per optimizer).
-        optimizer: ``"adagrad"``, ``"sgd"`` or ``"adam"``.
-        eval_fraction: share of row groups held out for evaluation.
-        eval_every: evaluate every this many steps too (0: only at the end).
-        eval_batches: most held-out batches per evaluation (``None``: all).
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        checkpoint: checkpoint directory (``None``: no checkpoints).
-        checkpoint_every: also checkpoint every this many steps (0: only at the end).
-        resume: continue from the checkpoint in ``checkpoint`` when there is one.
-        service: ``HOST:PORT`` of ``recpipe serve`` to read training batches from.
-        store: ``"module"`` (tables are parameters) or ``"hybrid"`` (the embedding store of
-            :mod:`trainer.store`).
-        seed: seeds the model init, the shuffles and the held-out draw.
-        workers: DataLoader worker processes.
-        preprocess: a preprocessing config for the readers (``readers.transforms``).
-        model: the model config (its seed is replaced by ``seed``).
-        log_window: batches in the running training AUC.
-    """
-
-    dataset: str
-    dedup: bool = True
-    steps: int | None = None
-    epochs: int | None = None
-    batch_size: int = 4096
-    lr: float | None = None
-    optimizer: OptimizerKind = "adagrad"
-    eval_fraction: float = 0.1
-    eval_every: int = 0
-    eval_batches: int | None = None
-    device: str = "cpu"
-    checkpoint: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    service: str | None = None
-    store: Literal["module", "hybrid"] = "module"
-    seed: int = 0
-    workers: int = 0
-    preprocess: str | None = None
-    model: ModelConfig = field(default_factory=ModelConfig)
-    log_window: int = 50
-
-    def __post_init__(self) -> None:
-        if self.steps is not None and self.epochs is not None:
-            msg = f"give `steps` or `epochs`, not both (got {self.steps!r} and {self.epochs!r})"
-            raise RecpipeError(msg)
-        for name in ("steps", "epochs", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                msg = f"`{name}` must be a positive integer, got {value!r}"
-                raise RecpipeError(msg)
-        for name in ("eval_every", "checkpoint_every", "workers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                msg = f"`{name}` must be a non-negative integer, got {value!r}"
-                raise RecpipeError(msg)
-        if self.optimizer not in _OPTIMIZERS:
-            msg = f"`optimizer` must be one of {list(_OPTIMIZERS)}, got {self.optimizer!r}"
-            raise RecpipeError(msg)
-        if not 0.0 <= self.eval_fraction < 1.0:
-            msg = f"`eval_fraction` must be in [0, 1), got {self.eval_fraction!r}"
-            raise RecpipeError(msg)
-        if self.store not in ("module", "hybrid"):
-            msg = f"`store` must be 'module' or 'hybrid', got {self.store!r}"
-            raise RecpipeError(msg)
-        if self.resume and self.checkpoint is None:
-            msg = "`resume` needs a `checkpoint` directory"
-            raise RecpipeError(msg)
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            msg = f"`device` is {self.device!r} but CUDA is not available here"
-            raise RecpipeError(msg)
-
-
-@dataclass
 class TrainResult:
     """What a run did.
 
@@ -477,33 +400,6 @@ class TrainResult:
     def final_eval(self) -> EvalResult | None:
         """The last evaluation."""
         return self.evals[-1][1] if self.evals else None
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _model_config(config: TrainConfig) -> ModelConfig:
@@ -618,7 +514,7 @@ class _Run:
     @property
     def checkpoint_path(self) -> Path | None:
         c = self.config.checkpoint
-        return None if c is None else Path(c) / CHECKPOINT_FILE
+        return None if c is None else checkpoint_file(c)
 
     def save(self) -> Path | None:
         path = self.checkpoint_path
@@ -626,40 +522,28 @@ class _Run:
             return None
         if self.saved_step == self.trainer.step:  # the last in-loop checkpoint, at the end
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
         # every store commits this step, then the rest is saved: after a crash in between the
         # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
         for store in self.stores:
             store.checkpoint(self.trainer.step)
         state = {
-            "version": _CHECKPOINT_VERSION,
             "trainer": self.trainer.state_dict(),
             "reader": self.loader.state_dict(),
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "losses": self.losses,
             "samples": self.samples,
             "evals": [(s, asdict(e)) for s, e in self.evals],
             "config": {k: v for k, v in asdict(self.config).items() if k != "model"},
             "model_config": asdict(self.config.model),
         }
-        _save_atomic(state, path)
+        save_checkpoint(state, path)
         self.saved_step = self.trainer.step
         return path
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         """The saved training state, or ``None`` when there is no checkpoint file yet."""
         path = self.checkpoint_path
-        if path is None or not path.is_file():
-            return None
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as exc:  # a truncated or foreign file
-            msg = f"{path}: cannot read the checkpoint: {exc}"
-            raise RecpipeError(msg) from exc
-        if not isinstance(state, dict) or state.get("version") != _CHECKPOINT_VERSION:
-            msg = f"{path}: not a recpipe training checkpoint (version {_CHECKPOINT_VERSION})"
-            raise RecpipeError(msg)
-        return state
+        return None if path is None else load_checkpoint(path, map_location=self.device)
 
     def restore(self) -> bool:
         state, path = self.resume_state, self.checkpoint_path
@@ -675,7 +559,7 @@ class _Run:
                 raise RecpipeError(msg)
         self.trainer.load_state_dict(state["trainer"])
         self.loader.load_state_dict(state["reader"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         self.losses = list(state["losses"])
         self.samples = int(state["samples"])
         self.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]

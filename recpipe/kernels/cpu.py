@@ -5,8 +5,9 @@ the kernels need (validation lives in :mod:`recpipe.kernels.ops`). Outputs are a
 torch, so torch's allocator (and its profiler) sees them, and handed to the kernels as numpy
 views. Every loop over rows or keys runs inside Numba.
 
-Hashing: a row's lists (every key of the group, each followed by its length) are hashed FNV-1a
-style over 64-bit words and finished with the murmur3 ``fmix64`` mixer. A hash match
+Hashing: a row's lists (every key of the group, each followed by its length) are folded into two
+31-bit lanes by :func:`recpipe.kernels.bodies.fold_list` (the CUDA forms use the same body) and
+finished with the murmur3 ``fmix64`` mixer. A hash match
 is always verified element by element, so a collision costs time, never correctness;
 ``hash_mask`` (tests only) clears hash bits to force collisions.
 """
@@ -21,6 +22,7 @@ from numba import njit
 
 from recpipe.errors import DataError
 from recpipe.kernels.arrays import as_bits, as_numpy, compute_dtype, flat2d, row_width
+from recpipe.kernels.bodies import BASIS_A, BASIS_B, compile_bodies
 
 __all__ = [
     "dedup_rows",
@@ -31,11 +33,16 @@ __all__ = [
     "segment_reduce_backward",
 ]
 
-_FNV_PRIME = np.uint64(0x100000001B3)
-_FNV_BASIS = np.uint64(0xCBF29CE484222325)
 _FMIX_1 = np.uint64(0xFF51AFD7ED558CCD)
 _FMIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
 _U33 = np.uint64(33)
+_U31 = np.uint64(31)
+
+_BODIES = compile_bodies(njit(nogil=True, inline="always"))
+_lists_equal = _BODIES["lists_equal"]
+_fold_list = _BODIES["fold_list"]
+_appended_ids = _BODIES["appended_ids"]
+_running_max = _BODIES["running_max"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,25 +57,6 @@ def _fmix64(h):
     h *= _FMIX_2
     h ^= h >> _U33
     return h
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _fold(values, start, end, h):
-    """Fold one list (and its length, so [1, 2] + [] differs from [1] + [2]) into ``h``."""
-    for p in range(start, end):
-        h = (h ^ np.uint64(values[p])) * _FNV_PRIME
-    return (h ^ np.uint64(end - start)) * _FNV_PRIME
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _lists_equal(values, a_start, a_end, b_start, b_end):
-    n = a_end - a_start
-    if n != b_end - b_start:
-        return False
-    for k in range(n):  # noqa: SIM110 (no generators in Numba kernels)
-        if values[a_start + k] != values[b_start + k]:
-            return False
-    return True
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -102,10 +90,10 @@ def _dedup_group(values, offsets, hash_mask, inverse, first_rows):
         if i > 0 and _rows_equal(values, offsets, i - 1, i):
             inverse[i] = inverse[i - 1]
             continue
-        h = _FNV_BASIS
+        a, b = BASIS_A, BASIS_B
         for k in range(len(values)):
-            h = _fold(values[k], offsets[k][i], offsets[k][i + 1], h)
-        h = _fmix64(h) & hash_mask
+            a, b = _fold_list(values[k], offsets[k][i], offsets[k][i + 1], a, b)
+        h = _fmix64((np.uint64(a) << _U31) | np.uint64(b)) & hash_mask
         slot = h & slot_mask
         while True:
             u = table[slot]
@@ -158,23 +146,10 @@ def dedup_rows(
 
 @njit(cache=True, nogil=True)
 def _partial_windows(values, offsets, win_offsets, win_lengths):
-    num_rows = offsets.shape[0] - 1
     tail = 0
-    for r in range(num_rows):
-        start = offsets[r]
-        end = offsets[r + 1]
-        n = end - start
-        appended = n
-        if r > 0:
-            prev = offsets[r - 1]
-            prev_n = start - prev
-            if n == prev_n and _lists_equal(values, prev, start, start, end):
-                appended = 0
-            elif (n == prev_n + 1 and _lists_equal(values, prev, start, start, end - 1)) or (
-                n == prev_n and n > 0 and _lists_equal(values, prev + 1, start, start, end - 1)
-            ):
-                appended = 1
-        tail += appended
+    for r in range(offsets.shape[0] - 1):
+        n = offsets[r + 1] - offsets[r]
+        tail += _appended_ids(values, offsets, r)
         win_offsets[r] = tail - n
         win_lengths[r] = n
     return tail
@@ -224,7 +199,7 @@ def _select_offsets(offsets, indices, out_offsets):
 
 
 # Unsigned positions below: with signed ones Numba wraps negative indices, which keeps LLVM from
-# vectorising the copy loops (measured 4-5x slower).
+# vectorising the copy loops (several times slower).
 
 
 @njit(cache=True, nogil=True)
@@ -327,16 +302,7 @@ def _segment_max(values, offsets, out, argmax):
                 out[b, d] = 0
                 argmax[b, d] = -1
                 continue
-            best = values[start, d]
-            at = start
-            for p in range(start + 1, end):
-                v = values[p, d]
-                # NaN wins (as in torch.max); otherwise the first maximum is kept.
-                if best == best and (v > best or v != v):
-                    best = v
-                    at = p
-            out[b, d] = best
-            argmax[b, d] = at
+            out[b, d], argmax[b, d] = _running_max(values, start, end, d)
 
 
 @njit(cache=True, nogil=True)

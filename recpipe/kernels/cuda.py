@@ -7,8 +7,8 @@ are the sizes of data-dependent outputs (number of unique rows, selected values)
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``, used by CI without a GPU) the same code runs
 on CPU tensors: :func:`as_device_array` hands the kernels numpy views and the torch glue runs on
-the CPU. The hash used here is built from 31-bit lanes so that no integer operation overflows
-(the simulator runs the kernels as Python and would warn); a hash match is always verified.
+the CPU. The row hash, list comparison, partial-dedup rule and running max are the bodies of
+:mod:`recpipe.kernels.bodies`, shared with the CPU forms; a hash match is always verified.
 
 Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
 so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
@@ -27,6 +27,7 @@ import torch
 from recpipe._deps import optional_import
 from recpipe.errors import DependencyError
 from recpipe.kernels.arrays import as_bits, compute_dtype, flat2d, row_width
+from recpipe.kernels.bodies import BASIS_A, BASIS_B, compile_bodies
 
 cuda = optional_import("numba.cuda", purpose="the CUDA kernels of recpipe.kernels")
 
@@ -41,12 +42,6 @@ __all__ = [
     "segment_reduce_backward",
     "torch_stream",
 ]
-
-_M31 = 0x7FFFFFFF
-_P1 = 16777619  # FNV-1 32-bit prime
-_P2 = 2246822519 & 0xFFFFFF  # a second odd multiplier below 2**24
-_BASIS1 = 0x011C9DC5
-_BASIS2 = 0x0527D6B3
 
 
 def is_simulator() -> bool:
@@ -90,18 +85,14 @@ def torch_stream(device: torch.device) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# device functions
+# device functions: the bodies shared with the CPU forms
 
 
-@cuda.jit(device=True)
-def _lists_equal(values, a_start, a_end, b_start, b_end):
-    n = a_end - a_start
-    if n != b_end - b_start:
-        return False
-    for k in range(n):  # noqa: SIM110 (no generators in Numba kernels)
-        if values[a_start + k] != values[b_start + k]:
-            return False
-    return True
+_BODIES = compile_bodies(cuda.jit(device=True))
+_lists_equal = _BODIES["lists_equal"]
+_fold_list = _BODIES["fold_list"]
+_appended_ids = _BODIES["appended_ids"]
+_running_max = _BODIES["running_max"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,15 +104,7 @@ def _hash_rows(values, offsets, h1, h2):
     """Fold each row's list into its two 31-bit hash lanes (one call per key)."""
     start_row, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start_row, offsets.shape[0] - 1, stride):
-        a = h1[i]
-        b = h2[i]
-        for p in range(offsets[i], offsets[i + 1]):
-            v = values[p]
-            a = ((a ^ (v & _M31)) * _P1) & _M31
-            b = ((b ^ ((v >> 31) & _M31) ^ (v & 0xFFFF)) * _P2) & _M31
-        n = offsets[i + 1] - offsets[i]
-        h1[i] = ((a ^ (n & _M31)) * _P1) & _M31
-        h2[i] = ((b ^ 0x5BD1E995) * _P2) & _M31
+        h1[i], h2[i] = _fold_list(values, offsets[i], offsets[i + 1], h1[i], h2[i])
 
 
 @cuda.jit(cache=True)
@@ -151,8 +134,8 @@ def dedup_rows(
     stream = torch_stream(device)
     threads = _threads()
     blocks = _blocks(num_rows, threads)
-    h1 = torch.full((num_rows,), _BASIS1, dtype=torch.int64, device=device)
-    h2 = torch.full((num_rows,), _BASIS2, dtype=torch.int64, device=device)
+    h1 = torch.full((num_rows,), BASIS_A, dtype=torch.int64, device=device)
+    h2 = torch.full((num_rows,), BASIS_B, dtype=torch.int64, device=device)
     dev_h1, dev_h2 = as_device_array(h1), as_device_array(h2)
     dev_keys = [(as_device_array(v), as_device_array(o)) for v, o in zip(values, offsets)]
     for dev_values, dev_offsets in dev_keys:  # loops over keys, not rows
@@ -189,20 +172,7 @@ def dedup_rows(
 def _partial_counts(values, offsets, appended):
     start_row, stride = cuda.grid(1), cuda.gridsize(1)
     for r in range(start_row, offsets.shape[0] - 1, stride):
-        start = offsets[r]
-        end = offsets[r + 1]
-        n = end - start
-        count = n
-        if r > 0:
-            prev = offsets[r - 1]
-            prev_n = start - prev
-            if n == prev_n and _lists_equal(values, prev, start, start, end):
-                count = 0
-            elif (n == prev_n + 1 and _lists_equal(values, prev, start, start, end - 1)) or (
-                n == prev_n and n > 0 and _lists_equal(values, prev + 1, start, start, end - 1)
-            ):
-                count = 1
-        appended[r] = count
+        appended[r] = _appended_ids(values, offsets, r)
 
 
 @cuda.jit(cache=True)
@@ -340,15 +310,7 @@ def _segment_reduce(values, offsets, mode, out, argmax):
             if end == start:
                 argmax[b, d] = -1
                 continue
-            best = values[start, d]
-            at = start
-            for p in range(start + 1, end):
-                v = values[p, d]
-                if best == best and (v > best or v != v):
-                    best = v
-                    at = p
-            out[b, d] = best
-            argmax[b, d] = at
+            out[b, d], argmax[b, d] = _running_max(values, start, end, d)
         else:
             acc = out[b, d]
             for p in range(start, end):

@@ -32,7 +32,14 @@ def test_kernels_benchmark_writes_json(tmp_path, capsys):
     assert result["peak_memory_ratio"] <= result["peak_memory_ratio_reachable"] * 1.01
     if not torch.cuda.is_available():
         assert "no CUDA device" in result["gpu"]["skipped"]
+    # ratios are medians of alternated, paired repeats, with their wall and CPU spreads
+    for key in ("jagged_index_select_speedup", "dedup_speedup_vs_numpy"):
+        spread = result[f"{key}_spread"]
+        assert result[key] == spread["median"] == spread["wall"]["median"], key
+        assert spread["wall"]["min"] <= spread["wall"]["max"] and spread["cpu"]["repeats"] >= 1
+    assert result["dedup_rows_per_s_spread"]["repeats"] == 1
     assert "dedup_rows_per_s" in capsys.readouterr().out
+    assert "over 1 repeats" in load_benchmark("report").render({"kernels": result})
 
 
 @pytest.mark.slow

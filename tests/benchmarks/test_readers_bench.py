@@ -35,8 +35,14 @@ def test_tiny_run_writes_results(tmp_path, capsys):
     assert results["settings"]["rows"] == 3000
     clustered = results["dedup_factor_per_group"]["clustered"]
     assert all(f >= 1.0 for f in clustered.values())
+    for key in ("reader_speedup_vs_baseline", "ikjt_vs_kjt_samples_per_s", "convert_overhead"):
+        spread = results[f"{key}_spread"]  # paired repeats: CPU-time (headline) and wall-time
+        assert spread["headline"] == "cpu" and spread["cpu"]["median"] == results[key], key
+        assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] == 1, key
     table = capsys.readouterr().out
     assert "reader_speedup_vs_baseline" in table and "convert_overhead" in table
+    rendered = load_benchmark("report").render({"readers": results})  # the README's new shape
+    assert "over 1 repeats; wall-time ratio" in rendered
 
     measured = bench.measure_inprocess(tmp_path / "work" / "clustered", batch_size=512)
     assert measured["samples"] == 3000 and measured["batches"] == 6

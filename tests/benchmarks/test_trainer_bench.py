@@ -38,3 +38,8 @@ def test_tiny_run_writes_results(tmp_path, capsys):
     assert results["ebc_max_abs_diff_vs_torchrec"] < 1e-5
     assert results["dedup_factor_sparse_values"] > 1.0
     assert "dedup_speedup" in capsys.readouterr().out
+    for key in ("dedup_speedup", "vs_torchrec_ebc", "vs_torchrec_ebc_ours_sparse_grad"):
+        spread = results[f"{key}_spread"]  # paired per-step ratios, CPU (headline) and wall
+        assert spread["headline"] == "cpu" and results[key] == spread["cpu"]["median"], key
+        assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] >= 1, key
+    assert "wall-time ratio" in load_benchmark("report").render({"trainer": results})

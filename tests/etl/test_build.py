@@ -383,7 +383,7 @@ def test_unroutable_lines_of_etl_shard_are_validated_with_their_origin(tmp_path)
 
 
 def test_cli_builds_and_prints_a_summary(tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
     out = tmp_path / "out"

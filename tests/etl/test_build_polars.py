@@ -439,7 +439,7 @@ def test_unroutable_records_sharing_a_line_number(tmp_path):
 
 
 def test_cli_builds_with_the_polars_engine(tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
     args = ["etl", "build", str(src), "--no-progress", "--engine", "polars"]

@@ -15,8 +15,8 @@ import pytest
 
 import etl.paths
 from etl.paths import check_output
-from recpipe.cli import main
 from recpipe.errors import DataError
+from recpipe_cli import main
 
 LINES = "".join(
     f'{{"request_id": "r{i}", "session_id": "s{i % 3}", "user_id": {i % 3}, '

@@ -334,7 +334,7 @@ def test_bad_dataset_files_raise_clear_errors(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     root = _write(tmp_path / "ds", _grouping_rows(), schema=GROUP_SCHEMA)
     schema_path = tmp_path / "schema.toml"
@@ -436,7 +436,7 @@ def test_no_parts_is_an_error_unless_the_build_kept_no_rows(tmp_path):
 
 
 def test_cli_stats_of_an_empty_build(tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     (tmp_path / "empty.jsonl").write_bytes(b"")
     ds, out = tmp_path / "ds", tmp_path / "stats"

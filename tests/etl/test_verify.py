@@ -18,8 +18,8 @@ import pytest
 
 import etl.verify
 from etl.verify import verify_dataset, verify_digests
-from recpipe.cli import main
 from recpipe.errors import CorruptInputError, DataError
+from recpipe_cli import main
 from tests.etl._integrity import flip_data_page, seal_dataset
 from tests.readers.test_source import _same
 

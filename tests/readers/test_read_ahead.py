@@ -13,7 +13,7 @@ import pytest
 
 from readers.source import DatasetSource, ReaderConfig, SourcePosition, _ReadAhead, plan_splits
 from recpipe.errors import CorruptInputError, DataError
-from tests.readers.test_source import _same
+from tests.common.tables import tables_equal
 
 THREAD_NAME = "recpipe-read-ahead"
 
@@ -55,7 +55,7 @@ def _assert_same_stream(got: list, want: list) -> None:
     for (a, pos_a, skipped_a), (b, pos_b, skipped_b) in zip(got, want):
         assert pos_a == pos_b
         assert skipped_a == skipped_b
-        assert _same(a, b)
+        assert tables_equal(a, b)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

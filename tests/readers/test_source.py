@@ -15,24 +15,11 @@ from readers.source import (
     plan_splits,
 )
 from recpipe.errors import CorruptInputError, DataError
+from tests.common.tables import tables_equal
 
 
 def _stream(source, splits, **kw):
     return list(source.iter_tables(splits, **kw))
-
-
-def _same(a: pa.Table, b: pa.Table) -> bool:
-    """Equal tables, NaN equal to NaN."""
-    if a.schema != b.schema or a.num_rows != b.num_rows:
-        return False
-    for name in a.column_names:
-        x, y = a.column(name), b.column(name)
-        if pa.types.is_floating(x.type):
-            if not np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True):
-                return False
-        elif not x.equals(y):
-            return False
-    return True
 
 
 def _sessions_contiguous(sid: np.ndarray) -> bool:
@@ -111,7 +98,7 @@ def test_shuffle_moves_whole_sessions_only(make_dataset, tiny_schema):
     assert by_session(table) == by_session(reference)
     # deterministic for (seed, epoch); another epoch gives another order
     again = pa.concat_tables([t for t, _ in _stream(source, splits)])
-    assert _same(again, table)
+    assert tables_equal(again, table)
     splits1 = plan_splits(source.splits, config=cfg, epoch=1)
     other = pa.concat_tables([t for t, _ in _stream(source, splits1, epoch=1)])
     assert not np.array_equal(other.column("session_id").to_numpy(), sid)
@@ -145,7 +132,7 @@ def test_resume_from_every_position(make_dataset, tiny_schema, shuffle):
         rest = _stream(source, splits, start=pos)
         assert len(rest) == len(full) - k - 1
         for (a, _), (b, _) in zip(rest, full[k + 1 :]):
-            assert _same(a, b)
+            assert tables_equal(a, b)
 
 
 def test_config_validation():

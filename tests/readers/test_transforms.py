@@ -21,29 +21,19 @@ from readers.transforms import (
     SparseTransform,
     Truncate,
     VocabLookup,
-    lengths_to_offsets,
     register_transform,
     transform_registry,
 )
 from recpipe.batch import Batch
 from recpipe.errors import DataError, SchemaError
 from recpipe.ikjt import InverseKeyedJaggedTensor
-from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
-
-
-def _jt(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    values = torch.tensor([x for r in rows for x in r], dtype=torch.int64)
-    return values, lengths_to_offsets(lengths)
-
-
-def _rows(values: torch.Tensor, offsets: torch.Tensor) -> list[list]:
-    return [values[a:b].tolist() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+from recpipe.jagged import JaggedTensor, KeyedJaggedTensor, lengths_to_offsets
+from tests.common.tensors import jagged_from_rows, rows_of
 
 
 # -- semantics ---------------------------------------------------------------------------------
 def test_hash_modulo_range_determinism_and_plain_modulo():
-    values, offsets = _jt([[0, -1, 2**62, -(2**63)], [], [7]])
+    values, offsets = jagged_from_rows([[0, -1, 2**62, -(2**63)], [], [7]])
     t = HashModulo(features=("f",), modulus=1000, salt=3)
     out, offs = t.apply_jagged(values, offsets)
     assert offs is offsets and out.dtype == torch.int64
@@ -55,14 +45,31 @@ def test_hash_modulo_range_determinism_and_plain_modulo():
     assert plain.tolist() == [0, 9, (2**62) % 10, (-(2**63)) % 10, 7]
 
 
+# HashModulo's outputs before its hash moved to recpipe.kernels.splitmix: they must never change
+# (a dataset preprocessed once must map ids to the same rows forever).
+GOLDEN_IDS = [0, 1, -1, 7, 123456789, -(2**63), 2**63 - 1, 42]
+GOLDEN_HASHES = {
+    (0, 1000): [919, 849, 320, 487, 897, 915, 39, 797],
+    (7, 1 << 18): [174908, 230773, 163940, 179966, 213852, 195517, 222678, 143268],
+    (3, 97): [71, 53, 79, 6, 19, 65, 25, 6],
+}
+
+
+@pytest.mark.parametrize(("salt", "modulus"), list(GOLDEN_HASHES))
+def test_hash_modulo_outputs_never_change(salt, modulus):
+    values, offsets = jagged_from_rows([GOLDEN_IDS])
+    t = HashModulo(features=("f",), modulus=modulus, salt=salt)
+    assert t.apply_jagged(values, offsets)[0].tolist() == GOLDEN_HASHES[(salt, modulus)]
+
+
 def test_truncate_keeps_last_or_first():
-    values, offsets = _jt([[1, 2, 3, 4], [], [5], [6, 7, 8]])
+    values, offsets = jagged_from_rows([[1, 2, 3, 4], [], [5], [6, 7, 8]])
     out = Truncate(features="f", max_len=2).apply_jagged(values, offsets)
-    assert _rows(*out) == [[3, 4], [], [5], [7, 8]]
+    assert rows_of(*out) == [[3, 4], [], [5], [7, 8]]
     out = Truncate(features="f", max_len=2, keep="first").apply_jagged(values, offsets)
-    assert _rows(*out) == [[1, 2], [], [5], [6, 7]]
+    assert rows_of(*out) == [[1, 2], [], [5], [6, 7]]
     out = Truncate(features="f", max_len=0).apply_jagged(values, offsets)
-    assert _rows(*out) == [[], [], [], []]
+    assert rows_of(*out) == [[], [], [], []]
     same = Truncate(features="f", max_len=9).apply_jagged(values, offsets)
     assert same[0] is values
 
@@ -72,10 +79,10 @@ def test_vocab_lookup_file_and_oov(tmp_path):
     vocab.write_text("# ids\n40\n10\n\n30\n")
     t = VocabLookup(features="f", path=str(vocab))
     assert t.size == 4
-    out = t.apply_jagged(*_jt([[10, 30, 40, 99], [], [-5]]))
-    assert _rows(*out) == [[1, 2, 0, 3], [], [3]]
+    out = t.apply_jagged(*jagged_from_rows([[10, 30, 40, 99], [], [-5]]))
+    assert rows_of(*out) == [[1, 2, 0, 3], [], [3]]
     t2 = VocabLookup(features="f", vocab=[10, 30], num_oov_buckets=4)
-    out = t2.apply_jagged(*_jt([[10, 30, 11, 12, 11]]))
+    out = t2.apply_jagged(*jagged_from_rows([[10, 30, 11, 12, 11]]))
     got = out[0].tolist()
     assert got[:2] == [0, 1] and all(2 <= x < 6 for x in got[2:]) and got[2] == got[4]
     vocab.write_text("1\n2\n1\n")
@@ -106,14 +113,14 @@ def test_dense_transforms():
 
 
 def test_sparse_elementwise_and_fill_missing():
-    values, offsets = _jt([[1, 50, 7], [], [99]])
-    assert _rows(*Clamp(features="f", min=2, max=60.5).apply_jagged(values, offsets)) == [
+    values, offsets = jagged_from_rows([[1, 50, 7], [], [99]])
+    assert rows_of(*Clamp(features="f", min=2, max=60.5).apply_jagged(values, offsets)) == [
         [2, 50, 7], [], [60]
     ]  # fmt: skip
-    assert _rows(*Bucketize(features="f", boundaries=[5, 60]).apply_jagged(values, offsets)) == [
+    assert rows_of(*Bucketize(features="f", boundaries=[5, 60]).apply_jagged(values, offsets)) == [
         [0, 1, 1], [], [2]
     ]  # fmt: skip
-    assert _rows(*FillMissing(features="f", value=4).apply_jagged(values, offsets)) == [
+    assert rows_of(*FillMissing(features="f", value=4).apply_jagged(values, offsets)) == [
         [1, 50, 7], [4], [99]
     ]  # fmt: skip
 
@@ -221,8 +228,8 @@ def test_custom_transform_by_name(tiny_schema):
         [{"transform": "DropIds", "features": ["user_items"], "params": {"limit": 5}}],
         schema=tiny_schema,
     )
-    out = pipe.apply_jagged("user_items", *_jt([[1, 9, 3], [7], []]))
-    assert _rows(*out) == [[1, 3], [], []]
+    out = pipe.apply_jagged("user_items", *jagged_from_rows([[1, 9, 3], [7], []]))
+    assert rows_of(*out) == [[1, 3], [], []]
 
 
 # -- exactness: preprocessing an IKJT then expanding == preprocessing the expanded KJT ---------
@@ -259,8 +266,8 @@ def _transforms(vocab_path: str) -> list:
 def _batches(schema, rows_a, rows_b):
     b = len(rows_a)
     features = {
-        "user_items": JaggedTensor(*_jt(rows_a)),
-        "user_sellers": JaggedTensor(*_jt(rows_b)),
+        "user_items": JaggedTensor(*jagged_from_rows(rows_a)),
+        "user_sellers": JaggedTensor(*jagged_from_rows(rows_b)),
     }
     plain_kjt = KeyedJaggedTensor.from_jagged_dict(features, stride=b)
     empty = KeyedJaggedTensor(
@@ -332,16 +339,3 @@ def test_pipeline_on_converted_batches(make_table, tiny_schema, tmp_path):
         assert expanded.kjt[key].equals(plain.kjt[key]), key
     assert torch.equal(dedup.dense, plain.dense)
     assert not torch.isnan(dedup.dense).any()
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    ids=st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=50),
-    salt=st.integers(0, 1000),
-    modulus=st.integers(1, 2**40),
-)
-def test_numba_hash_matches_the_torch_form(ids, salt, modulus):
-    from readers.transforms import _hash_modulo, _mix64
-
-    x = torch.tensor(ids, dtype=torch.int64)
-    assert torch.equal(_hash_modulo(x, salt, modulus), torch.remainder(_mix64(x, salt), modulus))

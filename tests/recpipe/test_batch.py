@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,15 +10,7 @@ from recpipe.batch import Batch
 from recpipe.errors import DataError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import KeyedJaggedTensor
-
-
-def build_kjt(rows_per_key: dict[str, list[list[int]]]) -> KeyedJaggedTensor:
-    values = [
-        np.array([v for r in rows for v in r], dtype=np.int64) for rows in rows_per_key.values()
-    ]
-    offsets = [np.cumsum([0] + [len(r) for r in rows]) for rows in rows_per_key.values()]
-    return KeyedJaggedTensor.from_arrays(list(rows_per_key), values, offsets)
-
+from tests.common.tensors import kjt_from_rows
 
 USER = {"liked": [[1, 2], [1, 2], [3], [3]], "seller": [[7], [7], [8], [8]]}
 HISTORY = {"history": [[1, 2], [1, 2, 3], [2, 3, 4], [9]]}
@@ -31,10 +22,10 @@ def batch() -> Batch:
     return Batch(
         dense=torch.arange(8, dtype=torch.float32).reshape(4, 2),
         labels=torch.tensor([0.0, 1.0, 0.0, 1.0]),
-        kjt=build_kjt(PLAIN),
+        kjt=kjt_from_rows(PLAIN),
         ikjts={
-            "user": InverseKeyedJaggedTensor.from_kjt(build_kjt(USER)),
-            "history": PartialInverseKeyedJaggedTensor.from_kjt(build_kjt(HISTORY)),
+            "user": InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(USER)),
+            "history": PartialInverseKeyedJaggedTensor.from_kjt(kjt_from_rows(HISTORY)),
         },
         session_ids=torch.tensor([5, 5, 6, 6]),
     )
@@ -43,7 +34,7 @@ def batch() -> Batch:
 def test_to_plain_is_the_batch_without_dedup(batch):
     plain = batch.to_plain()
     assert plain.ikjts == {}
-    assert plain.kjt.equals(build_kjt({**PLAIN, **USER, **HISTORY}))
+    assert plain.kjt.equals(kjt_from_rows({**PLAIN, **USER, **HISTORY}))
     assert plain.sparse_keys == batch.sparse_keys == ("item", "liked", "seller", "history")
     assert torch.equal(plain.dense, batch.dense) and plain.batch_size == 4
     assert plain.to_plain() is plain
@@ -76,9 +67,9 @@ def test_equals_is_exact(batch):
 
 def test_batch_without_plain_features():
     empty = KeyedJaggedTensor.from_jagged_dict({}, stride=4)
-    ikjt = InverseKeyedJaggedTensor.from_kjt(build_kjt(USER))
+    ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(USER))
     b = Batch(torch.zeros(4, 0), torch.zeros(4), empty, {"user": ikjt})
-    assert b.to_plain().kjt.equals(build_kjt(USER)) and b.session_ids is None
+    assert b.to_plain().kjt.equals(kjt_from_rows(USER)) and b.session_ids is None
 
 
 @pytest.mark.parametrize(
@@ -88,13 +79,13 @@ def test_batch_without_plain_features():
         ({"dense": torch.zeros(4, 2, dtype=torch.float64)}, "`dense` must be float32"),
         ({"labels": torch.zeros(3)}, r"`labels` must be a \[B\] tensor with B = 4"),
         ({"session_ids": torch.zeros(4, 1)}, "`session_ids` must be"),
-        ({"kjt": build_kjt({"item": [[1]]})}, "`kjt` has stride 1"),
+        ({"kjt": kjt_from_rows({"item": [[1]]})}, "`kjt` has stride 1"),
         (
-            {"ikjts": {"u": InverseKeyedJaggedTensor.from_kjt(build_kjt({"x": [[1]]}))}},
+            {"ikjts": {"u": InverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"x": [[1]]}))}},
             "batch size 1",
         ),
         (
-            {"ikjts": {"u": InverseKeyedJaggedTensor.from_kjt(build_kjt({"item": [[1]] * 4}))}},
+            {"ikjts": {"u": InverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"item": [[1]] * 4}))}},
             "'item' is in both",
         ),
     ],

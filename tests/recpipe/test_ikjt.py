@@ -11,16 +11,10 @@ from hypothesis import strategies as st
 from recpipe.errors import DataError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+from tests.common.tensors import kjt_from_rows
 
 I64 = (-(2**63), 2**63 - 1)
 I32 = (-(2**31), 2**31 - 1)
-
-
-def build_kjt(rows_per_key: dict[str, list[list[int]]], dtype=np.int64) -> KeyedJaggedTensor:
-    """The KJT built without any dedup, from python lists."""
-    values = [np.array([v for r in rows for v in r], dtype=dtype) for rows in rows_per_key.values()]
-    offsets = [np.cumsum([0] + [len(r) for r in rows]) for rows in rows_per_key.values()]
-    return KeyedJaggedTensor.from_arrays(list(rows_per_key), values, offsets)
 
 
 def reference_dedup(rows_per_key: dict[str, list[list[int]]]) -> tuple[list[int], list[int]]:
@@ -76,13 +70,13 @@ def session_batches(draw, max_keys: int = 3, max_rows: int = 24):
 @given(session_batches())
 def test_ikjt_expands_to_the_batch_exactly(case):
     rows_per_key, dtype = case
-    kjt = build_kjt(rows_per_key, dtype)
+    kjt = kjt_from_rows(rows_per_key, dtype)
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt)
     assert ikjt.to_kjt().equals(kjt)
     unique, inverse = reference_dedup(rows_per_key)
     assert ikjt.inverse_lookup.tolist() == inverse
     assert ikjt.num_unique == len(unique) and ikjt.batch_size == kjt.stride
-    want = build_kjt({k: [rows[u] for u in unique] for k, rows in rows_per_key.items()}, dtype)
+    want = kjt_from_rows({k: [rows[u] for u in unique] for k, rows in rows_per_key.items()}, dtype)
     assert ikjt.unique.equals(want)
     stored = want.num_values
     assert ikjt.dedup_factor == pytest.approx(kjt.num_values / stored if stored else 1.0)
@@ -97,7 +91,7 @@ def test_ikjt_expands_to_the_batch_exactly(case):
 
 def test_ikjt_layout_matches_docstring():
     rows = {"liked_items": [[7, 3], [7, 3], [7, 3], [5]], "liked_sellers": [[1], [1], [2], [2]]}
-    ikjt = InverseKeyedJaggedTensor.from_kjt(build_kjt(rows))
+    ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(rows))
     assert ikjt.keys == ("liked_items", "liked_sellers")
     assert ikjt.values.tolist() == [7, 3, 7, 3, 5, 1, 2, 2]
     assert ikjt.lengths.tolist() == [2, 2, 1, 1, 1, 1]
@@ -110,25 +104,25 @@ def test_ikjt_layout_matches_docstring():
 def test_out_of_step_rows_are_not_merged():
     # each key alone has 2 unique rows, but the tuples give 3
     rows = {"a": [[1], [1], [2]], "b": [[5], [6], [6]]}
-    ikjt = InverseKeyedJaggedTensor.from_kjt(build_kjt(rows))
+    ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(rows))
     assert ikjt.num_unique == 3 and ikjt.dedup_factor == 1.0
-    only_a = InverseKeyedJaggedTensor.from_kjt(build_kjt(rows), keys=["a"])
+    only_a = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(rows), keys=["a"])
     assert only_a.num_unique == 2 and only_a.keys == ("a",)
 
 
 def test_ikjt_edge_cases():
-    empty = InverseKeyedJaggedTensor.from_kjt(build_kjt({"a": [], "b": []}))
+    empty = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"a": [], "b": []}))
     assert empty.batch_size == 0 and empty.num_unique == 0 and empty.dedup_factor == 1.0
-    assert empty.to_kjt().equals(build_kjt({"a": [], "b": []}))
-    all_empty = build_kjt({"a": [[], [], []]})
+    assert empty.to_kjt().equals(kjt_from_rows({"a": [], "b": []}))
+    all_empty = kjt_from_rows({"a": [[], [], []]})
     ikjt = InverseKeyedJaggedTensor.from_kjt(all_empty)
     assert ikjt.num_unique == 1 and ikjt.dedup_factor == 1.0 and ikjt.to_kjt().equals(all_empty)
-    one = build_kjt({"a": [[4, 4]]}, np.int32)
+    one = kjt_from_rows({"a": [[4, 4]]}, np.int32)
     assert InverseKeyedJaggedTensor.from_kjt(one).to_kjt().equals(one)
 
 
 def test_ikjt_map_keeps_the_inverse_and_commutes_with_expansion():
-    kjt = build_kjt({"a": [[10, 11, 12], [10, 11, 12], [13]], "b": [[1], [1], [2]]})
+    kjt = kjt_from_rows({"a": [[10, 11, 12], [10, 11, 12], [13]], "b": [[1], [1], [2]]})
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt)
     hashed = ikjt.map_values(lambda v: v % 7)
     assert hashed.inverse_lookup is ikjt.inverse_lookup
@@ -156,7 +150,7 @@ def test_ikjt_to_kjt_gradient_accumulates_over_duplicates():
 
 
 def test_ikjt_equals_to_and_pin_memory():
-    kjt = build_kjt({"a": [[1], [1], [2]]})
+    kjt = kjt_from_rows({"a": [[1], [1], [2]]})
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt)
     assert ikjt.equals(InverseKeyedJaggedTensor.from_kjt(kjt))
     other = InverseKeyedJaggedTensor(
@@ -181,7 +175,7 @@ def test_ikjt_errors():
             }
         )
     with pytest.raises(DataError, match="unknown key 'z'"):
-        InverseKeyedJaggedTensor.from_kjt(build_kjt({"a": [[1]]}), keys=["z"])
+        InverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"a": [[1]]}), keys=["z"])
     # a repeated key must be refused, not collapse into one feature
     vals, offs = [np.array([1]), np.array([2])], [np.array([0, 1]), np.array([0, 1])]
     for cls in (InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor, KeyedJaggedTensor):
@@ -193,7 +187,7 @@ def test_ikjt_errors():
 
 
 def test_partial_layout_matches_docstring():
-    kjt = build_kjt({"history": [[1, 2, 3], [1, 2, 3], [2, 3, 4], [8]]})
+    kjt = kjt_from_rows({"history": [[1, 2, 3], [1, 2, 3], [2, 3, 4], [8]]})
     p = PartialInverseKeyedJaggedTensor.from_kjt(kjt)
     assert p.values.tolist() == [1, 2, 3, 4, 8]
     assert p.window_offsets.tolist() == [0, 0, 1, 4]
@@ -227,7 +221,7 @@ def shifting_histories(draw):
 @given(shifting_histories())
 def test_partial_ikjt_expands_exactly(case):
     rows_per_key, dtype = case
-    kjt = build_kjt(rows_per_key, dtype)
+    kjt = kjt_from_rows(rows_per_key, dtype)
     p = PartialInverseKeyedJaggedTensor.from_kjt(kjt)
     assert p.to_kjt().equals(kjt)
     assert p.num_values <= kjt.num_values
@@ -239,7 +233,7 @@ def test_partial_ikjt_expands_exactly(case):
 
 
 def test_partial_ikjt_to_pin_and_errors():
-    p = PartialInverseKeyedJaggedTensor.from_kjt(build_kjt({"h": [[1, 2], [2, 3]]}))
+    p = PartialInverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"h": [[1, 2], [2, 3]]}))
     assert p.to("meta").values.device.type == "meta" and p.pin_memory().equals(p)
     with pytest.raises(DataError, match=r"window 1 .* outside the 3 values"):
         PartialInverseKeyedJaggedTensor(

@@ -11,17 +11,9 @@ from hypothesis import strategies as st
 
 from recpipe.errors import DataError, RecpipeError
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+from tests.common.tensors import kjt_from_rows
 
 ROWS = [[7, 3], [], [5], [9, 9, 1]]
-
-
-def kjt_from_rows(rows_per_key: dict[str, list[list[int]]], dtype=np.int64) -> KeyedJaggedTensor:
-    """Reference builder: python lists -> KJT through numpy arrays."""
-    values, offsets = [], []
-    for rows in rows_per_key.values():
-        values.append(np.array([v for row in rows for v in row], dtype=dtype))
-        offsets.append(np.cumsum([0] + [len(row) for row in rows]))
-    return KeyedJaggedTensor.from_arrays(list(rows_per_key), values, offsets)
 
 
 # -- JaggedTensor -------------------------------------------------------------------------------

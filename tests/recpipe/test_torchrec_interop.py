@@ -13,6 +13,7 @@ from recpipe.batch import Batch
 from recpipe.errors import DataError, DependencyError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+from tests.common.tensors import kjt_from_rows
 
 try:
     trj = optional_import("torchrec.sparse.jagged_tensor", purpose="the TorchRec interop tests")
@@ -30,12 +31,6 @@ from recpipe.torchrec_interop import (
 )
 
 pytestmark = pytest.mark.torchrec
-
-
-def build_kjt(rows_per_key: dict[str, list[list[int]]], dtype=np.int64) -> KeyedJaggedTensor:
-    values = [np.array([v for r in rows for v in r], dtype=dtype) for rows in rows_per_key.values()]
-    offsets = [np.cumsum([0] + [len(r) for r in rows]) for rows in rows_per_key.values()]
-    return KeyedJaggedTensor.from_arrays(list(rows_per_key), values, offsets)
 
 
 USER = {"liked": [[1, 2], [1, 2], [3], [3], [1, 2]], "seller": [[7], [7], [8], [8], [7]]}
@@ -57,7 +52,7 @@ def batches(draw):
 @given(batches())
 def test_kjt_round_trip_shares_tensors(case):
     rows, dtype = case
-    kjt = build_kjt(rows, dtype)
+    kjt = kjt_from_rows(rows, dtype)
     tr = to_torchrec(kjt)
     assert tr.keys() == list(kjt.keys) and tr.stride() == kjt.stride
     assert tr.values().data_ptr() == kjt.values.data_ptr()
@@ -76,7 +71,7 @@ def test_from_torchrec_of_a_torchrec_built_kjt():
     )
     kjt = from_torchrec(tr)
     assert kjt.lengths.dtype == torch.int64
-    assert kjt.equals(build_kjt({"a": [[1, 2], []], "b": [[3], [4, 5]]}))
+    assert kjt.equals(kjt_from_rows({"a": [[1, 2], []], "b": [[3], [4, 5]]}))
 
 
 def test_jagged_round_trip():
@@ -90,7 +85,7 @@ def test_jagged_round_trip():
 @given(batches())
 def test_ikjt_round_trip_and_inverse_expansion(case):
     rows, dtype = case
-    kjt = build_kjt(rows, dtype)
+    kjt = kjt_from_rows(rows, dtype)
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt)
     tr = ikjt_to_torchrec(ikjt)
     assert tr.variable_stride_per_key() and tr.stride() == ikjt.batch_size
@@ -117,7 +112,7 @@ def test_embedding_bag_collection_pools_ikjt_like_the_expanded_kjt():
             )
         ]
     )
-    ikjt = InverseKeyedJaggedTensor.from_kjt(build_kjt(USER))
+    ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(USER))
     assert ikjt.num_unique == 2
     dedup = ebc(ikjt_to_torchrec(ikjt)).values()  # (B, 2 * 4), pooled on U rows then expanded
     plain = ebc(to_torchrec(ikjt.to_kjt())).values()
@@ -126,8 +121,8 @@ def test_embedding_bag_collection_pools_ikjt_like_the_expanded_kjt():
 
 
 def test_batch_to_torchrec_is_the_expanded_view():
-    ikjt = InverseKeyedJaggedTensor.from_kjt(build_kjt(USER))
-    plain = build_kjt({"item": [[1], [2], [3], [4], [5]]})
+    ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(USER))
+    plain = kjt_from_rows({"item": [[1], [2], [3], [4], [5]]})
     batch = Batch(torch.ones(5, 3), torch.zeros(5), plain, {"user": ikjt})
     tr = batch_to_torchrec(batch)
     assert from_torchrec(tr.sparse_features).equals(batch.to_plain().kjt)
@@ -135,17 +130,17 @@ def test_batch_to_torchrec_is_the_expanded_view():
 
 
 def test_what_torchrec_cannot_express_is_refused():
-    ikjt = InverseKeyedJaggedTensor.from_kjt(build_kjt(USER))
+    ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(USER))
     with pytest.raises(DataError, match="variable batch per key"):
         from_torchrec(ikjt_to_torchrec(ikjt))
     with pytest.raises(DataError, match="no `inverse_indices`"):
-        ikjt_from_torchrec(to_torchrec(build_kjt(USER)))
+        ikjt_from_torchrec(to_torchrec(kjt_from_rows(USER)))
     weighted = trj.KeyedJaggedTensor(
         keys=["a"], values=torch.tensor([1]), weights=torch.tensor([0.5]), lengths=torch.tensor([1])
     )
     with pytest.raises(DataError, match="weights"):
         from_torchrec(weighted)
-    partial = PartialInverseKeyedJaggedTensor.from_kjt(build_kjt({"h": [[1, 2], [2, 3]]}))
+    partial = PartialInverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"h": [[1, 2], [2, 3]]}))
     with pytest.raises(DataError, match="partial IKJT"):
         ikjt_to_torchrec(partial)
     # two keys deduplicated separately: their inverse rows differ, so they are not one group
@@ -159,7 +154,7 @@ def test_what_torchrec_cannot_express_is_refused():
     with pytest.raises(DataError, match="different inverse indices"):
         ikjt_from_torchrec(tr)
     with pytest.raises(DataError, match="must be a torchrec KeyedJaggedTensor"):
-        from_torchrec(build_kjt(USER))
+        from_torchrec(kjt_from_rows(USER))
     no_keys = trj.KeyedJaggedTensor(
         keys=[],
         values=torch.empty(0, dtype=torch.int64),

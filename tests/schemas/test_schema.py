@@ -306,7 +306,7 @@ def test_names_colliding_ignoring_case_are_refused_naming_both_and_the_file(tmp_
 
 
 def test_a_case_collision_stops_the_cli_build_with_the_schema_error(tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     logs = tmp_path / "f.jsonl"
     logs.write_text(

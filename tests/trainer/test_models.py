@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_modules import SMALL_SCHEMA, session_batch
 
 from recpipe.errors import RecpipeError
 from schemas import default_schema, parse_schema
+from tests.common.data import session_batch
+from tests.common.schemas import TINY_SCHEMA
 from trainer.models import DLRM, ModelConfig, attention_features, default_tables
 from trainer.modules import TableConfig
 
 
 @pytest.fixture(scope="module")
 def schema():
-    return parse_schema(SMALL_SCHEMA, source="small.toml")
+    return parse_schema(TINY_SCHEMA, source="tiny.toml")
 
 
 def _grads(model):
@@ -74,8 +75,8 @@ def test_same_seed_same_parameters(schema):
 
 def test_explicit_shared_tables(schema):
     tables = (
-        TableConfig("items", 40, 8, ("liked_items", "item_id"), hash_ids=True),
-        TableConfig("rest", 40, 8, ("liked_sellers", "segment", "item_tags"), hash_ids=True),
+        TableConfig("items", 40, 8, ("user_items", "item_id"), hash_ids=True),
+        TableConfig("rest", 40, 8, ("user_sellers", "user_segment", "item_tags"), hash_ids=True),
     )
     model = DLRM.from_schema(schema, ModelConfig(embedding_dim=8, tables=tables, attention="none"))
     batch = session_batch(schema, 32, seed=5)

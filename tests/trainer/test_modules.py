@@ -1,12 +1,11 @@
 """Dedup embedding modules (O5, O6) and deduplicated attention pooling (O7): dedup == plain.
 
-Batches are built directly from recpipe types by :func:`session_batch` (also used by the model
-and training tests), so these tests do not depend on the ETL or the readers.
+Batches are built directly from recpipe types by ``tests.common.data.session_batch`` (also used
+by the model tests), so these tests do not depend on the ETL or the readers.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,6 +14,8 @@ from recpipe.errors import DataError, RecpipeError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from schemas import default_schema, parse_schema
+from tests.common.data import session_batch
+from tests.common.schemas import TINY_SCHEMA
 from trainer.modules import (
     AttentionPooling,
     EmbeddingBagCollection,
@@ -25,118 +26,10 @@ from trainer.modules import (
     locate_features,
 )
 
-SMALL_SCHEMA = """
-[dataset]
-name = "small"
-[[dense]]
-name = "age"
-[[dense]]
-name = "price"
-[[sparse]]
-name = "liked_items"
-kind = "user"
-max_len = 6
-[[sparse]]
-name = "liked_sellers"
-kind = "user"
-max_len = 4
-[[sparse]]
-name = "segment"
-kind = "user"
-max_len = 1
-[[sparse]]
-name = "item_id"
-kind = "item"
-max_len = 1
-[[sparse]]
-name = "item_tags"
-kind = "item"
-max_len = 3
-[dedup]
-groups = [["liked_items", "liked_sellers"], ["segment"]]
-"""
-
-
-def group_name(keys):
-    return "+".join(keys)
-
-
-def session_batch(
-    schema,
-    batch_size: int,
-    *,
-    seed: int = 0,
-    mean_session_len: float = 6.0,
-    shift_prob: float = 0.3,
-    vocab: int = 500,
-    label_signal: bool = False,
-) -> Batch:
-    """A deduplicated Batch of whole sessions for ``schema`` (plain: ``batch.to_plain()``).
-
-    User features stay constant within a session except that each dedup group's lists shift
-    together by one id with ``shift_prob`` per row; item/context features change every row.
-    Empty lists occur. With ``label_signal`` labels depend on the item id and segment.
-    """
-    rng = np.random.default_rng(seed)
-    rows, session_ids = 0, []
-    sid = 0
-    while rows < batch_size:
-        n = min(int(rng.geometric(1.0 / mean_session_len)), batch_size - rows)
-        session_ids += [sid] * n
-        rows += n
-        sid += 1
-    sessions = np.array(session_ids)
-    first = np.r_[True, sessions[1:] != sessions[:-1]]
-    groups = [tuple(g) for g in schema.dedup_groups]
-    shift_of = {}
-    for g in groups:
-        shift = rng.random(batch_size) < shift_prob
-        for f in g:
-            shift_of[f] = shift
-    features = {}
-    for spec in schema.sparse:
-        lists = []
-        if spec.kind == "user":
-            shift = shift_of.get(spec.name, rng.random(batch_size) < shift_prob)
-            current: list[int] = []
-            for r in range(batch_size):
-                if first[r]:
-                    length = int(rng.integers(0, spec.max_len + 1))
-                    current = rng.integers(0, vocab, length).tolist()
-                elif shift[r]:
-                    current = [*current, int(rng.integers(0, vocab))][-spec.max_len :]
-                lists.append(current)
-        else:
-            for _ in range(batch_size):
-                length = int(rng.integers(0 if spec.max_len > 1 else 1, spec.max_len + 1))
-                lists.append(rng.integers(0, vocab, length).tolist())
-        features[spec.name] = JaggedTensor.from_dense_list(
-            [torch.tensor(x, dtype=torch.int64) for x in lists], dtype=torch.int64
-        )
-    kjt = KeyedJaggedTensor.from_jagged_dict(features)
-    grouped = {f for g in groups for f in g}
-    plain = kjt.select([f for f in schema.sparse_names if f not in grouped])
-    dense = torch.from_numpy(rng.normal(size=(batch_size, len(schema.dense))).astype(np.float32))
-    if label_signal:
-        item_f = next(s.name for s in schema.sparse if s.kind == "item" and s.max_len == 1)
-        item = features[item_f].values.numpy()
-        logit = ((item % 7) - 3.0) * 0.8 + dense[:, 0].numpy()
-        p = 1.0 / (1.0 + np.exp(-logit))
-        labels = torch.from_numpy((rng.random(batch_size) < p).astype(np.float32))
-    else:
-        labels = torch.from_numpy((rng.random(batch_size) < 0.3).astype(np.float32))
-    return Batch(
-        dense=dense,
-        labels=labels,
-        kjt=plain,
-        ikjts={group_name(g): InverseKeyedJaggedTensor.from_kjt(kjt, g) for g in groups},
-        session_ids=torch.from_numpy(sessions),
-    )
-
 
 @pytest.fixture(scope="module")
 def small_schema():
-    return parse_schema(SMALL_SCHEMA, source="small.toml")
+    return parse_schema(TINY_SCHEMA, source="tiny.toml")
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +95,36 @@ def test_hash_ids_maps_raw_ids_into_the_table():
 
 
 # -- embedding bags (O5) -----------------------------------------------------------------------
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("bad_id", [500, 10**12, -1])
+def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, dedup, bad_id):
+    """Regression: torch's index error named neither the table, the feature nor the id."""
+    kjt = batch.to_plain().kjt
+    lists = {k: kjt[k].to_dense_list() for k in kjt.keys}
+    lists["user_items"][5] = torch.tensor([3, bad_id, 4])  # in a dedup group
+    rebuilt = KeyedJaggedTensor.from_jagged_dict(
+        {k: JaggedTensor.from_dense_list(v, dtype=torch.int64) for k, v in lists.items()}
+    )
+    plain = Batch(dense=batch.dense, labels=batch.labels, kjt=rebuilt)
+    inputs = plain
+    if dedup:
+        groups = {g: InverseKeyedJaggedTensor.from_kjt(rebuilt, g.split("+")) for g in batch.ikjts}
+        grouped = [k for g in groups for k in g.split("+")]
+        plain_keys = [k for k in rebuilt.keys if k not in grouped]
+        inputs = Batch(
+            dense=batch.dense, labels=batch.labels, kjt=rebuilt.select(plain_keys), ikjts=groups
+        )
+    tables = _tables(small_schema, num=500, hash_ids=False)  # the batch draws ids below 500
+    for module in (EmbeddingBagCollection(tables), SequenceEmbeddingCollection(tables)):
+        with pytest.raises(DataError) as exc:
+            module(inputs)
+        text = str(exc.value)
+        assert "feature 'user_items'" in text and "table 'user_items' of 500 rows" in text
+        assert f"id {bad_id} " in text and "hash_ids" in text and "num_embeddings" in text
+    # with hash_ids the same ids are taken modulo the table and the lookup succeeds
+    EmbeddingBagCollection(_tables(small_schema, num=500, hash_ids=True))(inputs)
+
+
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_ebc_dedup_matches_plain_values_and_gradients(small_schema, batch, pooling):
     ebc = EmbeddingBagCollection(_tables(small_schema, pooling=pooling), seed=1).double()
@@ -229,13 +152,13 @@ def test_ebc_looks_up_unique_rows_only(small_schema, batch):
     ebc = EmbeddingBagCollection(_tables(small_schema), table_factory=CountingTable)
     ebc(batch)
     rows = dict(seen)
-    assert rows["liked_items"] == batch.ikjts["liked_items+liked_sellers"].num_unique
-    assert rows["segment"] == batch.ikjts["segment"].num_unique
+    assert rows["user_items"] == batch.ikjts["user_items+user_sellers"].num_unique
+    assert rows["user_segment"] == batch.ikjts["user_segment"].num_unique
     assert rows["item_id"] == 64
 
 
 def test_shared_table_accumulates_both_features(small_schema, batch):
-    shared = TableConfig("items", 50, 4, ("liked_items", "item_id"), hash_ids=True)
+    shared = TableConfig("items", 50, 4, ("user_items", "item_id"), hash_ids=True)
     ebc = EmbeddingBagCollection([shared], seed=2).double()
     weights = {f: torch.ones(64, 4, dtype=torch.float64) for f in ebc.features}
     _, grads_d = _backward_grads(ebc, batch, weights)
@@ -244,7 +167,7 @@ def test_shared_table_accumulates_both_features(small_schema, batch):
     # every looked-up id of both features got gradient
     plain = batch.to_plain().kjt
     counts = torch.bincount(
-        torch.cat([plain["liked_items"].values, plain["item_id"].values]) % 50, minlength=50
+        torch.cat([plain["user_items"].values, plain["item_id"].values]) % 50, minlength=50
     ).double()
     torch.testing.assert_close(grads_p["tables.items.weight"][:, 0], counts)
 
@@ -257,10 +180,10 @@ def test_partial_ikjt_group_falls_back_to_expansion(small_schema, batch):
         labels=batch.labels,
         kjt=batch.kjt,
         ikjts={
-            "liked_items+liked_sellers": PartialInverseKeyedJaggedTensor.from_kjt(
-                plain.kjt, ["liked_items", "liked_sellers"]
+            "user_items+user_sellers": PartialInverseKeyedJaggedTensor.from_kjt(
+                plain.kjt, ["user_items", "user_sellers"]
             ),
-            "segment": batch.ikjts["segment"],
+            "user_segment": batch.ikjts["user_segment"],
         },
     )
     out_partial, out_plain = ebc(partial), ebc(plain)
@@ -280,29 +203,29 @@ def test_sequence_embeddings_stay_unique_and_expand_exactly(small_schema, batch)
     seq = SequenceEmbeddingCollection(_tables(small_schema)[:2], seed=4).double()
     out_d = seq(batch)
     out_p = seq(batch.to_plain())
-    group = batch.ikjts["liked_items+liked_sellers"]
-    for f in ("liked_items", "liked_sellers"):
+    group = batch.ikjts["user_items+user_sellers"]
+    for f in ("user_items", "user_sellers"):
         assert out_d[f].inverse is group.inverse_lookup
         assert out_d[f].num_rows == group.num_unique and out_d[f].batch_size == 64
         expanded = out_d[f].expand()
         torch.testing.assert_close(expanded.values, out_p[f].values, rtol=0, atol=0)
         assert torch.equal(expanded.offsets, out_p[f].offsets)
     # gradients through the jagged index select (backward: jagged index add)
-    w = torch.randn(out_p["liked_items"].values.shape, dtype=torch.float64)
+    w = torch.randn(out_p["user_items"].values.shape, dtype=torch.float64)
     seq.zero_grad(set_to_none=True)
-    (seq(batch)["liked_items"].expand().values * w).sum().backward()
-    g_d = _dense_grad(seq.tables["liked_items"].weight).clone()
+    (seq(batch)["user_items"].expand().values * w).sum().backward()
+    g_d = _dense_grad(seq.tables["user_items"].weight).clone()
     seq.zero_grad(set_to_none=True)
-    (seq(batch.to_plain())["liked_items"].values * w).sum().backward()
-    torch.testing.assert_close(g_d, _dense_grad(seq.tables["liked_items"].weight))
+    (seq(batch.to_plain())["user_items"].values * w).sum().backward()
+    torch.testing.assert_close(g_d, _dense_grad(seq.tables["user_items"].weight))
 
 
 # -- attention pooling (O7) --------------------------------------------------------------------
 def _attention(dim=8, **kw):
     return AttentionPooling(
-        ["liked_items", "liked_sellers"],
+        ["user_items", "user_sellers"],
         dim=dim,
-        max_len={"liked_items": 6, "liked_sellers": 4},
+        max_len={"user_items": 6, "user_sellers": 4},
         **kw,
     ).double()
 
@@ -335,7 +258,7 @@ def test_attention_dedup_matches_plain_values_and_gradients(small_schema, batch)
 
     out_d, grads_d, rows_d = run(batch)
     out_p, grads_p, rows_p = run(batch.to_plain())
-    assert rows_d == batch.ikjts["liked_items+liked_sellers"].num_unique < rows_p == 64
+    assert rows_d == batch.ikjts["user_items+user_sellers"].num_unique < rows_p == 64
     assert out_d.shape == (64, 8)
     torch.testing.assert_close(out_d, out_p, rtol=1e-10, atol=1e-12)
     assert grads_d.keys() == grads_p.keys()

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from recpipe.cli import main
 from recpipe.errors import StoreError
+from recpipe_cli import main
 from trainer.store import EmbeddingStore, StoreConfig, inspect_store, open_store
 
 DIM = 4

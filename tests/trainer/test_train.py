@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recpipe.errors import DataError, RecpipeError
+from tests.common.data import synthetic_dataset
 from trainer.metrics import PredictionWindow, auc
 from trainer.models import ModelConfig
 from trainer.train import TrainConfig, Trainer, format_summary, holdout_splits, train
@@ -21,21 +22,8 @@ SMALL_MODEL = ModelConfig(
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """12k synthetic requests clustered into row groups of ~1k rows (about 12 row groups)."""
-    from etl.build import BuildConfig, build
-    from etl.synth import SynthConfig, generate
-    from schemas import default_schema
-
     root = tmp_path_factory.mktemp("train_data")
-    logs = generate(root / "raw", SynthConfig(num_requests=12_000, seed=3, files=2))
-    out = root / "dataset"
-    build(
-        logs.features,
-        out,
-        events=logs.events,
-        schema=default_schema(),
-        config=BuildConfig(row_group_size=1024),
-    )
-    return out
+    return synthetic_dataset(root, requests=12_000, seed=3, files=2, row_group_size=1024)
 
 
 def _config(dataset, tmp_path=None, **kw):
@@ -112,14 +100,14 @@ def test_hybrid_resume_after_a_crash_between_the_stores_and_the_state_file(
 
     kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
     full = train(_config(dataset, tmp_path / "full", steps=6, **kw), progress=False)
-    save = train_module._save_atomic
+    save = train_module.save_checkpoint
 
     def crash_at_step_4(state, path):
         if state["trainer"]["step"] == 4:
             raise _Crash
         save(state, path)
 
-    monkeypatch.setattr(train_module, "_save_atomic", crash_at_step_4)
+    monkeypatch.setattr(train_module, "save_checkpoint", crash_at_step_4)
     with pytest.raises(_Crash):
         train(_config(dataset, tmp_path / "crash", steps=6, **kw), progress=False)
     monkeypatch.undo()
@@ -145,7 +133,7 @@ def test_hybrid_resume_without_a_state_file_starts_afresh(dataset, tmp_path, mon
 
     kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
     full = train(_config(dataset, tmp_path / "full", steps=3, **kw), progress=False)
-    monkeypatch.setattr(train_module, "_save_atomic", lambda *a: (_ for _ in ()).throw(_Crash()))
+    monkeypatch.setattr(train_module, "save_checkpoint", lambda *a: (_ for _ in ()).throw(_Crash()))
     with pytest.raises(_Crash):
         train(_config(dataset, tmp_path / "crash", steps=3, **kw), progress=False)
     monkeypatch.undo()
@@ -243,7 +231,7 @@ def test_other_optimizers_step(optimizer, dataset):
 
 
 def test_cli_trains_resumes_and_summarises(dataset, tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     ck, js = tmp_path / "ck", tmp_path / "summary.json"
     args = [
@@ -263,13 +251,15 @@ def test_cli_trains_resumes_and_summarises(dataset, tmp_path, capsys):
 
 
 def test_cli_rejects_bad_options(dataset, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     with pytest.raises(SystemExit):
         main(["train", str(dataset), "--steps", "0"])
     assert "must be a positive integer" in capsys.readouterr().err
-    assert main(["train", str(dataset), "--resume", "--no-progress"]) == 1
-    assert "`resume` needs a `checkpoint`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # TrainConfig's check, as a usage error
+        main(["train", str(dataset), "--resume", "--no-progress"])
+    assert exc.value.code == 2
+    assert "`--resume` needs a `--checkpoint`" in capsys.readouterr().err
 
 
 def test_summary_renders(dataset, tmp_path):

@@ -5,9 +5,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["register_cli", "run"]
+from recpipe.config_cli import add_config_options
+
+__all__ = ["InspectOptions", "register_cli", "run"]
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    """What ``recpipe store`` does (its options are generated from these fields).
+
+    Attributes:
+        path: the store directory.
+        json: print JSON instead of a table.
+        verify: open the store (as recovery does) and check every committed row's checksum.
+    """
+
+    path: str
+    json: bool = False
+    verify: bool = False
 
 
 def register_cli(subparsers: Any) -> None:
@@ -21,11 +39,7 @@ def register_cli(subparsers: Any) -> None:
             "(as recovery does) and checks the checksum of every committed row."
         ),
     )
-    parser.add_argument("path", help="the store directory")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--verify", action="store_true", help="open the store and check every row's checksum"
-    )
+    add_config_options(parser, InspectOptions)
     parser.set_defaults(func=run)
 
 

@@ -1,8 +1,9 @@
-"""The ``recpipe`` command line.
+"""The ``recpipe`` command line: the one layer above ``etl``, ``readers`` and ``trainer``.
 
 Each subcommand lives next to the code it drives and exposes ``register_cli(subparsers)``,
 which adds its parser and sets ``func`` (called with the parsed namespace, returning an exit
 code). Modules are imported lazily by name so that ``recpipe etl ...`` never imports torch.
+Nothing in the library imports this package; ``python -m recpipe_cli`` runs it too.
 """
 
 from __future__ import annotations
@@ -13,23 +14,17 @@ import sys
 
 from recpipe.errors import RecpipeError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
-# (module, summary) in the order `recpipe --help` lists them.
-_SUBCOMMANDS: list[tuple[str, str]] = [
-    ("etl.synth", "generate deterministic synthetic session logs"),
-    ("etl.cli", "shard and build: raw logs -> session-clustered zstd Parquet"),
-    ("etl.stats", "DuckDB duplication statistics and dedup proposals"),
-    ("readers.service", "serve preprocessed batches to trainers over TCP"),
-    ("trainer.cli", "train a DLRM with or without dedup"),
-    ("trainer.store.cli", "inspect a hybrid embedding store"),
-]
-
-
-def _command_of(module_name: str) -> str:
-    return {"etl.synth": "synth", "etl.cli": "etl", "etl.stats": "stats",
-            "readers.service": "serve", "trainer.cli": "train",
-            "trainer.store.cli": "store"}[module_name]  # fmt: skip
+SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("synth", "etl.synth", "generate deterministic synthetic session logs"),
+    ("etl", "etl.cli", "shard and build: raw logs -> session-clustered zstd Parquet"),
+    ("stats", "etl.stats", "DuckDB duplication statistics and dedup proposals"),
+    ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
+    ("train", "trainer.cli", "train a DLRM with or without dedup"),
+    ("store", "trainer.store.cli", "inspect a hybrid embedding store"),
+)
+"""``(command, module with register_cli, summary)`` in the order ``recpipe --help`` lists them."""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -48,8 +43,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for module_name, summary in _SUBCOMMANDS:
-        name = _command_of(module_name)
+    for name, module_name, summary in SUBCOMMANDS:
         if command is not None and name != command:
             sub.add_parser(name, help=summary, add_help=False)
             continue
@@ -60,7 +54,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``recpipe`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    known = {_command_of(m) for m, _ in _SUBCOMMANDS}
+    known = {name for name, _, _ in SUBCOMMANDS}
     command = argv[0] if argv and argv[0] in known else None
     parser = build_parser(command)
     args = parser.parse_args(argv)
@@ -75,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"recpipe {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

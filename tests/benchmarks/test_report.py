@@ -1,0 +1,63 @@
+"""The README's benchmark tables are generated from benchmarks/results/*.json, never typed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from _bench import load_benchmark
+
+report = load_benchmark("report")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_readme_tables_are_what_report_renders_from_the_committed_json():
+    readme = (ROOT / "README.md").read_text()
+    expected = report.replace_section(readme, report.render(report.load_results()))
+    assert readme == expected, "run `python benchmarks/report.py` (or `make bench`)"
+
+
+def test_benchmark_prose_outside_the_tables_holds_no_measured_number():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Benchmarks") : readme.index("## Development")]
+    prose = section[: section.index(report.BEGIN)] + section[section.index(report.END) :]
+    prose = re.sub(r"`[^`]*`", "", prose)  # file names, keys and commands may hold digits
+    assert not re.search(r"\d", prose), "a measured figure belongs in the JSON and its table"
+
+
+def test_new_result_shapes_render_spreads_cpu_ratios_and_targets(tmp_path):
+    results = report.load_results()
+    spread = {"min": 1.5, "median": 1.9, "max": 2.0, "repeats": 5, "values": []}
+    cpu = {"min": 1.6, "median": 1.95, "max": 2.1, "repeats": 5, "values": []}
+    results["readers"] = {
+        **results["readers"],
+        "reader_speedup_vs_baseline": 1.9,
+        "reader_speedup_vs_baseline_spread": {"median": 1.9, "wall": spread, "cpu": cpu},
+        "targets": {"reader_speedup_vs_baseline": 2.0},
+    }
+    text = report.render(results)
+    row = next(line for line in text.splitlines() if "`reader_speedup_vs_baseline`" in line)
+    assert "1.90x — 1.50x–2.00x over 5 repeats" in row
+    assert "CPU-time ratio 1.95x (1.60x–2.10x over 5 repeats)" in row
+    assert "not met" in row and ">= 2 " in row
+    del results["trainer"]
+    assert "**Trainer**" not in report.render(results)  # a missing results file: no table
+
+
+def test_report_check_and_rewrite(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    src = ROOT / "benchmarks" / "results" / "trainer.json"
+    (folder / "trainer.json").write_text(src.read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nold\n{report.END}\noutro\n")
+    argv = ["--results", str(folder), "--readme", str(readme)]
+    assert report.main([*argv, "--check"]) == 1
+    assert report.main(argv) == 0
+    assert report.main([*argv, "--check"]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "**Trainer**" in text
+    assert "old" not in text
+    data = json.loads(src.read_text())
+    assert f"{data['dedup_speedup']:.2f}x" in text

@@ -1,0 +1,245 @@
+"""The configs of ``trainer``: a table, a model, a training run (``recpipe train``'s options).
+
+Plain dataclasses checked in ``__post_init__``, importing nothing heavy: ``recpipe train``
+generates its options from them (:mod:`recpipe.config_cli`) without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from recpipe.errors import RecpipeError
+
+__all__ = [
+    "DEFAULT_LR",
+    "ModelConfig",
+    "OptimizerKind",
+    "PoolingMode",
+    "TableConfig",
+    "TrainConfig",
+]
+
+PoolingMode = Literal["sum", "mean"]
+_POOLING: tuple[str, ...] = get_args(PoolingMode)
+
+OptimizerKind = Literal["adagrad", "sgd", "adam"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerKind)
+DEFAULT_LR: dict[str, float] = {"adagrad": 0.05, "sgd": 0.1, "adam": 1e-3}
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table and the features that look it up.
+
+    Attributes:
+        name: table name (unique in a collection).
+        num_embeddings: rows of the table.
+        dim: embedding dimension D.
+        features: sparse features that read this table; several features may share it.
+        pooling: how a bag of ids is pooled by ``trainer.modules.EmbeddingBagCollection``.
+        hash_ids: take ids modulo ``num_embeddings`` in the module (for raw ids; leave off when
+            preprocessing already mapped them into range, e.g. ``readers.HashModulo``).
+        sparse_grad: produce sparse gradients for the table (only the rows looked up); the
+            optimizer must accept them (SGD, Adagrad, SparseAdam).
+
+    Raises:
+        RecpipeError: a bad value, quoted.
+    """
+
+    name: str
+    num_embeddings: int
+    dim: int
+    features: tuple[str, ...]
+    pooling: PoolingMode = "sum"
+    hash_ids: bool = False
+    sparse_grad: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
+        if not isinstance(self.name, str) or not self.name:
+            msg = f"`name` must be a non-empty string, got {self.name!r}"
+            raise RecpipeError(msg)
+        for attr in ("num_embeddings", "dim"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"table {self.name!r}: `{attr}` must be a positive integer, got {value!r}"
+                raise RecpipeError(msg)
+        if not self.features or len(set(self.features)) != len(self.features):
+            msg = (
+                f"table {self.name!r}: `features` must name at least one feature, each once, "
+                f"got {list(self.features)!r}"
+            )
+            raise RecpipeError(msg)
+        if self.pooling not in _POOLING:
+            msg = f"table {self.name!r}: `pooling` must be one of {list(_POOLING)}, got {self.pooling!r}"
+            raise RecpipeError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """What DLRM to build from a schema.
+
+    Attributes:
+        embedding_dim: embedding dimension D of every table, of the bottom MLP output and of
+            attention pooling.
+        num_embeddings: rows of each default table (with ``hash_ids`` raw ids are taken modulo
+            this).
+        tables: explicit tables; ``None``: one table per sparse feature (see
+            ``trainer.models.default_tables``). Tables may be shared by several features.
+        hash_ids: default tables take ids modulo ``num_embeddings``; turn it off only when
+            preprocessing already mapped every id into range (e.g. ``HashModulo``).
+        pooling: pooling of the default tables' bags.
+        bottom_mlp: hidden widths of the bottom MLP (its output width is ``embedding_dim``).
+        top_mlp: hidden widths of the top MLP (its output is one logit).
+        attention: the sequence features pooled by attention: ``auto`` (the user dedup group
+            with the longest lists), ``none``, or a comma-separated list of features.
+        attention_heads: heads of the attention layers.
+        attention_layers: encoder layers of the attention pooling.
+        sparse_grad: tables produce sparse gradients (only the rows looked up).
+        seed: init seed; the same seed builds the same parameters.
+    """
+
+    embedding_dim: int = 16
+    num_embeddings: int = 100_000
+    tables: tuple[TableConfig, ...] | None = None
+    hash_ids: bool = True
+    pooling: PoolingMode = "sum"
+    bottom_mlp: tuple[int, ...] = (64,)
+    top_mlp: tuple[int, ...] = (128, 64)
+    attention: Literal["auto", "none"] | tuple[str, ...] = "auto"
+    attention_heads: int = 2
+    attention_layers: int = 1
+    sparse_grad: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("embedding_dim", "num_embeddings", "attention_heads", "attention_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"`{name}` must be a positive integer, got {value!r}"
+                raise RecpipeError(msg)
+        for name in ("bottom_mlp", "top_mlp"):
+            widths = tuple(getattr(self, name))
+            if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+                msg = f"`{name}` must hold positive integer widths, got {list(widths)!r}"
+                raise RecpipeError(msg)
+            setattr(self, name, widths)
+        if isinstance(self.attention, str):
+            if self.attention not in ("auto", "none"):
+                msg = (
+                    f"`attention` must be 'auto', 'none' or a list of features, "
+                    f"got {self.attention!r}"
+                )
+                raise RecpipeError(msg)
+        else:
+            self.attention = tuple(self.attention)
+        if self.embedding_dim % self.attention_heads:
+            msg = (
+                f"`attention_heads` ({self.attention_heads}) must divide `embedding_dim` "
+                f"({self.embedding_dim})"
+            )
+            raise RecpipeError(msg)
+        if self.tables is not None:
+            self.tables = tuple(self.tables)
+            dims = {t.dim for t in self.tables}
+            if dims != {self.embedding_dim}:
+                msg = (
+                    f"every table must have dim `embedding_dim` = {self.embedding_dim} "
+                    f"(dot interaction), got dims {sorted(dims)}"
+                )
+                raise RecpipeError(msg)
+
+
+@dataclass
+class TrainConfig:
+    """A training run (what ``recpipe train`` parses its options into).
+
+    Attributes:
+        dataset: clustered dataset directory; with ``service`` it holds the held-out evaluation
+            data and the schema (the server reads the training data).
+        dedup: deduplicate: read one IKJT per dedup group and run the embedding lookups and the
+            attention on its unique rows (RecD O5-O7); off reads one plain KJT and runs the
+            same model to the same losses.
+        steps: total optimizer steps, a resumed run's earlier steps included (default: one
+            epoch).
+        epochs: passes over the training data (instead of ``steps``).
+        batch_size: rows per batch.
+        lr: learning rate (default: adagrad 0.05, sgd 0.1, adam 0.001).
+        optimizer: optimizer of the tables (sparse rows) and of the dense parameters.
+        eval_fraction: share of row groups (whole sessions) held out for evaluation.
+        eval_every: also evaluate every N steps (0: only at the end).
+        eval_batches: most held-out batches per evaluation (default: all of them).
+        device: cpu, cuda or cuda:N.
+        checkpoint: write checkpoints into this directory (default: none).
+        checkpoint_every: also checkpoint every N steps (0: only at the end).
+        resume: continue from the checkpoint in ``checkpoint``.
+        service: HOST:PORT of ``recpipe serve`` to read training batches from.
+        store: embedding tables as parameters (module) or in the hybrid embedding store
+            (hybrid, ``trainer.store``).
+        seed: seed of the model init, the shuffles and the held-out draw.
+        workers: DataLoader worker processes.
+        preprocess: the readers' preprocessing config (a TOML file).
+        model: the model config (its seed is replaced by ``seed``).
+        log_window: batches in the running training AUC.
+    """
+
+    dataset: str
+    dedup: bool = True
+    steps: int | None = None
+    epochs: int | None = None
+    batch_size: int = 4096
+    lr: float | None = None
+    optimizer: OptimizerKind = "adagrad"
+    eval_fraction: float = 0.1
+    eval_every: int = 0
+    eval_batches: int | None = None
+    device: str = "cpu"
+    checkpoint: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    service: str | None = None
+    store: Literal["module", "hybrid"] = "module"
+    seed: int = 0
+    workers: int = 0
+    preprocess: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    log_window: int = 50
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.epochs is not None:
+            msg = f"give `steps` or `epochs`, not both (got {self.steps!r} and {self.epochs!r})"
+            raise RecpipeError(msg)
+        for name in ("steps", "epochs", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                msg = f"`{name}` must be a positive integer, got {value!r}"
+                raise RecpipeError(msg)
+        for name in ("eval_every", "checkpoint_every", "workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                msg = f"`{name}` must be a non-negative integer, got {value!r}"
+                raise RecpipeError(msg)
+        if self.optimizer not in OPTIMIZERS:
+            msg = f"`optimizer` must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}"
+            raise RecpipeError(msg)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            msg = f"`eval_fraction` must be in [0, 1), got {self.eval_fraction!r}"
+            raise RecpipeError(msg)
+        if self.store not in ("module", "hybrid"):
+            msg = f"`store` must be 'module' or 'hybrid', got {self.store!r}"
+            raise RecpipeError(msg)
+        if self.resume and self.checkpoint is None:
+            msg = "`resume` needs a `checkpoint` directory"
+            raise RecpipeError(msg)
+        if self.device.startswith("cuda") and not _cuda_available():
+            msg = f"`device` is {self.device!r} but CUDA is not available here"
+            raise RecpipeError(msg)
+
+
+def _cuda_available() -> bool:
+    import torch  # only for a CUDA device: parsing options must not import torch
+
+    return torch.cuda.is_available()
