@@ -20,8 +20,8 @@ import etl.verify
 from etl.verify import verify_dataset, verify_digests
 from recpipe.errors import CorruptInputError, DataError
 from recpipe_cli import main
+from tests.common.tables import tables_equal
 from tests.etl._integrity import flip_data_page, seal_dataset
-from tests.readers.test_source import _same
 
 BAD_GROUP, BAD_COLUMN = 1, "user_liked_items"
 
@@ -109,7 +109,7 @@ def test_flipped_bytes_in_a_data_page_are_caught_everywhere(sealed, tmp_path, ca
     delivered = pa.concat_tables([t for t, _ in bad.iter_tables(bad.splits)])
     kept = [s for s in good.splits if (Path(s.path).name, s.row_group) != (part.name, BAD_GROUP)]
     expected = pa.concat_tables([good.read_split(s) for s in kept])
-    assert _same(delivered, expected)
+    assert tables_equal(delivered, expected)
     [skip] = bad.skipped
     assert (Path(skip.path), skip.row_group) == (part, BAD_GROUP)
     assert skip.rows == good.splits[BAD_GROUP].num_rows > 0

@@ -9,8 +9,8 @@ import pytest
 
 from readers.source import DatasetSource, ReaderConfig
 from recpipe.errors import CorruptInputError, DataError
+from tests.common.tables import tables_equal
 from tests.etl._integrity import flip_data_page, seal_dataset
-from tests.readers.test_source import _same
 
 
 def read_all(source: DatasetSource) -> pa.Table:
@@ -33,7 +33,9 @@ def test_every_level_reads_the_same_rows_of_an_intact_dataset(
         for v in ("off", "pages", "full")
     }
     assert tables["off"].num_rows > 0
-    assert _same(tables["pages"], tables["off"]) and _same(tables["full"], tables["off"])
+    assert tables_equal(tables["pages"], tables["off"]) and tables_equal(
+        tables["full"], tables["off"]
+    )
 
 
 def test_pages_names_the_corrupt_page_or_skips_its_row_group(make_dataset, tiny_schema):
@@ -56,7 +58,7 @@ def test_pages_names_the_corrupt_page_or_skips_its_row_group(make_dataset, tiny_
     # the rows delivered are the clean rows without that row group
     before = sum(s.num_rows for s in source.splits if s.path < str(path))
     expected = pa.concat_tables([clean.slice(0, before), clean.slice(before + skip.rows)])
-    assert _same(delivered, expected)
+    assert tables_equal(delivered, expected)
 
 
 def test_full_checks_sizes_and_digests_when_the_source_opens(make_dataset, tiny_schema):
