@@ -65,7 +65,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "dataset",
         metavar="DATASET",
-        help="clustered dataset directory (with --service: the held-out evaluation data)",
+        help="clustered dataset directory (with --service: the one the server serves)",
     )
     parser.add_argument(
         "--dedup", choices=("on", "off"), default="on", help="deduplicate (default on)"
@@ -111,7 +111,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR"
     )
     parser.add_argument(
-        "--service", metavar="HOST:PORT", help="read training batches from `recpipe serve`"
+        "--service",
+        metavar="HOST:PORT",
+        help="read batches from `recpipe serve`: its training part for training, its held-out "
+        "part (same --eval-fraction and --seed) for evaluation; the server's --batch-size must "
+        "match",
     )
     parser.add_argument(
         "--store",

@@ -25,7 +25,7 @@ from readers.service import (
     ShardSpec,
     SyntheticProducer,
 )
-from readers.wire import (
+from readers.service.wire import (
     HEADER,
     MAGIC,
     WIRE_VERSION,
@@ -147,7 +147,7 @@ def test_stalled_client_keeps_server_memory_bounded(start_server) -> None:
 
 
 def _frames(producer: SyntheticProducer, index: int) -> list:
-    from readers.wire import batch_to_frame
+    from readers.service.wire import batch_to_frame
 
     return batch_to_frame(producer.make_batch(index))
 
