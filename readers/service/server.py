@@ -251,21 +251,28 @@ class ReaderServer:
             if cfg.send_buffer_bytes:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.send_buffer_bytes)
         with self._lock:
-            started = False
-            if not self._closing.is_set() and len(self._handshaking) < cfg.max_pending:
+            if self._closing.is_set():
+                reason = "the reader service is shutting down"
+            elif len(self._handshaking) >= cfg.max_pending:
+                reason = (
+                    f"the reader service is busy: {cfg.max_pending} connections are waiting "
+                    f"for their handshake (`max_pending`); try again later"
+                )
+            else:
                 thread = threading.Thread(
                     target=self._serve, args=(conn, peer), name=f"recpipe-conn-{peer}", daemon=True
                 )
-                with contextlib.suppress(RuntimeError):  # no thread to be had
-                    thread.start()
+                try:
+                    thread.start()  # registered only once started: close() joins it
+                except RuntimeError as exc:  # no thread to be had (out of memory, limits)
+                    reason = f"the reader service is busy: cannot start a thread ({exc})"
+                else:
                     self._connections[thread] = conn
                     self._handshaking[thread] = conn
-                    started = True
-            if not started:
-                self._rejected += 1
-        if not started:
-            self._log(f"refused {peer}: {cfg.max_pending} connections are waiting for HELLO")
-            _refuse_at_once(conn, cfg.max_pending)
+                    return
+            self._rejected += 1
+        self._log(f"refused {peer}: {reason}")
+        _refuse_at_once(conn, reason)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         """A connection's thread: handshake, admission, then the client's session."""
@@ -367,12 +374,9 @@ def _shutdown(conn: socket.socket) -> None:
         conn.shutdown(socket.SHUT_RDWR)
 
 
-def _refuse_at_once(conn: socket.socket, max_pending: int) -> None:
-    """Refuse a connection without a thread: one non-blocking ERROR, then close."""
-    message = (
-        f"the reader service is busy: {max_pending} connections are waiting for their "
-        f"handshake (`max_pending`); try again later"
-    )
+def _refuse_at_once(conn: socket.socket, message: str) -> None:
+    """Refuse a connection without a thread: one non-blocking ERROR (``code: "busy"``), then
+    close."""
     with contextlib.suppress(OSError):
         conn.setblocking(False)
         conn.send(encode_frame(FrameKind.ERROR, {"message": message, "code": "busy"}))

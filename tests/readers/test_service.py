@@ -184,6 +184,16 @@ def _raw(server: ReaderServer) -> socket.socket:
         (encode_frame(FrameKind.BATCH), "expected a HELLO frame first, got BATCH"),
         (encode_frame(FrameKind.HELLO, {"shard": 3, "num_shards": 2}), "shard 3 of 2"),
         (encode_frame(FrameKind.HELLO, {"epoch": "one"}), "`epoch` must be a non-negative integer"),
+        (encode_frame(FrameKind.HELLO, {"batch_size": 0}), "`batch_size` must be a positive"),
+        (encode_frame(FrameKind.HELLO, {"holdout": [0.1]}), "`holdout` must be {fraction, seed"),
+        (
+            encode_frame(FrameKind.HELLO, {"holdout": {"fraction": 1.5}}),
+            r"`holdout` is invalid: `fraction` must be a number in \[0, 1\), got 1.5",
+        ),
+        (
+            encode_frame(FrameKind.HELLO, {"holdout": {"fraction": 0.1, "part": "test"}}),
+            "`part` must be one of 'train', 'held_out', got 'test'",
+        ),
     ],
 )
 def test_malformed_handshakes_are_refused(start_server, hello: bytes, match: str) -> None:
