@@ -58,8 +58,8 @@ class ShardSpec:
 class BatchProducer(Protocol):
     """What a reader process runs: a picklable callable yielding the batches of one part.
 
-    A producer over a dataset's row groups may also have ``batch_size`` (rows per batch: a
-    client asking for another size is refused) and ``count_splits(holdout) -> int`` (row groups
+    A producer may also have ``batch_size`` (rows per batch: a client asking for another size
+    is refused) and, over a dataset's row groups, ``count_splits(holdout) -> int`` (row groups
     in a :class:`~readers.holdout.Holdout` part; without it, a client asking for a part is
     refused).
     """
@@ -140,8 +140,8 @@ class DatasetProducer:
             holdout=spec.holdout,
         )
 
-    def count_splits(self, holdout: Holdout | None) -> int:
-        """Row groups of the dataset, or of its ``holdout`` part.
+    def count_splits(self, holdout: Holdout) -> int:
+        """Row groups in the ``holdout`` part of the dataset.
 
         Raises:
             DataError: the dataset cannot be opened, or cannot be divided as asked.
@@ -150,9 +150,7 @@ class DatasetProducer:
 
         schema = self._schema()
         splits = DatasetSource(self.dataset, schema=schema).splits
-        if holdout is not None:
-            splits = holdout.select(splits, session_key=schema.session_key)
-        return len(splits)
+        return len(holdout.select(splits, session_key=schema.session_key))
 
     def _schema(self) -> DatasetSchema:
         from readers.dataset import dataset_schema

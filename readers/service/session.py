@@ -88,8 +88,8 @@ class Request:
     Attributes:
         spec: its shard of the epoch (``reader`` 0 of ``num_readers``) and holdout part.
         batch_size: the rows per batch it expects (``None``: whatever the server makes).
-        splits: row groups in its part, when the producer can count them (after
-            :func:`check_request`).
+        splits: row groups in its holdout part (after :func:`check_request`; ``None``
+            without a part).
     """
 
     spec: ShardSpec
@@ -169,7 +169,7 @@ def check_request(request: Request, producer: BatchProducer) -> Request:
     """Check what an authenticated client asks for against what ``producer`` makes.
 
     Returns:
-        ``request`` with ``splits`` filled in when the producer can count its row groups.
+        ``request``, with ``splits`` filled in for a holdout part.
 
     Raises:
         ServiceError: another batch size than the producer's, a holdout part from a producer
@@ -182,20 +182,20 @@ def check_request(request: Request, producer: BatchProducer) -> Request:
             f"batches of {made} (`--batch-size`): start both with the same batch size"
         )
         raise ServiceError(msg)
-    count_splits: Callable[[Holdout | None], int] | None = getattr(producer, "count_splits", None)
     holdout = request.spec.holdout
-    if count_splits is None:
-        if holdout is not None:
-            msg = (
-                f"this server's producer ({type(producer).__name__}) has no row groups to "
-                f"hold out; serve a dataset to ask for the `{holdout.part}` part"
-            )
-            raise ServiceError(msg)
+    if holdout is None:
         return request
+    count_splits: Callable[[Holdout], int] | None = getattr(producer, "count_splits", None)
+    if count_splits is None:
+        msg = (
+            f"this server's producer ({type(producer).__name__}) has no row groups to hold "
+            f"out; serve a dataset to ask for the `{holdout.part}` part"
+        )
+        raise ServiceError(msg)
     try:
         splits = count_splits(holdout)
-    except DataError as exc:
-        msg = f"cannot serve the `{'all' if holdout is None else holdout.part}` part: {exc}"
+    except Exception as exc:  # an unreadable dataset, too few row groups: say so, by name
+        msg = f"cannot serve the `{holdout.part}` part: {type(exc).__name__}: {exc}"
         raise ServiceError(msg) from None
     return dataclasses.replace(request, splits=splits)
 

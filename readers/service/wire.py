@@ -22,7 +22,7 @@ A :class:`~recpipe.batch.Batch` travels as one ``BATCH`` frame (:func:`batch_to_
 :func:`frame_to_batch`): its dense matrix, labels, session ids, the plain KJT and every IKJT
 group (keys, unique values and lengths, the inverse lookup), bit for bit. The conversation
 (``HELLO`` / ``WELCOME`` / ``BATCH``... / ``END``, with ``HEARTBEAT`` and ``ERROR``) is
-described in :mod:`readers.service`.
+described in :mod:`readers.service.session`.
 
 Receiving honours the socket's timeout per read, and an optional ``deadline``
 (``time.monotonic()``) for the whole frame: a peer that trickles bytes cannot stretch a frame
