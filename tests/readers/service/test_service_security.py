@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,34 +35,19 @@ from readers.service.wire import FrameKind, ServiceError, decode_frame, encode_f
 from recpipe.errors import DataError
 
 TIMEOUT = 60.0
+
+
+def _client(server: ReaderServer, **options: object) -> ServiceClient:
+    host, port = server.address
+    return ServiceClient(host, port, connect_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, **options)
+
+
 CHURN = 2_000
 _SERVE = (
     "import sys, argparse; from readers import service; p = argparse.ArgumentParser(); "
     "service.register_cli(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); "
     "sys.exit(a.func(a))"
 )
-
-
-@pytest.fixture
-def start_server() -> Iterator[Callable[..., ReaderServer]]:
-    """In-process servers on 127.0.0.1:0 (reader threads), closed at teardown."""
-    servers: list[ReaderServer] = []
-
-    def start(producer: object, **options: object) -> ReaderServer:
-        options = {"readers": 0, "report_every_s": 0, "heartbeat_s": 0.5, **options}
-        server = ReaderServer(producer, config=ServiceConfig(**options), log=io.StringIO())
-        servers.append(server.start())
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
-
-
-def _client(server: ReaderServer, **options: object) -> ServiceClient:
-    return ServiceClient(
-        *server.address, connect_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, **options
-    )
 
 
 def _poll(condition: Callable[[], bool], *, timeout: float = TIMEOUT) -> bool:

@@ -7,12 +7,11 @@ Every socket has a timeout and every wait a bound, so a broken server fails a te
 
 from __future__ import annotations
 
-import io
 import itertools
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -41,30 +40,13 @@ from recpipe.errors import DataError
 TIMEOUT = 60.0
 
 
-def _rows(batches: list[Batch]) -> list[int]:
-    return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
-
-
-@pytest.fixture
-def start_server() -> Iterator[Callable[..., ReaderServer]]:
-    """Start servers on 127.0.0.1:0; every one is closed (readers joined) at teardown."""
-    servers: list[ReaderServer] = []
-
-    def start(producer: object, **options: object) -> ReaderServer:
-        options = {"readers": 0, "report_every_s": 0, "heartbeat_s": 0.5, **options}
-        server = ReaderServer(producer, config=ServiceConfig(**options), log=io.StringIO())
-        servers.append(server.start())
-        return server
-
-    yield start
-    for server in servers:
-        stats = server.close()
-        assert all(s.readers_alive == 0 for s in stats.sessions)
-
-
 def _client(server: ReaderServer, **options: object) -> ServiceClient:
     host, port = server.address
     return ServiceClient(host, port, connect_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, **options)
+
+
+def _rows(batches: list[Batch]) -> list[int]:
+    return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
 
 
 @pytest.mark.parametrize("dedup", [True, False])
