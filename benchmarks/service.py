@@ -13,7 +13,9 @@ Figures (written to benchmarks/results/service.json):
   service_vs_inprocess    samples/s delivered to the client by the service / samples/s of the
                           same pipeline run in this process (`readers.dataset.iter_batches`),
                           IKJT path. Wall clock, steady state: from the first batch received
-                          (reader start-up is reported apart). Target >= 0.8.
+                          (reader start-up is reported apart); beside it the CPU-time twin:
+                          CPU seconds per sample in-process / over the service (this process
+                          and the reader processes). Target >= 0.8 (the wall median).
   kept_reader             two clients one after the other on one server with one reader
                           process (a trainer's epochs; the second gets the first one's
                           process): start-up (time to the first batch), samples/s and the
@@ -23,10 +25,8 @@ Figures (written to benchmarks/results/service.json):
   read_ahead_speedup      samples/s with `--read-ahead` (default 1: a second thread decodes the
                           next row group) / with 0, in-process and over the service, IKJT path;
                           measured in the same alternated loop (not with `--read-ahead 0`).
-                          Whole epochs of the 1M-request dataset (~245 batches): every 16th
-                          batch waits for a new row group (70-240 ms), so an epoch of 49
-                          batches (200k requests) is ruled by three such waits and the ratio
-                          swings 0.55-1.2 between runs; at 245 batches it holds within ~0.05.
+                          Short epochs are ruled by a few row-group loads, so the ratio is
+                          only stable over whole epochs of the default 1M-request dataset.
 
 Each service case starts a server (its reader process starts with it and warms up on
 `DatasetProducer.warmup_batches` batches before the client's first batch: the start-up figure
@@ -34,8 +34,9 @@ includes that) and reads one whole epoch through one client.
 
 Every thread pool is limited to one thread (OMP/Numba/Arrow), in this process and in the
 reader processes, so `--readers 1` compares one reader with one reader; with read-ahead each of
-them also runs its decode thread. Cases are
-alternated and the median of `--repeats` is kept, so drift and other load hit both alike.
+them also runs its decode thread. Cases run through `_common.alternate` (one untimed warm-up
+call each, then `--repeats` alternated repeats in rotating order), and every ratio reports its
+median with its spread (min, median, max over the repeats, each repeat's cases paired).
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _common import Timing, alternate, spread, timing_ratio, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "service.json"
 TARGET_SERVICE_VS_INPROCESS = 0.8
@@ -102,7 +105,7 @@ def measure_inprocess(
 
     config = ReaderConfig(batch_size=batch_size, read_ahead=read_ahead)
     stream = iter_batches(dataset, config=config, transforms=preprocess, dedup=dedup)
-    return _timed(stream, max_batches, lambda: 0)
+    return _timed(stream, max_batches, lambda: 0, cpu=_cpu_of([]))
 
 
 def measure_service(
@@ -129,7 +132,8 @@ def measure_service(
     config = ServiceConfig(readers=readers, queue_depth=queue_depth, report_every_s=0)
     with ReaderServer(producer, config=config, log=io.StringIO()) as server:
         client = ServiceClient(*server.address, read_timeout_s=600)
-        result = _timed(iter(client), max_batches, lambda: client.bytes_received)
+        cpu = _cpu_of(server.reader_pids())  # the kept reader the client will get
+        result = _timed(iter(client), max_batches, lambda: client.bytes_received, cpu=cpu)
         client.close()
     return result
 
@@ -158,9 +162,13 @@ def measure_next_client(
             runs = {}
             for client_name in ("first_client", "next_client"):
                 client = ServiceClient(*server.address, read_timeout_s=600)
-                runs[client_name] = _timed(
-                    iter(client), max_batches, lambda c=client: c.bytes_received, cpu_of=reader
+                run = _timed(
+                    iter(client),
+                    max_batches,
+                    lambda c=client: c.bytes_received,
+                    cpu=lambda r=reader: sum(r.cpu_times()[:2]),
                 )
+                runs[client_name] = {**run, "reader_cpu_s_per_batch": run["cpu_s_per_batch"]}
                 client.close()
                 server.join_sessions(timeout=60)
             runs["reader_processes_started"] = server.stats().reader_processes_started
@@ -173,15 +181,19 @@ def measure_next_client(
     return out
 
 
+def _cpu_of(pids: list[int]) -> Callable[[], float]:
+    """CPU seconds (user + system) of this process and of the processes ``pids``, so far."""
+    import psutil
+
+    processes = [psutil.Process(pid) for pid in pids]
+    return lambda: time.process_time() + sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
 def _timed(
-    stream: Any, max_batches: int | None, received: Any, *, cpu_of: Any = None
+    stream: Any, max_batches: int | None, received: Any, *, cpu: Callable[[], float]
 ) -> dict[str, float]:
-    """Steady-state figures of a batch stream, from its first batch on; ``cpu_of``: a
-    ``psutil.Process`` whose CPU time per batch is measured over the same window."""
-
-    def cpu() -> float:
-        return sum(cpu_of.cpu_times()[:2]) if cpu_of is not None else 0.0
-
+    """Steady-state figures of a batch stream, from its first batch on; ``cpu`` gives the CPU
+    seconds so far of whatever does the work, measured over the same window."""
     start = time.perf_counter()
     first_at = first_bytes = None
     samples = batches = 0
@@ -199,6 +211,7 @@ def _timed(
         msg = "the benchmark needs at least 2 batches; lower --batch-size or raise --requests"
         raise SystemExit(msg)
     total_bytes = received()
+    cpu_s = cpu() - cpu0
     return {
         "batches": batches,
         "samples_after_first": samples,
@@ -207,8 +220,19 @@ def _timed(
         "samples_per_s": samples / (end - first_at),
         "bytes": total_bytes,
         "bytes_after_first": total_bytes - first_bytes,
-        "reader_cpu_s_per_batch": (cpu() - cpu0) / (batches - 1),
+        "cpu_s": cpu_s,
+        "cpu_s_per_batch": cpu_s / (batches - 1),
     }
+
+
+def _per_sample(runs: list[Timing]) -> list[Timing]:
+    """Each repeat's steady-state wall and CPU seconds per sample (what `timing_ratio` pairs)."""
+    out = []
+    for run in runs:
+        figures = run.value
+        n = max(figures["samples_after_first"], 1)
+        out.append(Timing(figures["steady_s"] / n, figures["cpu_s"] / n, figures))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,39 +269,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cases["service_ikjt_no_read_ahead"] = lambda: measure_service(
             dataset, dedup=True, **common, **{**service, "read_ahead": 0}
         )
-    measure_inprocess(dataset, dedup=True, **{**common, "max_batches": 2})  # warm up Numba, cache
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
     with tqdm(total=args.repeats * len(cases), desc="service timings", file=sys.stderr) as bar:
-        for _ in range(args.repeats):
-            for name, fn in cases.items():  # alternated, so drift hits every case alike
-                runs[name].append(fn())
-                bar.update()
+        timings = alternate(cases, repeats=args.repeats, progress=bar.update)
+    runs = {name: _per_sample(ts) for name, ts in timings.items()}
 
     def median(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[name])
+        return statistics.median(t.value[key] for t in runs[name])
 
     def per_sample(name: str) -> float:
         return median(name, "bytes_after_first") / max(median(name, "samples_after_first"), 1)
 
     kjt, ikjt = per_sample("service_kjt"), per_sample("service_ikjt")
     reuse = measure_next_client(dataset, **common)
-    ratio = median("service_ikjt", "samples_per_s") / median("inprocess_ikjt", "samples_per_s")
+    ratio = timing_ratio(runs, "service_ikjt", "inprocess_ikjt", per="rate")
     read_ahead_speedup = None
     if args.read_ahead:
         read_ahead_speedup = {
-            path: median(f"{path}_ikjt", "samples_per_s")
-            / median(f"{path}_ikjt_no_read_ahead", "samples_per_s")
+            path: timing_ratio(runs, f"{path}_ikjt", f"{path}_ikjt_no_read_ahead", per="rate")
             for path in ("inprocess", "service")
         }
     return {
         "sent_bytes_per_sample": {"kjt": kjt, "ikjt": ikjt, "ratio_kjt_over_ikjt": kjt / ikjt},
         "service_vs_inprocess": ratio,
-        "samples_per_s": {name: median(name, "samples_per_s") for name in cases},
-        "startup_s": {name: median(name, "startup_s") for name in cases},
+        "samples_per_s": {
+            name: spread([t.value["samples_per_s"] for t in runs[name]]) for name in cases
+        },
+        "startup_s": {name: spread([t.value["startup_s"] for t in runs[name]]) for name in cases},
         "kept_reader": reuse,
         "read_ahead_speedup": read_ahead_speedup,
         "targets": {"service_vs_inprocess": TARGET_SERVICE_VS_INPROCESS},
-        "meets_target": ratio >= TARGET_SERVICE_VS_INPROCESS,
+        "meets_target": ratio["median"] >= TARGET_SERVICE_VS_INPROCESS,
         "settings": {
             "dataset": str(dataset),
             "requests": None if args.dataset else args.requests,
@@ -289,10 +310,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats,
             "vocab_size": args.vocab_size,
             "seed": args.seed,
-            "cpu_count": os.cpu_count(),
-            "timing": "median wall-clock samples/s after the first batch; 1 thread per process",
+            "timing": "steady-state wall clock and CPU (all processes) per sample after the "
+            "first batch; alternated repeats, paired ratios; 1 thread per process",
         },
-        "raw": runs,
+        "raw": {name: [t.value for t in ts] for name, ts in runs.items()},
     }
 
 
@@ -305,14 +326,15 @@ def format_table(results: dict[str, Any]) -> str:
         ("sent bytes/sample, KJT", f"{sent['kjt']:,.1f}"),
         ("sent bytes/sample, IKJT", f"{sent['ikjt']:,.1f}"),
         ("KJT / IKJT bytes", f"{sent['ratio_kjt_over_ikjt']:.2f}x"),
-        ("in-process samples/s (IKJT)", f"{rates['inprocess_ikjt']:,.0f}"),
-        ("service samples/s (IKJT)", f"{rates['service_ikjt']:,.0f}"),
-        ("service samples/s (KJT)", f"{rates['service_kjt']:,.0f}"),
+        ("in-process samples/s (IKJT)", f"{rates['inprocess_ikjt']['median']:,.0f}"),
+        ("service samples/s (IKJT)", f"{rates['service_ikjt']['median']:,.0f}"),
+        ("service samples/s (KJT)", f"{rates['service_kjt']['median']:,.0f}"),
         (
             "service_vs_inprocess",
-            f"{results['service_vs_inprocess']:.2f} (target >= {TARGET_SERVICE_VS_INPROCESS})",
+            f"{_fmt_ratio(results['service_vs_inprocess'])} "
+            f"(target >= {TARGET_SERVICE_VS_INPROCESS})",
         ),
-        ("service start-up (s)", f"{results['startup_s']['service_ikjt']:.2f}"),
+        ("service start-up (s)", f"{results['startup_s']['service_ikjt']['median']:.2f}"),
         (
             "start-up, first / next client (s)",
             f"{kept['first_client']['startup_s']:.2f} / {kept['next_client']['startup_s']:.3f}",
@@ -326,16 +348,17 @@ def format_table(results: dict[str, Any]) -> str:
     ]
     speedup = results.get("read_ahead_speedup")
     if speedup:
-        rows.append(
-            (
-                "read-ahead on / off, samples/s",
-                f"{speedup['inprocess']:.2f}x in-process, {speedup['service']:.2f}x service",
-            )
-        )
+        rows.append(("read-ahead on / off, in-process", _fmt_ratio(speedup["inprocess"])))
+        rows.append(("read-ahead on / off, service", _fmt_ratio(speedup["service"])))
     width = max(len(name) for name, _ in rows)
     lines = ["benchmark: reader service", "-" * (width + 24)]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines)
+
+
+def _fmt_ratio(ratio: dict[str, Any]) -> str:
+    wall, cpu = ratio["wall"], ratio["cpu"]
+    return f"{wall['median']:.2f}x ({wall['min']:.2f}-{wall['max']:.2f}; CPU {cpu['median']:.2f}x)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -384,7 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="batches per timing (default: the whole epoch)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed repeats per case, median kept (default 5)"
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed repeats per case, alternated; medians and spreads reported (default 5)",
     )
     parser.add_argument(
         "--vocab-size", type=int, default=50_000, help="liked-items vocabulary size (default 50000)"
@@ -405,16 +431,19 @@ def main(argv: list[str] | None = None) -> int:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, "1")  # before torch/numba load; reader processes inherit it
     results = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_results(results, args.out)
     print(format_table(results))
     print(f"results: {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    # the script's folder holds readers.py: import the `readers` package, not that script
+    # the script's folder holds readers.py: the `readers` package must come first; the folder
+    # stays last, for `_common` (reader processes, spawned, import this script again)
     here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    sys.path.insert(0, str(here.parent))
+    sys.path[:] = [
+        str(here.parent),
+        *(p for p in sys.path if Path(p or ".").resolve() != here),
+        str(here),
+    ]
     sys.exit(main())

@@ -20,6 +20,7 @@ __all__ = [
     "DenseTransform",
     "FillMissing",
     "HashModulo",
+    "Holdout",
     "Log1p",
     "Normalize",
     "ParquetBatchDataset",
@@ -30,6 +31,7 @@ __all__ = [
     "ServiceClient",
     "ServiceConfig",
     "ServiceDataset",
+    "ServiceStream",
     "SourcePosition",
     "SparseTransform",
     "Split",
@@ -39,6 +41,7 @@ __all__ = [
     "VocabLookup",
     "dataset_schema",
     "group_name",
+    "holdout_splits",
     "iter_batches",
     "make_dataloader",
     "plan_splits",
@@ -57,6 +60,9 @@ _WHERE = {
         "ParquetBatchDataset", "ReaderPosition", "StatefulLoader", "dataset_schema",
         "iter_batches", "make_dataloader",
     ),
-    "readers.service": ("ReaderServer", "ServiceClient", "ServiceConfig", "ServiceDataset"),
+    "readers.holdout": ("Holdout", "holdout_splits"),
+    "readers.service": (
+        "ReaderServer", "ServiceClient", "ServiceConfig", "ServiceDataset", "ServiceStream",
+    ),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -39,6 +39,7 @@ from readers.transforms import Pipeline, PipelineSource, Transform
 from recpipe.errors import DataError
 
 if TYPE_CHECKING:
+    from readers.holdout import Holdout
     from recpipe.batch import Batch
     from schemas import DatasetSchema
 
@@ -192,6 +193,7 @@ def iter_batches(
     start_state: Mapping[str, Any] | SourcePosition | None = None,
     epoch: int = 0,
     with_positions: bool = False,
+    holdout: Holdout | None = None,
 ) -> Iterator[Batch] | Iterator[tuple[Batch, ReaderPosition]]:
     """Produce the preprocessed batches of one reader: worker ``worker_id`` of ``rank``.
 
@@ -210,9 +212,13 @@ def iter_batches(
             position are used) or a :class:`SourcePosition`.
         epoch: the epoch when ``start_state`` does not give one.
         with_positions: yield ``(batch, ReaderPosition)`` pairs instead of batches.
+        holdout: read only this part of the dataset (its training or held-out splits, see
+            :mod:`readers.holdout`); ``None``: every split.
     """
     schema = schema or dataset_schema(dataset_dir)
     source = DatasetSource(dataset_dir, schema=schema, config=config)
+    if holdout is not None:
+        source.splits = holdout.select(source.splits, session_key=schema.session_key)
     state_epoch, start = _start_position(
         start_state, worker_id=worker_id, num_workers=num_workers, rank=rank,
         world_size=world_size,

@@ -156,8 +156,9 @@ class TrainConfig:
     """A training run (what ``recpipe train`` parses its options into).
 
     Attributes:
-        dataset: clustered dataset directory; with ``service`` it holds the held-out evaluation
-            data and the schema (the server reads the training data).
+        dataset: clustered dataset directory; with ``service``, the one the server serves (its
+            schema, and its row groups divided into training and held-out ones as the server
+            divides them; the server reads both parts).
         dedup: deduplicate: read one IKJT per dedup group and run the embedding lookups and the
             attention on its unique rows (RecD O5-O7); off reads one plain KJT and runs the
             same model to the same losses.
@@ -174,7 +175,8 @@ class TrainConfig:
         checkpoint: write checkpoints into this directory (default: none).
         checkpoint_every: also checkpoint every N steps (0: only at the end).
         resume: continue from the checkpoint in ``checkpoint``.
-        service: HOST:PORT of ``recpipe serve`` to read training batches from.
+        service: HOST:PORT of ``recpipe serve`` to read the training part and the held-out
+            part from (it must make batches of ``batch_size`` rows).
         store: embedding tables as parameters (module) or in the hybrid embedding store
             (hybrid, ``trainer.store``).
         seed: seed of the model init, the shuffles and the held-out draw.

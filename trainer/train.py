@@ -16,11 +16,10 @@ resuming from it continues exactly as if training had not stopped.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -30,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from readers.holdout import Holdout, holdout_splits
+from readers.service.client import ServiceStream
 from recpipe.errors import DataError, RecpipeError
 from trainer.checkpoint import (
     checkpoint_file,
@@ -64,7 +65,6 @@ __all__ = [
     "Trainer",
     "batch_dedup_factor",
     "format_summary",
-    "holdout_splits",
     "make_optimizers",
     "train",
 ]
@@ -226,96 +226,6 @@ def batch_dedup_factor(batch: Batch) -> float:
 
 
 # -------------------------------------------------------------------------------------------
-# data: held-out row groups, loaders
-
-
-def holdout_splits(
-    splits: Sequence[Any], *, session_key: str, fraction: float, seed: int
-) -> tuple[list[Any], list[Any]]:
-    """Divide row groups into training and held-out ones, never splitting a session.
-
-    ``round(fraction * n)`` row groups are drawn with ``seed``; a drawn row group whose first or
-    last session also begins or ends a training row group (a session longer than a row group)
-    goes back to training, so no held-out row belongs to a training session.
-
-    Args:
-        splits: the dataset's splits (``readers.source.Split``: ``path``, ``row_group``).
-        session_key: the session column.
-        fraction: share of row groups to hold out, in [0, 1).
-        seed: the draw's seed.
-
-    Returns:
-        ``(train, held_out)``, each in dataset order.
-
-    Raises:
-        DataError: a non-zero fraction with fewer than two row groups.
-    """
-    import pyarrow.parquet as pq
-
-    if not 0.0 <= fraction < 1.0:
-        msg = f"`eval_fraction` must be in [0, 1), got {fraction!r}"
-        raise DataError(msg)
-    splits = list(splits)
-    if fraction == 0:
-        return splits, []
-    if len(splits) < 2:
-        msg = (
-            f"`eval_fraction` {fraction} needs at least two row groups, the dataset has "
-            f"{len(splits)}; use --eval-fraction 0 or rebuild with a smaller --row-group-size"
-        )
-        raise DataError(msg)
-    n_eval = min(max(round(fraction * len(splits)), 1), len(splits) - 1)
-    chosen = set(np.random.default_rng([seed, 0xE7A1]).permutation(len(splits))[:n_eval].tolist())
-    ends: list[tuple[Any, Any]] = []
-    files: dict[str, Any] = {}
-    for s in splits:
-        pf = files.get(s.path) or files.setdefault(s.path, pq.ParquetFile(s.path))
-        col = pf.read_row_group(s.row_group, columns=[session_key]).column(0)
-        ends.append((col[0].as_py(), col[-1].as_py()) if len(col) else (None, None))
-    train_ends = {e for i, pair in enumerate(ends) if i not in chosen for e in pair}
-    held = [i for i in sorted(chosen) if not ({*ends[i]} - {None}) & train_ends]
-    held_set = set(held)
-    return [s for i, s in enumerate(splits) if i not in held_set], [splits[i] for i in held]
-
-
-class _ServiceStream:
-    """Batches from ``recpipe serve`` with a resumable position (epoch, batches consumed)."""
-
-    def __init__(self, address: str, *, token: str | None) -> None:
-        from readers.service import ServiceDataset
-
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            msg = f"`service` must be HOST:PORT, got {address!r}"
-            raise DataError(msg)
-        self.dataset = ServiceDataset(host, int(port), token=token)
-        self.epoch = 0
-        self.batches = 0
-
-    def __iter__(self) -> Iterator[Batch]:
-        self.dataset.set_epoch(self.epoch)
-        skip = self.batches
-        for i, batch in enumerate(self.dataset):
-            if i < skip:
-                continue
-            self.batches = i + 1
-            yield batch
-        self.epoch += 1
-        self.batches = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"service_epoch": self.epoch, "service_batches": self.batches}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch = int(state["service_epoch"])
-        self.batches = int(state["service_batches"])
-
-    @property
-    def current_epoch(self) -> int:
-        return self.epoch
-
-
-# -------------------------------------------------------------------------------------------
 # tables in the hybrid embedding store (--store hybrid)
 
 
@@ -443,9 +353,9 @@ class _Run:
         eval_reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=False)
         common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup}
         self.eval_ds = ParquetBatchDataset(cfg.dataset, config=eval_reader, **common)
+        self.eval_stream: ServiceStream | None = None
         if cfg.service is not None:
-            self.loader: Any = _ServiceStream(cfg.service, token=os.environ.get("RECPIPE_TOKEN"))
-            self.train_splits, self.eval_splits = 0, len(self.eval_ds.source.splits)
+            self._make_service_streams()
             return
         train_ds = ParquetBatchDataset(cfg.dataset, config=reader, **common)
         train, held = holdout_splits(
@@ -462,12 +372,33 @@ class _Run:
             train_ds, num_workers=cfg.workers, pin_memory=self.device.type == "cuda"
         )
 
+    def _make_service_streams(self) -> None:
+        """Train on the server's training part and evaluate on its held-out part, divided as
+        :func:`holdout_splits` divides this dataset in-process (the streams check that the
+        server's parts hold as many row groups; the server checks the batch size)."""
+        cfg = self.config
+        train, held = holdout_splits(
+            self.eval_ds.source.splits,
+            session_key=self.schema.session_key,
+            fraction=cfg.eval_fraction,
+            seed=cfg.seed,
+        )
+        self.train_splits, self.eval_splits = len(train), len(held)
+        holdout = Holdout(cfg.eval_fraction, seed=cfg.seed) if held else None
+        common = {"batch_size": cfg.batch_size}
+        self.loader = ServiceStream(cfg.service, holdout=holdout, splits=len(train), **common)
+        if holdout is not None:
+            part = holdout.other()
+            self.eval_stream = ServiceStream(cfg.service, holdout=part, splits=len(held), **common)
+
     def _loader_epoch(self) -> int:
-        if isinstance(self.loader, _ServiceStream):
+        if self.config.service is not None:
             return self.loader.current_epoch
         return self.loader.dataset.epoch
 
     def _eval_batches(self) -> Iterator[Batch]:
+        if self.config.service is not None:
+            return iter(()) if self.eval_stream is None else self.eval_stream.read_epoch(0)
         if not self.eval_ds.source.splits:
             return iter(())
         self.eval_ds.set_epoch(0)

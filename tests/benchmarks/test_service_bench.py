@@ -13,7 +13,7 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         monkeypatch.setenv(var, "1")
     out = tmp_path / "service.json"
-    argv = ["--requests", "3000", "--batch-size", "256", "--readers", "0", "--repeats", "1"]
+    argv = ["--requests", "3000", "--batch-size", "256", "--readers", "0", "--repeats", "2"]
     assert (
         load_benchmark("service").main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)])
         == 0
@@ -21,7 +21,10 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
     results = json.loads(out.read_text())
     sent = results["sent_bytes_per_sample"]
     assert 0 < sent["ikjt"] < sent["kjt"]
-    assert results["service_vs_inprocess"] > 0
+    ratio = results["service_vs_inprocess"]  # median, and its wall and CPU spreads
+    assert ratio["median"] == ratio["wall"]["median"] > 0 and ratio["cpu"]["median"] > 0
+    assert ratio["wall"]["min"] <= ratio["wall"]["median"] <= ratio["wall"]["max"]
+    assert ratio["wall"]["repeats"] == 2
     assert set(results["samples_per_s"]) == {
         "inprocess_ikjt",
         "service_ikjt",
@@ -29,7 +32,9 @@ def test_service_benchmark_writes_its_figures(tmp_path, monkeypatch, capsys) -> 
         "inprocess_ikjt_no_read_ahead",  # the default read-ahead is measured against none
         "service_ikjt_no_read_ahead",
     }
-    assert all(v > 0 for v in results["read_ahead_speedup"].values())
+    assert all(v["median"] > 0 for v in results["read_ahead_speedup"].values())
+    assert all(r["median"] > 0 for r in results["samples_per_s"].values())
+    assert results["environment"]["cpus"] >= 1
     for kept in results["kept_reader"].values():
         assert kept["reader_processes_started"] == 1  # the next client got the first one's reader
         nxt = kept["next_client"]

@@ -7,12 +7,11 @@ Every socket has a timeout and every wait a bound, so a broken server fails a te
 
 from __future__ import annotations
 
-import io
 import itertools
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,7 +24,7 @@ from readers.service import (
     ShardSpec,
     SyntheticProducer,
 )
-from readers.wire import (
+from readers.service.wire import (
     HEADER,
     MAGIC,
     WIRE_VERSION,
@@ -41,30 +40,13 @@ from recpipe.errors import DataError
 TIMEOUT = 60.0
 
 
-def _rows(batches: list[Batch]) -> list[int]:
-    return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
-
-
-@pytest.fixture
-def start_server() -> Iterator[Callable[..., ReaderServer]]:
-    """Start servers on 127.0.0.1:0; every one is closed (readers joined) at teardown."""
-    servers: list[ReaderServer] = []
-
-    def start(producer: object, **options: object) -> ReaderServer:
-        options = {"readers": 0, "report_every_s": 0, "heartbeat_s": 0.5, **options}
-        server = ReaderServer(producer, config=ServiceConfig(**options), log=io.StringIO())
-        servers.append(server.start())
-        return server
-
-    yield start
-    for server in servers:
-        stats = server.close()
-        assert all(s.readers_alive == 0 for s in stats.sessions)
-
-
 def _client(server: ReaderServer, **options: object) -> ServiceClient:
     host, port = server.address
     return ServiceClient(host, port, connect_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, **options)
+
+
+def _rows(batches: list[Batch]) -> list[int]:
+    return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -147,7 +129,7 @@ def test_stalled_client_keeps_server_memory_bounded(start_server) -> None:
 
 
 def _frames(producer: SyntheticProducer, index: int) -> list:
-    from readers.wire import batch_to_frame
+    from readers.service.wire import batch_to_frame
 
     return batch_to_frame(producer.make_batch(index))
 
@@ -184,6 +166,16 @@ def _raw(server: ReaderServer) -> socket.socket:
         (encode_frame(FrameKind.BATCH), "expected a HELLO frame first, got BATCH"),
         (encode_frame(FrameKind.HELLO, {"shard": 3, "num_shards": 2}), "shard 3 of 2"),
         (encode_frame(FrameKind.HELLO, {"epoch": "one"}), "`epoch` must be a non-negative integer"),
+        (encode_frame(FrameKind.HELLO, {"batch_size": 0}), "`batch_size` must be a positive"),
+        (encode_frame(FrameKind.HELLO, {"holdout": [0.1]}), "`holdout` must be {fraction, seed"),
+        (
+            encode_frame(FrameKind.HELLO, {"holdout": {"fraction": 1.5}}),
+            r"`holdout` is invalid: `fraction` must be a number in \[0, 1\), got 1.5",
+        ),
+        (
+            encode_frame(FrameKind.HELLO, {"holdout": {"fraction": 0.1, "part": "test"}}),
+            "`part` must be one of 'train', 'held_out', got 'test'",
+        ),
     ],
 )
 def test_malformed_handshakes_are_refused(start_server, hello: bytes, match: str) -> None:

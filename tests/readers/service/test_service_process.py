@@ -16,7 +16,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from readers.service import ServiceClient, ServiceDataset, SyntheticProducer, register_cli
-from readers.wire import ServiceError
+from readers.service.wire import ServiceError
 from recpipe.errors import DataError
 
 TIMEOUT = 120.0
@@ -163,8 +163,8 @@ def test_killed_reader_process_is_a_clear_client_error() -> None:
         stream = iter(client)
         first = next(stream)
         assert first.equals(producer.make_batch(0))
-        reader = server._sessions[0].workers[0]
-        os.kill(reader.pid, signal.SIGKILL)
+        (reader,) = server.stats().sessions[0].reader_pids
+        os.kill(reader, signal.SIGKILL)
         with pytest.raises(ServiceError, match=r"reader .*exit code -9"):
             for _ in range(100_000):  # bounded: frames already in flight, then the ERROR
                 next(stream)
@@ -206,15 +206,15 @@ def test_reader_processes_are_kept_warm_between_clients() -> None:
         third = _epoch(server)
         assert server.join_sessions(timeout=TIMEOUT)
         stats = server.stats()
-        pids = {s.workers[0].pid for s in server._sessions}
+        pids = {pid for s in stats.sessions for pid in s.reader_pids}
         assert len(pids) == 1 and stats.reader_processes_started == 1
         assert stats.reader_processes_idle == 1
         assert [s.readers_alive for s in stats.sessions] == [0, 0, 0]
         assert stats.sessions[0].produced == 6  # this session's frames only
-        reader = server._sessions[0].workers[0]
+        (reader,) = pids
     for got in (first, third):
         assert len(got) == 6 and all(a.equals(b) for a, b in zip(got, want))
-    assert not reader.is_alive()  # closing the server stops the kept readers
+    assert not psutil.pid_exists(reader)  # closing the server stops (and reaps) the kept readers
 
 
 @pytest.mark.slow
@@ -232,4 +232,5 @@ def test_without_kept_readers_each_client_starts_its_own() -> None:
             assert server.join_sessions(timeout=TIMEOUT)
         stats = server.stats()
         assert (stats.reader_processes_started, stats.reader_processes_idle) == (2, 0)
-        assert not any(s.workers[0].is_alive() for s in server._sessions)
+        pids = [pid for s in stats.sessions for pid in s.reader_pids]
+        assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)

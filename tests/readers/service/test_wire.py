@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from readers.wire import (
+from readers.service.wire import (
     HEADER,
     MAGIC,
     WIRE_VERSION,

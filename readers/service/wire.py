@@ -22,7 +22,11 @@ A :class:`~recpipe.batch.Batch` travels as one ``BATCH`` frame (:func:`batch_to_
 :func:`frame_to_batch`): its dense matrix, labels, session ids, the plain KJT and every IKJT
 group (keys, unique values and lengths, the inverse lookup), bit for bit. The conversation
 (``HELLO`` / ``WELCOME`` / ``BATCH``... / ``END``, with ``HEARTBEAT`` and ``ERROR``) is
-described in :mod:`readers.service`.
+described in :mod:`readers.service.session`.
+
+Receiving honours the socket's timeout per read, and an optional ``deadline``
+(``time.monotonic()``) for the whole frame: a peer that trickles bytes cannot stretch a frame
+past it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -46,12 +51,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "HEADER",
+    "HELLO_MAX_BYTES",
     "MAGIC",
     "WIRE_VERSION",
     "Frame",
     "FrameKind",
     "ProtocolError",
+    "ServiceBusyError",
     "ServiceError",
+    "ServiceTimeoutError",
     "batch_to_frame",
     "decode_frame",
     "encode_frame",
@@ -67,6 +75,7 @@ MAGIC = b"RPWF"
 WIRE_VERSION = 1
 HEADER = struct.Struct("<4sHHIQ")
 DEFAULT_MAX_FRAME_BYTES = 1 << 30  # 1 GiB: a B=4096 batch is a few MB
+HELLO_MAX_BYTES = 64 * 1024  # HELLO and WELCOME are a few hundred bytes; refuse anything bigger
 _ALIGN = 8
 _PADDING = bytes(_ALIGN)
 
@@ -93,10 +102,19 @@ class ProtocolError(ServiceError):
     """A frame broke the wire format: bad magic/version/kind, oversized, inconsistent sizes."""
 
 
+class ServiceTimeoutError(ServiceError):
+    """A frame did not arrive (whole) in time: the socket's timeout or a deadline passed."""
+
+
+class ServiceBusyError(ServiceError):
+    """The reader service refused a client because it is at a limit (clients or readers); the
+    same request may succeed later."""
+
+
 class FrameKind(IntEnum):
     """What a frame carries."""
 
-    HELLO = 1  # client -> server: token, shard, epoch
+    HELLO = 1  # client -> server: token, shard, epoch; optionally a holdout part, a batch size
     WELCOME = 2  # server -> client: the handshake succeeded; server facts in meta
     BATCH = 3  # server -> client: one Batch
     HEARTBEAT = 4  # server -> client: alive, no batch ready yet
@@ -316,15 +334,22 @@ def decode_frame(data: bytes | bytearray | memoryview, *, max_frame_bytes: int) 
     return Frame(kind, meta, _tensors_from_payload(payload, layout), expected)
 
 
-def _recv_exactly(sock: socket.socket, buffer: bytearray | memoryview, what: str) -> None:
+def _recv_exactly(
+    sock: socket.socket, buffer: bytearray | memoryview, what: str, deadline: float | None
+) -> None:
     view = memoryview(buffer)
     got = 0
     while got < view.nbytes:
         try:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
             n = sock.recv_into(view[got:])
         except TimeoutError:
             msg = f"timed out waiting for the {what} ({got} of {view.nbytes} bytes received)"
-            raise ServiceError(msg) from None
+            raise ServiceTimeoutError(msg) from None
         if n == 0:
             msg = (
                 f"connection closed by the peer in the middle of the {what} "
@@ -334,25 +359,33 @@ def _recv_exactly(sock: socket.socket, buffer: bytearray | memoryview, what: str
         got += n
 
 
-def recv_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
+def recv_frame(
+    sock: socket.socket,
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    deadline: float | None = None,
+) -> Frame:
     """Receive one frame from ``sock`` (honouring its timeout).
 
     Args:
         sock: a connected stream socket.
         max_frame_bytes: frames larger than this are refused before any allocation.
+        deadline: a ``time.monotonic()`` time by which the whole frame must have arrived
+            (``None``: only the socket's timeout, per read). Changes the socket's timeout.
 
     Raises:
-        ServiceError: the peer closed the connection or the socket timed out.
+        ServiceTimeoutError: the socket timed out or the deadline passed.
+        ServiceError: the peer closed the connection.
         ProtocolError: the frame is malformed or too big.
     """
     header = bytearray(HEADER.size)
-    _recv_exactly(sock, header, "frame header")
+    _recv_exactly(sock, header, "frame header", deadline)
     kind, descriptor_len, payload_len = _parse_header(header, max_frame_bytes=max_frame_bytes)
     descriptor = bytearray(descriptor_len)
-    _recv_exactly(sock, descriptor, f"{kind.name} frame descriptor")
+    _recv_exactly(sock, descriptor, f"{kind.name} frame descriptor", deadline)
     meta, layout = _parse_descriptor(descriptor, payload_len)
     payload = bytearray(payload_len)
-    _recv_exactly(sock, payload, f"{kind.name} frame payload")
+    _recv_exactly(sock, payload, f"{kind.name} frame payload", deadline)
     tensors = _tensors_from_payload(payload, layout)
     return Frame(kind, meta, tensors, HEADER.size + descriptor_len + payload_len)
 
@@ -366,15 +399,16 @@ def recv_raw_frame(
     as they are (one copy in, one copy out, nothing decoded).
 
     Raises:
-        ServiceError: the peer closed the connection or the socket timed out.
+        ServiceTimeoutError: the socket timed out.
+        ServiceError: the peer closed the connection.
         ProtocolError: the header is malformed or announces a frame over ``max_frame_bytes``.
     """
     header = bytearray(HEADER.size)
-    _recv_exactly(sock, header, "frame header")
+    _recv_exactly(sock, header, "frame header", None)
     kind, descriptor_len, payload_len = _parse_header(header, max_frame_bytes=max_frame_bytes)
     frame = bytearray(HEADER.size + descriptor_len + payload_len)
     frame[: HEADER.size] = header
-    _recv_exactly(sock, memoryview(frame)[HEADER.size :], f"{kind.name} frame")
+    _recv_exactly(sock, memoryview(frame)[HEADER.size :], f"{kind.name} frame", None)
     return kind, frame
 
 

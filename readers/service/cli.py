@@ -1,0 +1,234 @@
+"""``recpipe serve``: the reader service's command line (see :mod:`readers.service`).
+
+The token clients must present comes from ``--token-file FILE`` or ``$RECPIPE_TOKEN``
+(``--token`` works too, but a command line is visible to every user in ``ps``). A server that
+listens beyond loopback (``--host 0.0.0.0``) without a token is refused unless ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from readers.service.config import DEFAULT_MAX_READERS, TOKEN_ENV, ServiceConfig
+from recpipe.errors import DataError
+
+__all__ = ["read_token", "register_cli"]
+
+_DEFAULTS = ServiceConfig()
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``recpipe serve`` to the top-level parser."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve preprocessed batches to trainers over TCP",
+        description=(
+            "Start reader processes that read a clustered dataset, convert and preprocess its "
+            "batches (IKJT per dedup group with --dedup on), and stream them to trainers over "
+            "TCP. Each client connection gets its own shard of the epoch and its own readers; "
+            "trainers read with readers.service.ServiceDataset(host, port, token=...). "
+            "Stop with SIGTERM or Ctrl-C."
+        ),
+    )
+    parser.add_argument("dataset", nargs="?", help="clustered dataset directory (etl build output)")
+    _add_network_options(parser)
+    _add_limit_options(parser)
+    _add_reader_options(parser)
+    parser.set_defaults(func=_cli_serve)
+
+
+def _add_network_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host",
+        default=_DEFAULTS.host,
+        help="address to listen on (default: loopback); anything else needs a token or --insecure",
+    )
+    parser.add_argument(
+        "--port", type=int, default=_DEFAULTS.port, help="TCP port; 0 picks a free one (printed)"
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help=f"shared token clients must present. A token on the command line is visible to "
+        f"every user in `ps`: prefer --token-file or ${TOKEN_ENV}",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"read the token from FILE (surrounding whitespace is dropped; default: ${TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without a token (anyone who reaches the port "
+        "can read the data)",
+    )
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-clients",
+        type=int,
+        default=_DEFAULTS.max_clients,
+        help=f"clients served at once; more are refused as busy (default {_DEFAULTS.max_clients})",
+    )
+    parser.add_argument(
+        "--max-readers",
+        type=int,
+        default=None,
+        help="reader processes in all, lent to clients or kept idle; a client that would need "
+        f"more is refused as busy (default {DEFAULT_MAX_READERS}, or --readers / --idle-readers "
+        "if larger; each reader process holds its pipeline's memory)",
+    )
+    parser.add_argument(
+        "--max-pending",
+        type=int,
+        default=_DEFAULTS.max_pending,
+        help="connections waiting for their handshake at once; more are refused at once "
+        f"(default {_DEFAULTS.max_pending})",
+    )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=_DEFAULTS.handshake_timeout_s,
+        metavar="S",
+        help="seconds a connection has, in all, to complete its HELLO "
+        f"(default {_DEFAULTS.handshake_timeout_s:g})",
+    )
+
+
+def _add_reader_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--readers", type=int, default=2, help="reader processes per client (default 2)"
+    )
+    parser.add_argument(
+        "--idle-readers",
+        type=int,
+        default=None,
+        help="reader processes kept running, warm, between clients: started with the server, "
+        "handed to the next client (default: --readers; 0: each client's start and stop with it)",
+    )
+    parser.add_argument(
+        "--warmup-batches",
+        type=int,
+        default=20,
+        help="batches a new reader process runs through the pipeline and drops before its first "
+        "client, so that kernel loading is not paid while a trainer waits (default 20; 0: off)",
+    )
+    parser.add_argument(
+        "--read-ahead",
+        type=int,
+        default=1,
+        help="row groups each reader process decodes ahead in a second thread (default 1; "
+        "0: one thread per reader process)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=4096, help="rows per batch (default 4096)"
+    )
+    parser.add_argument(
+        "--queue-depth", type=int, default=8, help="encoded batches buffered per client (default 8)"
+    )
+    parser.add_argument(
+        "--dedup",
+        choices=["on", "off"],
+        default="on",
+        help="IKJT per dedup group (on) or one plain KJT (off)",
+    )
+    parser.add_argument(
+        "--preprocess",
+        default=None,
+        metavar="CONFIG",
+        help="preprocessing config file (see readers.transforms)",
+    )
+    parser.add_argument(
+        "--schema", default=None, help="schema TOML (default: the dataset's manifest)"
+    )
+    parser.add_argument(
+        "--shuffle", action="store_true", help="shuffle row groups and sessions (seeded)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (the epoch is mixed in)")
+    parser.add_argument(
+        "--report-every",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between progress lines (0: off)",
+    )
+    parser.add_argument(
+        "--synthetic",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve N synthetic batches instead of a dataset (checks the network path)",
+    )
+
+
+def read_token(*, token: str | None, token_file: Path | None) -> str | None:
+    """The server's token: ``token``, else the contents of ``token_file``, else ``$RECPIPE_TOKEN``.
+
+    Raises:
+        DataError: both ``token`` and ``token_file`` are given, or the file cannot be read or
+            holds no token.
+    """
+    if token is not None and token_file is not None:
+        msg = "give `--token` or `--token-file`, not both"
+        raise DataError(msg)
+    if token_file is not None:
+        try:
+            text = token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            msg = f"`--token-file` {os.fspath(token_file)!r}: cannot read the token: {exc}"
+            raise DataError(msg) from exc
+        if not text:
+            msg = f"`--token-file` {os.fspath(token_file)!r} is empty"
+            raise DataError(msg)
+        return text
+    return token if token is not None else os.environ.get(TOKEN_ENV) or None
+
+
+def _cli_serve(args: argparse.Namespace) -> int:
+    from readers.service.producers import BatchProducer, DatasetProducer, SyntheticProducer
+    from readers.service.server import serve
+
+    dedup = args.dedup == "on"
+    if args.synthetic is not None:
+        producer: BatchProducer = SyntheticProducer(
+            args.synthetic, batch_size=args.batch_size, dedup=dedup
+        )
+    elif args.dataset is None:
+        msg = "`dataset` is required (or --synthetic N)"
+        raise DataError(msg)
+    elif not os.path.isdir(args.dataset):
+        msg = f"`dataset` {args.dataset!r} is not a directory"
+        raise DataError(msg)
+    else:
+        producer = DatasetProducer(
+            args.dataset,
+            batch_size=args.batch_size,
+            dedup=dedup,
+            preprocess=args.preprocess,
+            schema=args.schema,
+            shuffle=args.shuffle,
+            seed=args.seed,
+            warmup_batches=args.warmup_batches,
+            read_ahead=args.read_ahead,
+        )
+    config = ServiceConfig(
+        host=args.host,
+        port=args.port,
+        readers=args.readers,
+        idle_readers=args.idle_readers,
+        queue_depth=args.queue_depth,
+        token=read_token(token=args.token, token_file=args.token_file),
+        max_clients=args.max_clients,
+        max_readers=args.max_readers,
+        max_pending=args.max_pending,
+        handshake_timeout_s=args.handshake_timeout,
+        report_every_s=args.report_every,
+        insecure=args.insecure,
+    )
+    return serve(producer, config=config)

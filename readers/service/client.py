@@ -1,0 +1,403 @@
+"""The client side of the reader service: what a trainer imports.
+
+* :class:`ServiceClient` - one connection: HELLO, then an iterator of batches until END.
+* :class:`ServiceDataset` - an ``IterableDataset`` for a DataLoader: each worker of each rank
+  opens its own connection for its own shard of the epoch.
+* :class:`ServiceStream` - epoch after epoch in the training process, with a position
+  (epoch, batches consumed) to checkpoint and resume from, and whole passes for evaluation.
+
+Every client may ask for one :class:`~readers.holdout.Holdout` part of the served dataset (its
+training or its held-out row groups, divided exactly as the in-process trainer divides them)
+and say which batch size it expects (a server making another size refuses it). Every wait is
+bounded: connecting and the handshake by ``connect_timeout_s`` in all, and the stream by
+``read_timeout_s`` without a frame (the server heartbeats every ``heartbeat_s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from readers.holdout import Holdout
+from readers.service.config import TOKEN_ENV
+from readers.service.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HELLO_MAX_BYTES,
+    Frame,
+    FrameKind,
+    ProtocolError,
+    ServiceBusyError,
+    ServiceError,
+    ServiceTimeoutError,
+    encode_frame,
+    frame_to_batch,
+    recv_frame,
+)
+from recpipe.errors import DataError
+
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+
+__all__ = ["ServiceClient", "ServiceDataset", "ServiceStream", "parse_address"]
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(host, port)``.
+
+    Raises:
+        DataError: ``address`` is not ``HOST:PORT``.
+
+    >>> parse_address("127.0.0.1:5717")
+    ('127.0.0.1', 5717)
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        msg = f"`address` must be HOST:PORT, got {address!r}"
+        raise DataError(msg)
+    return host, int(port)
+
+
+class ServiceClient:
+    """One connection to a reader service: a handshake, then an iterator of batches.
+
+    Args:
+        host: the server's address.
+        port: the server's port.
+        token: the shared token (default: ``$RECPIPE_TOKEN`` if set).
+        shard: which shard of the epoch to read, in ``[0, num_shards)``.
+        num_shards: how many shards the epoch is split into.
+        epoch: the epoch number (mixed into the readers' shuffle seed).
+        holdout: read only this part of the served dataset (``None``: all of it).
+        batch_size: the rows per batch expected; a server making another size refuses the
+            connection (``None``: whatever it makes).
+        connect_timeout_s: give up connecting and handshaking after this long, in all.
+        read_timeout_s: give up when the server sends nothing (not even a heartbeat) this long.
+        max_frame_bytes: refuse larger frames.
+        recv_buffer_bytes: the socket's ``SO_RCVBUF``, or ``None`` for the system default.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        shard: int = 0,
+        num_shards: int = 1,
+        epoch: int = 0,
+        holdout: Holdout | None = None,
+        batch_size: int | None = None,
+        connect_timeout_s: float = 30.0,
+        read_timeout_s: float = 120.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        recv_buffer_bytes: int | None = None,
+    ) -> None:
+        if not (isinstance(num_shards, int) and num_shards >= 1 and 0 <= shard < num_shards):
+            msg = f"`shard` must lie in [0, `num_shards`={num_shards!r}), got {shard!r}"
+            raise DataError(msg)
+        self.host, self.port = host, port
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.shard, self.num_shards, self.epoch = shard, num_shards, epoch
+        self.holdout, self.batch_size = holdout, batch_size
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.recv_buffer_bytes = recv_buffer_bytes
+        self.welcome: dict[str, Any] = {}
+        self.end: dict[str, Any] | None = None
+        self.batches = self.samples = self.bytes_received = 0
+        self._sock: socket.socket | None = None
+
+    @property
+    def where(self) -> str:
+        """``host:port`` of the server, for messages."""
+        return f"{self.host}:{self.port}"
+
+    def connect(self) -> ServiceClient:
+        """Connect and say HELLO; returns ``self``.
+
+        Raises:
+            ServiceBusyError: the server is at its limit of clients or readers (retry later).
+            ServiceError: the server cannot be reached or refused the connection.
+        """
+        deadline = time.monotonic() + self.connect_timeout_s
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if self.recv_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.recv_buffer_bytes)
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            msg = f"cannot connect to the reader service at {self.where}: {exc} (is `recpipe serve` running?)"
+            raise ServiceError(msg) from exc
+        self._sock = sock
+        try:
+            sock.sendall(encode_frame(FrameKind.HELLO, self._hello()))
+            reply = recv_frame(sock, max_frame_bytes=HELLO_MAX_BYTES, deadline=deadline)
+        except (OSError, ServiceError) as exc:
+            self.close()
+            msg = f"handshake with the reader service at {self.where} failed: {exc}"
+            raise ServiceError(msg) from exc
+        if reply.kind is FrameKind.ERROR:
+            self.close()
+            msg = f"the reader service at {self.where} refused the connection: {reply.meta.get('message')}"
+            raise (ServiceBusyError if reply.meta.get("code") == "busy" else ServiceError)(msg)
+        if reply.kind is not FrameKind.WELCOME:
+            self.close()
+            msg = f"the reader service at {self.where} answered HELLO with {reply.kind.name}"
+            raise ProtocolError(msg)
+        self.welcome = reply.meta
+        sock.settimeout(self.read_timeout_s)
+        return self
+
+    def _hello(self) -> dict[str, Any]:
+        hello: dict[str, Any] = {
+            "shard": self.shard,
+            "num_shards": self.num_shards,
+            "epoch": self.epoch,
+        }
+        if self.token is not None:
+            hello["token"] = self.token
+        if self.holdout is not None:
+            hello["holdout"] = dataclasses.asdict(self.holdout)
+        if self.batch_size is not None:
+            hello["batch_size"] = self.batch_size
+        return hello
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Yield the batches of this connection's shard until the server says END.
+
+        Raises:
+            ServiceError: the server failed, shut down, went away, or fell silent.
+        """
+        if self._sock is None:
+            self.connect()
+        try:
+            while True:
+                frame = self._next_frame()
+                if frame.kind is FrameKind.BATCH:
+                    batch = frame_to_batch(frame)
+                    self.batches += 1
+                    self.samples += batch.batch_size
+                    yield batch
+                elif frame.kind is FrameKind.END:
+                    self.end = frame.meta
+                    return
+                elif frame.kind is FrameKind.ERROR:
+                    msg = (
+                        f"the reader service at {self.where} reported: {frame.meta.get('message')}"
+                    )
+                    raise ServiceError(msg)
+                elif frame.kind is not FrameKind.HEARTBEAT:
+                    msg = f"unexpected {frame.kind.name} frame from the reader service at {self.where}"
+                    raise ProtocolError(msg)
+        finally:
+            self.close()
+
+    def _next_frame(self) -> Frame:
+        assert self._sock is not None  # connected in __iter__
+        try:
+            frame = recv_frame(self._sock, max_frame_bytes=self.max_frame_bytes)
+        except ProtocolError:
+            raise
+        except ServiceError as exc:
+            hint = "the server died or closed the connection"
+            if isinstance(exc, ServiceTimeoutError):
+                hint = f"nothing, not even a heartbeat, for `read_timeout_s`={self.read_timeout_s}"
+            msg = f"lost the reader service at {self.where} after {self.batches} batches ({hint}): {exc}"
+            raise ServiceError(msg) from None
+        except OSError as exc:
+            msg = f"lost the reader service at {self.where} after {self.batches} batches: {exc}"
+            raise ServiceError(msg) from exc
+        self.bytes_received += frame.nbytes
+        return frame
+
+    def close(self) -> None:
+        """Close the connection (the server stops this client's readers); idempotent."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> ServiceClient:
+        return self.connect() if self._sock is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ServiceDataset(IterableDataset):
+    """An ``IterableDataset`` of :class:`~recpipe.batch.Batch` read from ``recpipe serve``.
+
+    Each DataLoader worker opens its own connection for its shard: shard
+    ``rank * num_workers + worker_id`` of ``world_size * num_workers``; the shards of all
+    workers of all ranks deliver every row once. Use ``batch_size=None`` (batches arrive whole)::
+
+        ds = ServiceDataset("127.0.0.1", 5717, rank=rank, world_size=world_size)
+        for epoch in range(epochs):
+            ds.set_epoch(epoch)
+            for batch in DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True):
+                ...
+
+    Args:
+        host: the server's address.
+        port: the server's port.
+        token: the shared token (default: ``$RECPIPE_TOKEN`` if set).
+        rank: this trainer's rank.
+        world_size: trainers reading the epoch.
+        holdout: read only this part of the served dataset (``None``: all of it).
+        batch_size: the rows per batch expected (see :class:`ServiceClient`).
+        connect_timeout_s: give up connecting after this long.
+        read_timeout_s: give up when the server is silent this long (it heartbeats every
+            ``heartbeat_s``, so silence means it is gone or wedged).
+        max_frame_bytes: refuse larger frames.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        holdout: Holdout | None = None,
+        batch_size: int | None = None,
+        connect_timeout_s: float = 30.0,
+        read_timeout_s: float = 120.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+            msg = f"`rank` must lie in [0, `world_size`={world_size!r}), got {rank!r}"
+            raise DataError(msg)
+        self.host, self.port, self.token = host, port, token
+        self.rank, self.world_size = rank, world_size
+        self.holdout, self.batch_size = holdout, batch_size
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next (the readers mix it into their shuffle seed)."""
+        self.epoch = epoch
+
+    def client(self) -> ServiceClient:
+        """A (not yet connected) client for the calling DataLoader worker's shard."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return ServiceClient(
+            self.host,
+            self.port,
+            token=self.token,
+            shard=self.rank * workers + worker,
+            num_shards=self.world_size * workers,
+            epoch=self.epoch,
+            holdout=self.holdout,
+            batch_size=self.batch_size,
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            max_frame_bytes=self.max_frame_bytes,
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        with self.client() as client:
+            yield from client
+
+
+class ServiceStream:
+    """Batches from ``recpipe serve`` in the training process, epoch after epoch, resumable.
+
+    Iterating yields the rest of the current epoch (from the position a checkpoint restored),
+    then moves to the next epoch; :meth:`state_dict` is the position of the batches yielded so
+    far. :meth:`read_epoch` reads one whole epoch without moving the position (evaluation)::
+
+        train = ServiceStream("127.0.0.1:5717", holdout=Holdout(0.1), batch_size=4096)
+        held_out = ServiceStream("127.0.0.1:5717", holdout=Holdout(0.1, part="held_out"))
+        for batch in train: ...
+        loss = evaluate(held_out.read_epoch(0))
+
+    Args:
+        address: ``HOST:PORT`` of the server.
+        token: the shared token (default: ``$RECPIPE_TOKEN`` if set).
+        holdout: read only this part of the served dataset (``None``: all of it).
+        batch_size: the rows per batch expected; a server making another size refuses.
+        splits: the row groups the part must hold (the trainer's own count for its dataset):
+            a server that holds another number serves another dataset, and is refused.
+        read_timeout_s: give up when the server is silent this long.
+
+    Raises:
+        DataError: ``address`` is not ``HOST:PORT``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        holdout: Holdout | None = None,
+        batch_size: int | None = None,
+        splits: int | None = None,
+        read_timeout_s: float = 120.0,
+    ) -> None:
+        self.host, self.port = parse_address(address)
+        self.token, self.holdout, self.batch_size = token, holdout, batch_size
+        self.splits, self.read_timeout_s = splits, read_timeout_s
+        self.epoch = 0
+        self.batches = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        skip = self.batches
+        for i, batch in enumerate(self.read_epoch(self.epoch)):
+            if i < skip:
+                continue
+            self.batches = i + 1
+            yield batch
+        self.epoch += 1
+        self.batches = 0
+
+    def read_epoch(self, epoch: int) -> Iterator[Batch]:
+        """Every batch of epoch ``epoch``, from its start (the position does not move).
+
+        Raises:
+            DataError: the server's part holds another number of row groups than ``splits``.
+            ServiceError: the server refused, failed or went away.
+        """
+        client = ServiceClient(
+            self.host, self.port, token=self.token, epoch=epoch, holdout=self.holdout,
+            batch_size=self.batch_size, read_timeout_s=self.read_timeout_s,
+        )  # fmt: skip
+        with client.connect():
+            served = client.welcome.get("splits")
+            if self.splits is not None and served is not None and served != self.splits:
+                part = "every" if self.holdout is None else f"the `{self.holdout.part}`"
+                msg = (
+                    f"the reader service at {client.where} serves {served} row groups as "
+                    f"{part} part, the trainer's dataset has {self.splits}: give the trainer "
+                    f"the dataset the server serves"
+                )
+                raise DataError(msg)
+            yield from client
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: the epoch and the batches of it already yielded."""
+        return {"service_epoch": self.epoch, "service_batches": self.batches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`."""
+        self.epoch = int(state["service_epoch"])
+        self.batches = int(state["service_batches"])
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being read (or read next)."""
+        return self.epoch
