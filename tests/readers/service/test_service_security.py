@@ -288,9 +288,11 @@ def test_a_client_beyond_max_readers_gets_a_clear_busy_error(start_server) -> No
     producer = SyntheticProducer(num_batches=10_000, batch_size=8)
     server = start_server(producer, max_readers=1, queue_depth=2)  # one reader thread in all
     first = _client(server).connect()
-    assert next(iter(first)).batch_size == 8
+    stream = iter(first)  # held: a dropped iterator closes its client, freeing the reader
+    assert next(stream).batch_size == 8
     with pytest.raises(ServiceBusyError, match=r"busy: 1 of its `max_readers`=1 readers"):
         _client(server).connect()
+    stream.close()
     first.close()
     assert server.join_sessions(timeout=TIMEOUT)
     with _client(server) as again:  # the readers are free again
