@@ -178,13 +178,13 @@ def test_background_checkpoint_copies_on_write(tmp_path):
         store.update()
         expected = store.export()
         gate = threading.Event()
-        store._executor.submit(gate.wait)  # hold the writer so the next checkpoint queues
+        store._writer._executor.submit(gate.wait)  # hold the writer so the next checkpoint queues
         future = store.checkpoint(3, wait=False)
-        assert store._frozen.any()
+        assert store._writer.frozen.any()
         loc = store.prefetch(ids)
         store.push(loc, torch.full((loc.num_unique, DIM), 5.0))
         store.update()  # touches frozen rows: their images are saved first
-        assert (store._cow_saved >= 0).any()
+        assert (store._writer.cow_saved >= 0).any()
         gate.set()
         assert future.result()["step"] == 3
     with open_store(tmp_path / "s") as store:
@@ -224,13 +224,13 @@ def test_background_checkpoint_while_the_cache_grows(tmp_path):
         store.update()
         expected = store.export()
         gate = threading.Event()
-        store._executor.submit(gate.wait)  # hold the writer: the checkpoint below waits
+        store._writer._executor.submit(gate.wait)  # hold the writer: the checkpoint below waits
         future = store.checkpoint(4, wait=False)
         for k in range(3):  # new ids grow the slab under the frozen rows
             loc = store.prefetch(np.concatenate([ids, np.arange(100) + 10**12 * (k + 1)]))
             store.push(loc, torch.full((loc.num_unique, DIM), 2.0))
             store.update()
-        assert store._cow_pool.shape[0] >= ids.size  # grown while saving the frozen images
+        assert store._writer.cow_pool.shape[0] >= ids.size  # grown while saving the frozen images
         gate.set()
         assert future.result()["step"] == 4
     with open_store(tmp_path / "s", verify=True) as store:
