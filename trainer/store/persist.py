@@ -311,8 +311,8 @@ class RowFile:
         self.capacity = chunks * self.meta.chunk_rows
         size = self.capacity * self._row_bytes
         os.ftruncate(self._fd, size)
-        # allocate the blocks now: the first writes into a sparse file cost ~5x more (where
-        # the file system cannot preallocate, the file stays sparse)
+        # allocate the blocks now: the first writes into a sparse file cost several times more
+        # (where the file system cannot preallocate, the file stays sparse)
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fallocate(self._fd, old, size - old)
         self._map()

@@ -212,7 +212,7 @@ class CheckpointWriter:
         In file order (one page fault per page; in random order, which cache-slot order
         becomes once slots are reused, the same writes cost several times more; no sort
         needed), a batch at a time: under the copy-on-write lock a batch is only copied to a
-        staging buffer (~2 MB, a millisecond), so an ``update`` never waits for the disk; the
+        staging buffer (8192 rows: ~2 MB at D = 64), so an ``update`` never waits for the disk; the
         staged rows are then written to the memory-mapped file with the lock released.
         (Starting each batch's write-back at once with ``sync_file_range`` was tried: less
         writer time alone, no gain beside training.)
