@@ -75,6 +75,7 @@ __all__ = [
     "inspect_store",
     "load_current",
     "refuse_store_files",
+    "write_row_block",
     "written_by_a_checkpoint",
 ]
 
@@ -323,7 +324,7 @@ class RowFile:
 
     def write_block(self, src_words: np.ndarray, pos: np.ndarray) -> None:
         """Write rows ``src_words[i]`` at sorted positions ``pos[i]``, with their checksums."""
-        K.write_block(src_words, pos, self.words)
+        write_row_block(self.words, src_words, pos)
 
     def read(self, pos: np.ndarray, dst_words: np.ndarray, dst_index: np.ndarray) -> None:
         """Read positions ``pos`` into ``dst_words[dst_index]``, checking checksums."""
@@ -352,6 +353,18 @@ class RowFile:
         self.words = np.zeros((0, self.meta.disk_width), dtype=np.uint32)
         self._mm = None
         os.close(self._fd)
+
+
+def write_row_block(dst_words: np.ndarray, src_words: np.ndarray, pos: np.ndarray) -> None:
+    """Write rows in the on-disk format: ``dst_words[pos[i]] = src_words[i]`` followed by the
+    checksum of (position, words), walking ``pos`` (sorted) front to back.
+
+    Args:
+        dst_words: uint32 [positions, W + 1], e.g. a memory-mapped ``rows.bin``.
+        src_words: uint32 [n, W] the rows' float32 words.
+        pos: int64 [n] sorted positions.
+    """
+    K.write_block(src_words, pos, dst_words)
 
 
 def write_file(path: Path, data: bytes, *, sync: bool) -> None:
