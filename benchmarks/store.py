@@ -36,10 +36,22 @@ import torch
 from _common import RESULTS, alternate, ratio_spread, spread, timing_ratio, write_results
 from tqdm import tqdm
 
-from trainer.store import EmbeddingStore, IdIndex, StoreConfig, StoreEmbeddingBag, open_store
-from trainer.store.persist import write_row_block
-
 ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and str(ROOT) not in sys.path[:1]:
+    # `python benchmarks/store.py` puts benchmarks/ first on sys.path, where the script
+    # benchmarks/trainer.py hides the trainer package; the packages must come first (this goes
+    # once no script here is named like a package)
+    sys.path.insert(0, str(ROOT))
+
+from trainer.store import (  # noqa: E402
+    EmbeddingStore,
+    IdIndex,
+    StoreConfig,
+    StoreEmbeddingBag,
+    open_store,
+)
+from trainer.store.persist import write_row_block  # noqa: E402
+
 DEFAULT_OUT = RESULTS / "store.json"
 
 
