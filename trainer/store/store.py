@@ -31,11 +31,13 @@ trained. ``reshard`` invalidates earlier locations (using one raises StoreError)
     CheckpointWriter  (writer.py)    the writer thread, the copy-on-write pool, persisting
     Home, Recovery    (home.py, recovery.py)   rows.bin and the commit records; opening
 
-Locks: the store lock (``EmbeddingStore._lock``, re-entrant) is created and held by the facade
-alone; the parts never take it, and their methods that change shared state are documented as
-running under it. Two parts own a lock of their own for what the checkpoint writer thread shares
-with training: ``CheckpointWriter.cow_lock`` (frozen slots, the pool) and ``Home.copies_lock``
-(which copy of each row is committed). No code holds one of those while taking another.
+Locks: the store lock (``EmbeddingStore._lock``, re-entrant) is created and taken by the facade
+alone; the parts never take it themselves (the cache's eviction hook, ``wait_checkpoint``,
+re-enters it from the thread that holds it), and their methods that change shared state are
+documented as running under it. Two parts own a lock of their own for what the checkpoint writer
+thread shares with training: ``CheckpointWriter.cow_lock`` (frozen slots, the pool) and
+``Home.copies_lock`` (which copy of each row is committed). Order: the store lock, then at most
+one of the parts' own locks; the writer thread takes only the parts' own locks, one at a time.
 
 Not done here: several ranks (all-reduce of hot-row gradients, all-to-all of cold rows); the
 cost model's coefficients are measured with collectives when ``torch.distributed`` is set up.
