@@ -32,9 +32,24 @@ if TYPE_CHECKING:
     from trainer.store.home import Home
     from trainer.store.persist import StoreMeta
 
-__all__ = ["RowCache", "coalesce", "sparse_step"]
+__all__ = ["RowCache", "coalesce", "init_rows", "sparse_step"]
 
 NEVER = np.iinfo(np.int64).max
+
+
+def init_rows(ids: np.ndarray, dim: int, *, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """The initial rows the store gives ``ids``: uniform(-scale, scale) from a hash of (seed, id).
+
+    The same id gets the same row whatever the order it is first seen in, so an in-module table
+    initialised with ``init_rows(vocab, dim)`` starts equal to the store.
+
+    Returns:
+        float32 [len(ids), dim].
+    """
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    out = np.empty((ids.size, dim), dtype=np.float32)
+    K.init_rows(ids, np.int64(seed), float(scale), out)
+    return out
 
 
 class RowCache:
@@ -176,8 +191,9 @@ class RowCache:
         meta = self._meta
         new = rows >= first_new
         if new.any():
-            fresh = np.empty((int(new.sum()), meta.dim), dtype=np.float32)
-            K.init_rows(ids_of_row[rows[new]], np.int64(meta.seed), float(meta.init_scale), fresh)
+            fresh = init_rows(
+                ids_of_row[rows[new]], meta.dim, seed=meta.seed, scale=meta.init_scale
+            )
             self.slab_np[slots[new], : meta.dim] = fresh
             self.slab_np[slots[new], meta.dim :] = 0.0
         old = ~new

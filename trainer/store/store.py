@@ -58,7 +58,7 @@ import numpy as np
 
 from recpipe.errors import StoreError
 from trainer.store import _kernels as K
-from trainer.store.cache import RowCache, coalesce, sparse_step
+from trainer.store.cache import RowCache, coalesce, init_rows, sparse_step
 from trainer.store.config import STATE_DIM, Locations, StoreConfig, StoreStats
 from trainer.store.home import Home
 from trainer.store.hotset import CostCoefficients, HotPlan, HotSet
@@ -78,21 +78,6 @@ __all__ = [
     "init_rows",
     "open_store",
 ]
-
-
-def init_rows(ids: np.ndarray, dim: int, *, seed: int = 0, scale: float = 0.05) -> np.ndarray:
-    """The initial rows the store gives ``ids``: uniform(-scale, scale) from a hash of (seed, id).
-
-    The same id gets the same row whatever the order it is first seen in, so an in-module table
-    initialised with ``init_rows(vocab, dim)`` starts equal to the store.
-
-    Returns:
-        float32 [len(ids), dim].
-    """
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    out = np.empty((ids.size, dim), dtype=np.float32)
-    K.init_rows(ids, np.int64(seed), float(scale), out)
-    return out
 
 
 class EmbeddingStore:
