@@ -15,7 +15,6 @@ resuming from it continues exactly as if training had not stopped.
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 import time
@@ -44,7 +43,6 @@ from trainer.config import (
     OPTIMIZERS,
     ModelConfig,
     OptimizerKind,
-    PoolingMode,
     TableConfig,
     TrainConfig,
 )
@@ -59,7 +57,6 @@ if TYPE_CHECKING:
 __all__ = [
     "EvalResult",
     "OptimizerKind",
-    "StoreTable",
     "TrainConfig",
     "TrainResult",
     "Trainer",
@@ -226,50 +223,6 @@ def batch_dedup_factor(batch: Batch) -> float:
 
 
 # -------------------------------------------------------------------------------------------
-# tables in the hybrid embedding store (--store hybrid)
-
-
-class StoreTable(nn.Module):
-    """A table backend over :class:`trainer.store.EmbeddingStore` (see :class:`TableBackend`).
-
-    Ids index the store directly (its id index grows, so there is no hashing); gradients are
-    pushed to the store in backward and applied by :meth:`optimizer_step` (``store.update()``),
-    which :class:`Trainer` calls after the torch optimizers.
-
-    Args:
-        config: the table (``num_embeddings`` only sets the init scale).
-        store: the store holding its rows.
-    """
-
-    def __init__(self, config: TableConfig, store: Any) -> None:
-        from trainer.store.module import StoreEmbeddingBag
-
-        super().__init__()
-        self.config = config
-        self.store = store
-        self.bags = nn.ModuleDict({m: StoreEmbeddingBag(store, mode=m) for m in ("sum", "mean")})
-
-    def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
-        """Pooled ``[R, D]`` bags."""
-        return self.bags[mode](ids.to(torch.int64), offsets)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[n, D]`` rows (bags of one id each)."""
-        offsets = torch.arange(ids.numel() + 1, device=ids.device)
-        return self.bags["sum"](ids.to(torch.int64), offsets)
-
-    def optimizer_step(self) -> None:
-        """Apply the pushed gradients."""
-        self.store.update()
-
-
-def _create_store(path: Path | None, config: Any) -> Any:
-    from trainer.store.store import EmbeddingStore
-
-    return EmbeddingStore.create(path, config)
-
-
-# -------------------------------------------------------------------------------------------
 # the whole run
 
 
@@ -413,31 +366,32 @@ class _Run:
         root = None if cfg.checkpoint is None else Path(cfg.checkpoint) / "store"
 
         def factory(table: TableConfig, seed: int) -> nn.Module:
-            from trainer.store.store import StoreConfig, open_store
+            from trainer.store.table import StoreTable
 
             lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
             path = None if root is None else root / table.name
-            resume = self.resume_state is not None and path is not None
-            if resume and (path / "meta.json").exists():
+            device = str(self.device)
+            if self.resume_state is not None and path is not None:
                 # the store may have committed a later step than the dense checkpoint (a crash
                 # between the two): it rolls back to the checkpoint's step
                 at = self.resume_state["trainer"]["step"]
-                store = open_store(path, lr=lr, device=str(self.device), step=at)
+                checkpoint = self.checkpoint_path
+                st = StoreTable.resume(
+                    path, table, step=at, lr=lr, device=device, checkpoint=checkpoint
+                )
             else:
                 if path is not None and path.exists():
                     shutil.rmtree(path)  # a fresh run replaces an old store
-                store = _create_store(path, StoreConfig(
-                    dim=table.dim,
-                    optimizer="sgd" if cfg.optimizer == "sgd" else "rowwise_adagrad",
+                st = StoreTable.create(
+                    path,
+                    table,
+                    optimizer=cfg.optimizer,  # sgd or adagrad (adam is refused above)
                     lr=lr,
-                    seed=table_seed(seed, table.name) % (1 << 31),
-                    init_scale=math.sqrt(1.0 / table.num_embeddings),
-                    pin_window=len(table.features) + 2,
-                    device=str(self.device),
-                    sync="full",  # durable like the state file saved beside it (fsynced)
-                ))  # fmt: skip
-            self.stores.append(store)
-            return StoreTable(table, store)
+                    seed=table_seed(seed, table.name),
+                    device=device,
+                )
+            self.stores.append(st.store)
+            return st
 
         return factory
 

@@ -76,5 +76,15 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
     model = result["checkpoint_model"]
     assert model["stores"] > 0 and model["checkpoints"][0]["step"] == 3
     assert model["checkpoints"][0]["rows_written"] > 0
-    assert all(t > 0 for t in result["recovery_seconds"].values())
+    assert all(t["min"] > 0 for t in result["recovery_seconds"].values())
+    assert set(result["recovery_seconds"]) == {
+        f"{what}_{cache}" for what in ("dump", "open", "verify") for cache in ("warm", "cold")
+    }
+    for key in ("recovery_speedup_spread", "step_vs_fbgemm_tbe_spread"):
+        spread = result[key]
+        assert spread["wall"]["repeats"] == 1 and spread["cpu"]["repeats"] == 1
+        assert spread["wall"]["min"] <= spread["median"] <= spread["wall"]["max"]
+    assert result["checkpoint_overhead_spread"]["wall"]["repeats"] == 1
+    assert result["checkpoint_overhead_in_run"] >= 1.0
+    assert result["environment"]["cpus"] >= 1
     assert "checkpoint overhead" in capsys.readouterr().out

@@ -178,13 +178,13 @@ def test_background_checkpoint_copies_on_write(tmp_path):
         store.update()
         expected = store.export()
         gate = threading.Event()
-        store._executor.submit(gate.wait)  # hold the writer so the next checkpoint queues
+        store._writer._executor.submit(gate.wait)  # hold the writer so the next checkpoint queues
         future = store.checkpoint(3, wait=False)
-        assert store._frozen.any()
+        assert store._writer.frozen.any()
         loc = store.prefetch(ids)
         store.push(loc, torch.full((loc.num_unique, DIM), 5.0))
         store.update()  # touches frozen rows: their images are saved first
-        assert (store._cow_saved >= 0).any()
+        assert (store._writer.cow_saved >= 0).any()
         gate.set()
         assert future.result()["step"] == 3
     with open_store(tmp_path / "s") as store:
@@ -224,13 +224,13 @@ def test_background_checkpoint_while_the_cache_grows(tmp_path):
         store.update()
         expected = store.export()
         gate = threading.Event()
-        store._executor.submit(gate.wait)  # hold the writer: the checkpoint below waits
+        store._writer._executor.submit(gate.wait)  # hold the writer: the checkpoint below waits
         future = store.checkpoint(4, wait=False)
         for k in range(3):  # new ids grow the slab under the frozen rows
             loc = store.prefetch(np.concatenate([ids, np.arange(100) + 10**12 * (k + 1)]))
             store.push(loc, torch.full((loc.num_unique, DIM), 2.0))
             store.update()
-        assert store._cow_pool.shape[0] >= ids.size  # grown while saving the frozen images
+        assert store._writer.cow_pool.shape[0] >= ids.size  # grown while saving the frozen images
         gate.set()
         assert future.result()["step"] == 4
     with open_store(tmp_path / "s", verify=True) as store:
@@ -335,3 +335,113 @@ def test_a_second_checkpoint_of_the_same_state_commits_nothing(tmp_path):
     assert [json.loads(line)["step"] for line in log] == [2, 5, 6]
     with open_store(path, step=5) as store:  # the roll-back point survived the repeat
         assert _sorted_export(store) == at_5
+
+
+# -- damage a store must survive: nothing an open or an inspection does may change a file ----
+
+
+def _digest(path) -> dict[str, tuple[int, str]]:
+    """Size and sha256 of every file of a store directory."""
+    import hashlib
+
+    return {
+        p.name: (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(path.iterdir())
+    }
+
+
+def test_inspecting_verifying_and_opening_write_nothing(store_dir, capsys):
+    """Work after the last checkpoint left new rows in new chunks of rows.bin (evictions) and
+    ids past the committed ones in ids.bin (a checkpoint that never committed): inspection,
+    --verify and opening (plain, verified) leave every byte of every file as it was (they used
+    to cut rows.bin and ids.bin to the committed rows)."""
+    path, (ids, _) = store_dir
+    with open_store(path, cache_rows=40, pin_window=1) as store:
+        for k in range(4):  # new ids: rows past the committed chunks, evicted to rows.bin
+            loc = store.prefetch(np.arange(30) + 10**9 * (k + 1))
+            store.push(loc, store.pull(loc))
+            store.update()
+    with open(path / "ids.bin", "ab") as f:
+        f.write(np.arange(3, dtype=np.int64).tobytes())
+    before = _digest(path)
+    assert before["rows.bin"][0] > inspect_store(path)["rows"] * 2 * (DIM + 2) * 4
+    assert main(["store", str(path), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified_rows"] == ids.size
+    assert main(["store", str(path)]) == 0
+    open_store(path, cache_rows=40, pin_window=1).close()
+    open_store(path, cache_rows=40, pin_window=1, verify=True).close()
+    assert _digest(path) == before
+
+
+def test_a_store_without_its_commit_record_is_refused_and_left_intact(store_dir, capsys):
+    """`rm S/CURRENT` used to make `recpipe store S --verify` print "verified 0 rows", exit 0 and
+    truncate rows.bin and ids.bin to 0 bytes, and open_store(S) an empty store at step -1."""
+    path, _ = store_dir
+    (path / "CURRENT").unlink()
+    before = _digest(path)
+    for argv in (["store", str(path), "--verify"], ["store", str(path)]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert str(path) in err and "no commit record: CURRENT is missing" in err
+        assert "ids.bin" in err and "Nothing was changed" in err
+    with pytest.raises(StoreError, match="no commit record: CURRENT is missing"):
+        open_store(path)
+    with pytest.raises(StoreError, match="no commit record"):
+        inspect_store(path)
+    with pytest.raises(StoreError, match="already holds a store"):
+        EmbeddingStore.create(path, StoreConfig(dim=DIM))
+    assert _digest(path) == before
+    assert before["rows.bin"][0] > 0 and before["ids.bin"][0] > 0
+
+
+def test_a_store_that_never_committed_opens_empty(tmp_path):
+    """Rows evicted before the first checkpoint (then a crash): nothing was committed, so the
+    store opens empty at step -1, and its first checkpoint commits as usual."""
+    path = tmp_path / "s"
+    cfg = StoreConfig(dim=DIM, chunk_rows=8, cache_rows=40, pin_window=1)
+    with EmbeddingStore.create(path, cfg) as store:
+        train(store, range(5))
+        assert store.stats().written_back > 0  # rows.bin holds uncommitted rows
+    before = _digest(path)
+    assert inspect_store(path)["last_checkpoint"]["step"] == -1
+    with open_store(path, cache_rows=40, pin_window=1) as store:
+        assert store.num_rows == 0 and store.stats().last_checkpoint_step == -1
+        train(store, range(2))
+        store.checkpoint(1)
+        expected = store.export()
+    assert before["rows.bin"][0] > 0
+    with open_store(path, cache_rows=40, pin_window=1, verify=True) as store:
+        got = store.export()
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1].tobytes() == expected[1].tobytes()
+
+
+def test_store_files_without_meta_are_not_taken_for_a_new_store(store_dir):
+    path, _ = store_dir
+    (path / "meta.json").unlink()
+    with pytest.raises(StoreError, match=r"holds store files \(.*ids\.bin.*\) but no meta\.json"):
+        EmbeddingStore.create(path, StoreConfig(dim=DIM))
+
+
+def test_torn_and_undecodable_log_lines_are_skipped_and_counted(store_dir, capsys):
+    """`printf '\\xff\\n' >> S/checkpoints.jsonl; recpipe store S` ended in a raw
+    UnicodeDecodeError; the log is informational, so bad lines are skipped and counted, and
+    the next checkpoint's line is not glued to a torn one."""
+    path, _ = store_dir
+    log = path / "checkpoints.jsonl"
+    good = len(log.read_text().splitlines())
+    with open(log, "ab") as f:
+        f.write(b"\xff\n5\n{}\n")
+        f.write(b'{"step": 12, "epo')  # torn: the process died mid-line
+    assert main(["store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints logged  {good} (4 unreadable lines skipped)" in out
+    assert main(["store", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["checkpoints"] == good and info["checkpoint_log_lines_skipped"] == 4
+    with open_store(path, cache_rows=40, pin_window=1) as store:
+        train(store, range(40, 42))
+        store.checkpoint(41)
+    info = inspect_store(path)
+    assert info["checkpoints"] == good + 1 and info["checkpoint_log_lines_skipped"] == 4
+    assert info["recent_checkpoints"][-1]["step"] == 41

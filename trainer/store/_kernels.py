@@ -1,5 +1,9 @@
 """Numba CPU kernels of the embedding store: hashing, the id index, row init, checksums, optimizers.
 
+They stay here, not in ``recpipe/kernels/`` (jagged-tensor ops, each with a CPU and a CUDA form
+on torch tensors): these are CPU-only, work on the store's own numpy arrays and on-disk words,
+and have no user outside :mod:`trainer.store`.
+
 Every kernel is batch-oriented (one call per batch, never one per id) and releases the GIL, so a
 loader thread can index the next batch while the training thread runs the current step.
 """

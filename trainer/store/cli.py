@@ -20,7 +20,7 @@ class InspectOptions:
     Attributes:
         path: the store directory.
         json: print JSON instead of a table.
-        verify: open the store (as recovery does) and check every committed row's checksum.
+        verify: check every committed file and row checksum (read-only).
     """
 
     path: str
@@ -35,8 +35,9 @@ def register_cli(subparsers: Any) -> None:
         help="inspect a hybrid embedding store",
         description=(
             "Describe an embedding store directory without loading it: rows, chunks of the home "
-            "file, the hot set, the last checkpoints and file sizes. --verify also opens it "
-            "(as recovery does) and checks the checksum of every committed row."
+            "file, the hot set, the last checkpoints and file sizes. --verify also checks every "
+            "file of the last checkpoint against its commit record and the checksum of every "
+            "committed row. Neither writes to the store."
         ),
     )
     add_config_options(parser, InspectOptions)
@@ -51,17 +52,20 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _logged(info: dict[str, Any]) -> str:
+    skipped = info["checkpoint_log_lines_skipped"]
+    unreadable = f" ({skipped} unreadable line{'s' * (skipped != 1)} skipped)" if skipped else ""
+    return f"{info['checkpoints']}{unreadable}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the description of the store at ``args.path``."""
     from trainer.store.persist import inspect_store
+    from trainer.store.recovery import verify_store
 
     info = inspect_store(args.path)
     if args.verify:
-        from trainer.store.store import open_store
-
-        with open_store(args.path, verify=True) as store:
-            info["verified_rows"] = store.num_rows
-        info = dict(inspect_store(args.path), verified_rows=info["verified_rows"])
+        info["verified_rows"] = verify_store(args.path)
     if args.json:
         json.dump(info, sys.stdout, indent=1)
         print()
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             if info["previous_checkpoint_step"] is None
             else f"step {info['previous_checkpoint_step']} (no row written since the last one)",
         ),
-        ("checkpoints logged", str(info["checkpoints"])),
+        ("checkpoints logged", _logged(info)),
         ("total size", _human(info["total_bytes"])),
     ]
     if "verified_rows" in info:

@@ -1,4 +1,7 @@
-"""Choosing the hot set (HypeReca): rho(R) from measured frequencies and a measured cost model.
+"""The hot set (HypeReca): rows replicated on the training device, chosen by a cost model.
+
+:class:`HotSet` holds the hot rows (a device tensor, with their optimizer state) and the access
+counts that choose them; :func:`choose_hot_rows` picks R from rho(R) and measured costs.
 
 Hot rows are replicated on every accelerator and their gradients all-reduced each step, a cost
 that grows with R; every other row is fetched through the all-to-all/host path, a cost per id
@@ -15,12 +18,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from recpipe.errors import StoreError
+from trainer.store import _kernels as K
+from trainer.store.cache import sparse_step
 
-__all__ = ["CostCoefficients", "HotPlan", "choose_hot_rows", "measure_costs", "rho_curve"]
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.store.cache import RowCache
+    from trainer.store.home import Home
+
+__all__ = [
+    "CostCoefficients",
+    "HotPlan",
+    "HotSet",
+    "choose_hot_rows",
+    "measure_costs",
+    "rho_curve",
+]
 
 
 @dataclass(frozen=True)
@@ -169,3 +188,160 @@ def measure_costs(
     c_a2a = _best_time(all_to_all, repeats) / probe_rows
     source = f"measured ({'distributed x' + str(world) if world > 1 else 'one process'}, {dev})"
     return CostCoefficients(c_ar=max(c_ar, 1e-12), c_a2a=max(c_a2a, 1e-12), source=source)
+
+
+class HotSet:
+    """The hot rows on the training device, and the access counts that choose them.
+
+    ::
+
+        tensor      float32 [R, W] on the device   the hot rows (embedding then state)
+        rows        int64 [R]                       their row numbers
+        dirty       bool [R]                        changed since the last checkpoint
+        hot_of_row  int64 [rows]                    index in ``tensor`` (-1: not hot)
+        counts      int64 [rows]                    accesses over the counted batches
+
+    Every method runs with the store lock held (the facade's). ``generation`` changes whenever
+    the hot set does, so that locations made before are refused.
+
+    Args:
+        dim: embedding dimension D.
+        width: floats per row (embedding + optimizer state).
+        device: the training device.
+        count_batches: prefetches counted from the start.
+    """
+
+    def __init__(self, *, dim: int, width: int, device: torch.device, count_batches: int) -> None:
+        import torch
+
+        self._dim = dim
+        self._width = width
+        self._coefficients: CostCoefficients | None = None
+        self.device = device
+        self.tensor = torch.zeros(0, width, device=device)
+        self.rows = np.zeros(0, dtype=np.int64)
+        self.dirty = np.zeros(0, dtype=np.bool_)
+        self.generation = 0
+        self.hot_of_row = np.zeros(0, dtype=np.int64)
+        self.counts = np.zeros(0, dtype=np.int64)
+        self._count_left = count_batches
+        self.counted_batches = 0
+        self.counted_accesses = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.rows.size)
+
+    def grow_rows(self, cap: int) -> None:
+        """Make room for rows [0, cap) (not hot, never counted)."""
+        hot = np.full(cap, -1, dtype=np.int64)
+        hot[: self.hot_of_row.size] = self.hot_of_row
+        counts = np.zeros(cap, dtype=np.int64)
+        counts[: self.counts.size] = self.counts
+        self.hot_of_row, self.counts = hot, counts
+
+    # ------------------------------------------------------------------ counting and choosing
+
+    def count(self, uniq: np.ndarray) -> None:
+        """Count one prefetch's unique rows, while counting."""
+        if self._count_left > 0:
+            K.count_rows(uniq, self.counts)
+            self.counted_batches += 1
+            self.counted_accesses += uniq.size
+            self._count_left -= 1
+
+    def restart_counting(self, batches: int) -> None:
+        """Forget the counts and count the next ``batches`` prefetches."""
+        self.counts[:] = 0
+        self._count_left = batches
+        self.counted_batches = self.counted_accesses = 0
+
+    def rho(self, num_hot: int, num_rows: int) -> float:
+        """Share of counted accesses of rows [0, num_rows) covered by the ``num_hot`` most
+        frequent."""
+        curve = rho_curve(self.counts[:num_rows])
+        return float(curve[min(num_hot, curve.size - 1)])
+
+    def plan(
+        self, num_rows: int, *, coefficients: CostCoefficients | None, max_rows: int
+    ) -> HotPlan:
+        """Choose R among rows [0, num_rows) with the cost model (measuring its coefficients on
+        this machine once, unless given)."""
+        if coefficients is None:
+            if self._coefficients is None:
+                self._coefficients = measure_costs(self._dim, device=str(self.device))
+            coefficients = self._coefficients
+        per_batch = self.counted_accesses / max(self.counted_batches, 1)
+        return choose_hot_rows(
+            self.counts[:num_rows],
+            accesses_per_batch=per_batch,
+            coefficients=coefficients,
+            max_rows=max_rows,
+        )
+
+    def most_frequent(self, num_hot: int, num_rows: int) -> np.ndarray:
+        """The ``num_hot`` most counted of rows [0, num_rows), ties broken by row number."""
+        counts = self.counts[:num_rows]
+        order = np.lexsort((np.arange(num_rows), -counts))
+        return order[: min(num_hot, num_rows)].astype(np.int64)
+
+    # ------------------------------------------------------------------ moving rows
+
+    def demote_all(self, cache: RowCache, seq: int) -> None:
+        """Move every hot row to the cache (dirty flags and optimizer state kept)."""
+        rows = self.rows
+        if not rows.size:
+            return
+        cache.insert(rows, self.tensor.cpu().numpy(), self.dirty, seq)
+        self.hot_of_row[rows] = -1
+        self._set(
+            np.zeros(0, np.int64), np.zeros((0, self._width), np.float32), np.zeros(0, np.bool_)
+        )
+
+    def install(self, rows: np.ndarray, cache: RowCache, home: Home) -> None:
+        """Move ``rows`` (none of them hot) from the cache or the home file to the device."""
+        image = np.empty((rows.size, self._width), dtype=np.float32)
+        dirty = np.zeros(rows.size, dtype=np.bool_)
+        cached, cached_image, cached_dirty = cache.remove(rows)
+        image[cached] = cached_image
+        dirty[cached] = cached_dirty
+        if (~cached).any():
+            pos = np.flatnonzero(~cached)
+            home.read(rows[pos], image.view(np.uint32), pos)
+        self.hot_of_row[rows] = np.arange(rows.size)
+        self._set(rows, image, dirty)
+
+    def _set(self, rows: np.ndarray, image: np.ndarray, dirty: np.ndarray) -> None:
+        import torch
+
+        self.tensor = torch.from_numpy(image).to(self.device)
+        self.rows = rows
+        self.dirty = dirty
+        self.generation += 1
+
+    def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
+        """The dirty hot rows and a host copy of their values, now marked clean (a checkpoint
+        takes them)."""
+        import torch
+
+        hot = np.flatnonzero(self.dirty)
+        image = self.tensor[torch.from_numpy(hot)].cpu().numpy()
+        self.dirty[:] = False
+        return self.rows[hot], image
+
+    # ------------------------------------------------------------------ the optimizer
+
+    def step(self, idx: torch.Tensor, g: torch.Tensor, *, optimizer: str, lr: float, eps: float):
+        """Apply the optimizer to hot rows ``idx`` (distinct) with gradients ``g`` [Uh, D]."""
+        if self.device.type == "cpu":  # the cold path's kernel: bitwise the same arithmetic
+            sparse_step(self.tensor.numpy(), idx.numpy(), g, optimizer=optimizer, lr=lr, eps=eps)
+            return
+        rows = self.tensor.index_select(0, idx)  # (Uh, W)
+        d = g.shape[1]
+        if optimizer == "sgd":
+            rows[:, :d] -= lr * g
+        else:
+            state = rows[:, d] + (g * g).sum(1) / d
+            rows[:, d] = state
+            rows[:, :d] -= (lr / (state.sqrt() + eps)).unsqueeze(1) * g
+        self.tensor.index_copy_(0, idx, rows)
