@@ -133,3 +133,22 @@ def test_saved_index_drops_entries_made_after_the_view(later):
     np.testing.assert_array_equal(rows, index.lookup(second))
     with pytest.raises(StoreError, match="corrupted"):
         IdIndex.from_bytes(data[:-8], info)
+
+
+def _splitmix64_finaliser(x: int) -> int:
+    """The finaliser written out in plain Python integers (the reference)."""
+    mask = (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(int64s, min_size=1, max_size=64))
+def test_the_index_hash_is_splitmix64(ids):
+    """The id index places rows by this hash: stores written before the shared kernel open
+    after it only if it is the same function."""
+    from trainer.store import _kernels
+
+    got = _kernels.hash_ids(np.array(ids, dtype=np.int64)).tolist()
+    assert got == [_splitmix64_finaliser(i & ((1 << 64) - 1)) for i in ids]

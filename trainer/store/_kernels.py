@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from recpipe.kernels.splitmix import mix64 as _mix64
+
 __all__: list[str] = []  # private: used by trainer.store only
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -20,21 +22,10 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _FNV_PRIME = np.uint64(0x100000001B3)
 _FNV_BASIS = np.uint64(0xCBF29CE484222325)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 _S40 = np.uint64(40)
 _S32 = np.uint64(32)
 _LOW32 = np.uint64(0xFFFFFFFF)
 EMPTY = -1
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _mix64(x):
-    """splitmix64 finaliser: a bijection on uint64 with good avalanche."""
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
 
 
 @njit(cache=True, nogil=True)
