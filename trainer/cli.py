@@ -11,6 +11,8 @@ import math
 import sys
 from typing import Any
 
+from trainer.distributed import launch as distributed
+
 __all__ = ["register_cli"]
 
 
@@ -140,6 +142,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    distributed.add_distributed_arguments(parser)
     parser.set_defaults(func=_run)
 
 
@@ -176,8 +179,17 @@ def _run(args: argparse.Namespace) -> int:
             attention=attention,
         ),
     )
-    result = train(config, progress=not args.no_progress)
+    summary = None
+    if distributed.requested(args):
+        ran = distributed.run(args, config)
+        if ran is None:  # the launching process, or a rank other than 0
+            return 0
+        result, summary = ran
+    else:
+        result = train(config, progress=not args.no_progress)
     print(format_summary(config, result))
+    if summary is not None:
+        print(distributed.describe(summary))
     if args.json:
         ev = result.final_eval
         doc = {
@@ -193,6 +205,8 @@ def _run(args: argparse.Namespace) -> int:
             "wall_s": result.wall_s,
             "checkpoint": result.checkpoint,
         }
+        if summary is not None:
+            doc["distributed"] = distributed.dump(summary)
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2)
     sys.stdout.flush()
