@@ -391,7 +391,9 @@ class RankBatchDataset(IterableDataset):
         batch = self.converter(table)
         return batch if self.pipeline is None else self.pipeline(batch)
 
-    def iter_indexed(self, *, worker_id: int = 0, num_workers: int = 1) -> Iterator[tuple[int, Batch]]:
+    def iter_indexed(
+        self, *, worker_id: int = 0, num_workers: int = 1
+    ) -> Iterator[tuple[int, Batch]]:
         """``(global batch index, batch)`` from the current position, without advancing it.
 
         With ``num_workers`` > 1, worker ``w`` takes every ``num_workers``-th remaining batch
@@ -435,8 +437,10 @@ class RankBatchDataset(IterableDataset):
         Raises:
             DataError: not a rank reader state, or saved with another batch size.
         """
-        if not isinstance(state, Mapping) or state.get("kind") != "ranks" or (
-            state.get("version") != _STATE_VERSION
+        if (
+            not isinstance(state, Mapping)
+            or state.get("kind") != "ranks"
+            or (state.get("version") != _STATE_VERSION)
         ):
             msg = f"`state` is not a rank reader state_dict (version {_STATE_VERSION}): {state!r}"
             raise DataError(msg)
@@ -484,9 +488,7 @@ class RankLoader:
         if self.num_workers == 0:
             yield from ds
             return
-        loader = DataLoader(
-            ds, batch_size=None, num_workers=self.num_workers, **self.loader_kwargs
-        )
+        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.loader_kwargs)
         for batch in loader:
             ds.delivered += 1
             yield batch
