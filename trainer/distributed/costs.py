@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from trainer.distributed.comm import Comm
-from trainer.distributed.exchange import HotCandidates
+from trainer.distributed.exchange import GRAD_DTYPE, HotCandidates
 from trainer.store import CostCoefficients, HotPlan
 
 __all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
@@ -142,7 +142,7 @@ def fit_costs(
     Args:
         comm: the job's exchange group.
         dim: embedding dimension D.
-        dtype: the rows' dtype.
+        dtype: the rows' dtype (gradients travel in float64).
         ar_rows: hot-set sizes R to time the ``[R, D + 1]`` all-reduce at.
         a2a_rows: ids per rank to time the cold exchange at (spread over all ranks).
         repeats: timed calls per size (the median is kept).
@@ -151,20 +151,24 @@ def fit_costs(
     dev = comm.device
 
     def all_reduce(rows: int) -> Callable[[], None]:
-        flat = torch.zeros(rows * (dim + 1), dtype=dtype, device=dev)
+        flat = torch.zeros(rows * (dim + 1), dtype=GRAD_DTYPE, device=dev)
         return lambda: comm.all_reduce(flat, what="the cost probe all-reduce")
 
     def exchange(rows: int) -> Callable[[], None]:
+        """The cold path of a step where this rank asks for ``rows`` ids spread over all ranks:
+        counts, ids (to the owners), rows (back), float64 gradients (to the owners)."""
         split = [rows // world + (1 if d < rows % world else 0) for d in range(world)]
+        served = split[comm.rank] * world  # every rank asks this rank for as many
         ids = torch.arange(rows, dtype=torch.int64)
-        vals = torch.zeros(rows, dim, dtype=dtype, device=dev)
+        vals = torch.zeros(served, dim, dtype=dtype, device=dev)
+        grads = torch.zeros(rows, dim, dtype=GRAD_DTYPE, device=dev)
         counts = torch.tensor(split, dtype=torch.int64).view(world, 1)
 
         def run() -> None:
             got = comm.all_to_all_counts(counts, what="the cost probe").view(-1).tolist()
             comm.all_to_all(ids, split, got, what="the cost probe")
-            back = comm.all_to_all(vals, split, got, what="the cost probe")
-            comm.all_to_all(back, got, split, what="the cost probe")
+            comm.all_to_all(vals, got, split, what="the cost probe")
+            comm.all_to_all(grads, split, got, what="the cost probe")
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 

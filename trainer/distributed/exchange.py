@@ -16,9 +16,10 @@ A step, with every rank calling the same collectives in the same order (all tabl
                        1. all_to_all counts [W, T]      (sizes first: gloo aborts on mismatches)
                        2. all_to_all ids                owners create unseen rows (hash init)
                        3. all_to_all rows               back to the requesting ranks
-                     -> a [U, D] leaf per table; the model's lookups gather from it
+                     -> [U, D] rows per table; the model's lookups gather from them
     forward/backward (the model reads tables through pool()/rows(); gradients land in the leaves)
-    step()           hot:  one all_reduce of [R, D] gradients + a [R] touched-rows mask;
+    step()           (gradients are accumulated and exchanged in float64, rounded once)
+                     hot:  one all_reduce of [R, D] gradients + a [R] touched-rows mask;
                            every rank applies the optimizer to the touched rows only
                      cold: 4. all_to_all gradients to the owners (the sizes of step 3 reversed);
                            owners sum them per row and apply the optimizer (state stays there)
@@ -59,12 +60,57 @@ __all__ = ["ExchangeStats", "HotCandidates", "ShardedEmbeddings", "ShardedTable"
 # one table
 
 
+GRAD_DTYPE = torch.float64
+"""Gradients of the tables are accumulated, exchanged and summed in float64 and rounded once
+before the update: sums over several ranks then give the float32 gradient one process computes
+(float32 partial sums in another order differ in the last bits, and row-wise Adagrad, which
+divides by the gradient's own size, turns a cancelling sum's few wrong bits into a visible
+difference)."""
+
+
+class _Lookup(torch.autograd.Function):
+    """``rows[pos]`` of the prepared rows; backward adds the gradient into the table's float64
+    accumulator (nothing flows to torch's own leaves)."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, pos):
+        ctx.table, ctx.pos = table, pos
+        return table._rows.index_select(0, pos)  # (n, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.table._accumulate(ctx.pos, grad)
+        return None, None, None
+
+
+class _Pool(torch.autograd.Function):
+    """Pooled bags of the prepared rows (one fused ``embedding_bag``); backward adds each bag's
+    gradient (divided by its length for ``mean``) to its ids' rows in float64."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, pos, offsets, mean):
+        ctx.table, ctx.pos, ctx.offsets, ctx.mean = table, pos, offsets, mean
+        mode = "mean" if mean else "sum"
+        return F.embedding_bag(pos, table._rows, offsets, mode=mode, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lengths = ctx.offsets[1:] - ctx.offsets[:-1]  # (R,)
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad.device), lengths)
+        g = grad.to(GRAD_DTYPE)
+        if ctx.mean:
+            g = g / lengths.clamp(min=1).unsqueeze(1).to(GRAD_DTYPE)
+        ctx.table._accumulate(ctx.pos, g.index_select(0, bag))
+        return None, None, None, None, None
+
+
 class ShardedTable(nn.Module):
     """One embedding table of a multi-rank job: the rank's own rows and the hot replica.
 
     Plugs into the model's collections as a table backend (``pool``/``rows``); lookups read the
-    rows that :meth:`ShardedEmbeddings.prepare` fetched for the current batch. It holds no
-    ``nn.Parameter`` (DDP sees only the dense model); the exchange updates it.
+    rows that :meth:`ShardedEmbeddings.prepare` fetched for the current batch, and their
+    gradients collect in a float64 ``[U, D]`` accumulator that :meth:`ShardedEmbeddings.step`
+    exchanges. It holds no ``nn.Parameter`` (DDP sees only the dense model).
 
     Args:
         config: the table (``num_embeddings`` only sets the init scale, as in the store: ids
@@ -80,7 +126,10 @@ class ShardedTable(nn.Module):
         self.hot_values = shard.values.new_zeros(0, shard.dim)
         self.hot_state = None if shard.state is None else shard.state.new_zeros(0)
         self._uniq: torch.Tensor | None = None  # sorted unique ids of the prepared batch
-        self._rows: torch.Tensor | None = None  # [U, D] their rows (a leaf when training)
+        self._rows: torch.Tensor | None = None  # [U, D] their rows
+        self._grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
+        # a zero-size tensor that requires grad, so autograd records the lookups
+        self._anchor = torch.zeros(0, requires_grad=True)
 
     @property
     def num_hot(self) -> int:
@@ -93,6 +142,10 @@ class ShardedTable(nn.Module):
         pos = np.searchsorted(self.hot_ids, ids)
         clipped = np.minimum(pos, self.hot_ids.size - 1)
         return np.where(self.hot_ids[clipped] == ids, clipped, -1)
+
+    def _accumulate(self, pos: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._grad is not None:
+            self._grad.index_add_(0, pos, grad.to(GRAD_DTYPE))
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
         uniq = self._uniq
@@ -112,13 +165,12 @@ class ShardedTable(nn.Module):
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
         """Pooled ``[R, D]`` bags of the prepared rows."""
         pos = self._positions(ids)
-        return F.embedding_bag(
-            pos, self._rows, offsets.to(pos.device), mode=mode, include_last_offset=True
-        )  # (R, D)
+        offsets = offsets.to(pos.device, torch.int64)
+        return _Pool.apply(self._anchor, self, pos, offsets, mode == "mean")  # (R, D)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` rows of ``ids``."""
-        return F.embedding(self._positions(ids), self._rows)
+        return _Lookup.apply(self._anchor, self, self._positions(ids))  # (n, D)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -233,7 +285,7 @@ def _top_pairs(counts: np.ndarray, tables: np.ndarray, ids: np.ndarray, k: int) 
 class _Prepared:
     """What step() needs of the prepare() of the same batch."""
 
-    leaves: list[torch.Tensor]
+    leaves: list[torch.Tensor]  # per table: the float64 [U, D] gradient accumulator
     hot_pos: list[np.ndarray]  # per table: positions in u of hot ids
     hot_idx: list[np.ndarray]  # per table: their index in the replica
     send_counts: np.ndarray  # [W] rows sent to each rank
@@ -362,10 +414,10 @@ class ShardedEmbeddings:
             sel = np.flatnonzero(send_tab == t)
             if sel.size:
                 rows[torch.from_numpy(send_upos[sel])] = fetched[torch.from_numpy(sel)]
-            rows.requires_grad_(train)
             table._uniq = torch.from_numpy(uniq[t]).to(self.device)
             table._rows = rows
-            leaves.append(rows)
+            table._grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
+            leaves.append(table._grad)
             send_sel.append(sel)
             send_pos.append(send_upos[sel])
         self._account_forward(uniq, cold_pos, counts, recv_counts, train=train)
@@ -399,10 +451,11 @@ class ShardedEmbeddings:
         own = int(counts[rank].sum())
         served_remote = int(recv_counts.sum() - recv_counts[rank].sum())
         row_bytes = self.dim * self.values_itemsize
+        grad_bytes = self.dim * torch.empty(0, dtype=GRAD_DTYPE).element_size()
         st.remote_rows += cold - own
         # counts (to the other ranks), ids sent, rows served to others, gradients sent back
         st.a2a_bytes += (self.comm.world_size - 1) * counts.shape[1] * 8
-        st.a2a_bytes += (cold - own) * 8 + served_remote * row_bytes + (cold - own) * row_bytes
+        st.a2a_bytes += (cold - own) * (8 + grad_bytes) + served_remote * row_bytes
 
     @property
     def values_itemsize(self) -> int:
@@ -417,20 +470,17 @@ class ShardedEmbeddings:
             msg = "step() without a prepare(batch, train=True) before it"
             raise RecpipeError(msg)
         self._prepared = None
-        grads = [
-            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in prep.leaves
-        ]
-        self._hot_step(prep, grads)
-        self._cold_step(prep, grads)
+        self._hot_step(prep, prep.leaves)
+        self._cold_step(prep, prep.leaves)
         for table in self.tables:
-            table._uniq = table._rows = None
+            table._uniq = table._rows = table._grad = None
 
     def _hot_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
         hot = [t for t, table in enumerate(self.tables) if table.num_hot]
         if not hot:
             return
         sizes = [self.tables[t].num_hot for t in hot]
-        flat = torch.zeros(sum(sizes) * (self.dim + 1), dtype=self.dtype, device=self.device)
+        flat = torch.zeros(sum(sizes) * (self.dim + 1), dtype=GRAD_DTYPE, device=self.device)
         bufs, masks, at = [], [], 0
         for t, r in zip(hot, sizes, strict=True):
             buf = flat[at : at + r * self.dim].view(r, self.dim)
@@ -447,12 +497,11 @@ class ShardedEmbeddings:
         for t, buf, mask in zip(hot, bufs, masks, strict=True):
             table = self.tables[t]
             touched = torch.nonzero(mask > 0).squeeze(1)  # rows some rank touched
-            self.optimizer.apply(
-                table.hot_values, table.hot_state, touched, buf.index_select(0, touched)
-            )
+            grad = buf.index_select(0, touched).to(self.dtype)  # rounded once
+            self.optimizer.apply(table.hot_values, table.hot_state, touched, grad)
 
     def _cold_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
-        send = torch.empty(prep.num_send, self.dim, dtype=self.dtype, device=self.device)
+        send = torch.empty(prep.num_send, self.dim, dtype=GRAD_DTYPE, device=self.device)
         for t, sel in enumerate(prep.send_sel):
             if sel.size:
                 send[torch.from_numpy(sel)] = grads[t][torch.from_numpy(prep.send_upos[t])]
@@ -466,7 +515,7 @@ class ShardedEmbeddings:
             uniq, inv = np.unique(rows, return_inverse=True)
             summed = got.new_zeros(uniq.size, self.dim)
             summed.index_add_(0, torch.from_numpy(inv).to(self.device), got[prep.recv_sel[t]])
-            table.shard.apply(self.optimizer, uniq, summed)
+            table.shard.apply(self.optimizer, uniq, summed.to(self.dtype))  # rounded once
 
     # -- the hot set ----------------------------------------------------------------------------
     def gather_counts(self, *, budget: int | None = None) -> HotCandidates:
