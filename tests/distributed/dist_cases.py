@@ -17,7 +17,7 @@ import torch.distributed as dist
 from readers.dataset import dataset_schema
 from readers.ranks import RankBatchDataset
 from readers.source import ReaderConfig
-from trainer.distributed.batches import concat_batches, global_batches
+from trainer.distributed.batches import global_batches
 from trainer.distributed.comm import Comm
 from trainer.distributed.costs import CostFit, LineFit, choose_num_hot
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
@@ -168,9 +168,7 @@ def digest(tables: dict) -> str:
 
 def _single_rows(trainer: DistributedTrainer) -> dict:
     rows = trainer.sparse.owned_rows()
-    return {
-        name: {k: v for k, v in entry.items() if v is not None} for name, entry in rows.items()
-    }
+    return {name: {k: v for k, v in entry.items() if v is not None} for name, entry in rows.items()}
 
 
 def run_case(comm: Comm, dataset: str, case: tuple, refs: dict) -> dict | None:
@@ -259,62 +257,24 @@ def die_at_step(rank: int, world_size: int, dataset: str, out: str, victim: int,
     Path(out, f"finished-{rank}").write_text("no error")
 
 
-def _train_config(dataset: str, checkpoint: str, *, steps: int, resume: bool):
-    from trainer.train import TrainConfig
-
-    return TrainConfig(
-        dataset=dataset, steps=steps, batch_size=BATCH, eval_fraction=0.0, checkpoint=checkpoint,
-        resume=resume, model=SMALL_MODEL, optimizer="adagrad", seed=3,
-    )  # fmt: skip
-
-
-RESUME_OPTIONS = {"hot_rows": 40, "count_steps": 2, "probe_repeats": 1, "timeout_s": 60.0}
-
-
-def resume_job(rank: int, world_size: int, dataset: str, out: str) -> None:
-    """Train 3 steps at 2 ranks with a checkpoint, then resume at 3 ranks up to step 6."""
-    from trainer.distributed.run import DistributedConfig, train_rank
-
-    ckpt = str(Path(out) / "ckpt")
-    options = DistributedConfig(**RESUME_OPTIONS)
-    for world, steps, resume in ((2, 3, False), (3, 6, True)):
-        comm = subgroup_comm(world)
-        if comm is not None:
-            config = _train_config(dataset, ckpt, steps=steps, resume=resume)
-            result, summary = train_rank(config, options, comm=comm, progress=False)
-            if comm.rank == 0:
-                doc = {"losses": result.losses, "hot_rows": summary.hot_rows,
-                       "resumed_from": result.resumed_from}  # fmt: skip
-                Path(out, f"resume-{world}.json").write_text(json.dumps(doc))
-                if world == 2:  # the readers' position at step 3, for the reference
-                    from trainer.distributed.checkpoint import read_checkpoint
-
-                    torch.save(read_checkpoint(ckpt)["reader"], Path(out) / "reader-at-3.pt")
-        dist.barrier()
-
-
-def resume_reference(dataset: str, out: str) -> dict:
-    """One process on the same global batches: the 2-rank job's first 3, then the 3-rank job's
-    next 3 (the rows no rank had delivered, dealt again)."""
-    from dataclasses import replace
-
-    config = _train_config(dataset, str(Path(out) / "ckpt"), steps=6, resume=False)
-    reader = ReaderConfig(batch_size=BATCH, shuffle=True, seed=config.seed)
-    schema = dataset_schema(dataset)
-    saved_at_3 = torch.load(Path(out) / "reader-at-3.pt", weights_only=False)
-    streams = []
-    for world, state in ((2, None), (3, saved_at_3)):
+def resume_reference(dataset: str, model: ModelConfig, reader_at_resume: dict, *, steps: tuple):
+    """One process on the global batches of a job that ran ``steps[0]`` steps at 2 ranks and
+    ``steps[1]`` more at 3 (the rows no rank had delivered, dealt again): losses and tables.
+    The job is ``recpipe train`` with ``--seed 0 --eval-fraction 0``."""
+    reader = ReaderConfig(batch_size=BATCH, shuffle=True, seed=0)
+    batches = []
+    for world, state, count in ((2, None, steps[0]), (3, reader_at_resume, steps[1])):
         parts = []
         for r in range(world):
             ds = RankBatchDataset(dataset, config=reader, rank=r, world_size=world)
             if state is not None:
                 ds.load_state_dict(state)
-            parts.append([b for _, b in zip(range(3), ds, strict=False)])
-        streams.extend(global_batches(parts))
-    model = DLRM.from_schema(schema, replace(config.model, seed=config.seed),
-                             table_factory=sharded_table_factory(optimizer="adagrad"))  # fmt: skip
-    trainer = DistributedTrainer(model, comm=Comm.single(), optimizer="adagrad")
-    losses = [float(trainer.train_step(b)[0]) for b in streams]
+            parts.append([b for _, b in zip(range(count), ds, strict=False)])
+        batches.extend(global_batches(parts))
+    factory = sharded_table_factory(optimizer="adagrad")
+    net = DLRM.from_schema(dataset_schema(dataset), model, table_factory=factory)
+    trainer = DistributedTrainer(net, comm=Comm.single(), optimizer="adagrad")
+    losses = [float(trainer.train_step(b)[0]) for b in batches]
     return {"losses": losses, "tables": _single_rows(trainer)}
 
 

@@ -46,6 +46,8 @@ class DistributedConfig:
         hot_budget_rows: most hot rows the cost model may choose.
         timeout_s: collective timeout: a rank that hangs makes the others fail after it.
         probe_repeats: timed calls per size when fitting the cost model at start-up.
+        probe_rows: the largest size probed (hot rows of the all-reduce; the all-to-all is
+            probed at up to a quarter of it).
     """
 
     hot_rows: Literal["auto"] | int = "auto"
@@ -53,6 +55,7 @@ class DistributedConfig:
     hot_budget_rows: int = 65536
     timeout_s: float = 300.0
     probe_repeats: int = 5
+    probe_rows: int = 65536
 
     def __post_init__(self) -> None:
         if self.hot_rows != "auto" and (
@@ -62,7 +65,7 @@ class DistributedConfig:
         ):
             msg = f"`hot_rows` must be 'auto' or a non-negative integer, got {self.hot_rows!r}"
             raise RecpipeError(msg)
-        for name in ("count_steps", "hot_budget_rows", "probe_repeats"):
+        for name in ("count_steps", "hot_budget_rows", "probe_repeats", "probe_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"`{name}` must be a positive integer, got {value!r}"
@@ -251,7 +254,14 @@ class _RankRun:
 
         cfg, comm = self.config, self.comm
         self.restore()
-        self.fit = fit_costs(comm, dim=cfg.model.embedding_dim, repeats=self.options.probe_repeats)
+        top = self.options.probe_rows
+        self.fit = fit_costs(
+            comm,
+            dim=cfg.model.embedding_dim,
+            ar_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
+            a2a_rows=[max(top // k, 1) for k in (256, 64, 16, 4)],
+            repeats=self.options.probe_repeats,
+        )
         self.summary.cost_model_r2 = self.fit.r2
         self.summary.c_ar, self.summary.c_a2a = self.fit.c_ar, self.fit.c_a2a
         target_steps = cfg.steps
