@@ -9,10 +9,10 @@ per row, ``A_ar`` per call); every other access of the step's ``N`` unique-id ac
 ranks) moves an id, a row and a gradient by all-to-all (``C_a2a`` per access). ``ρ(R)`` is the
 share of accesses the R most accessed rows serve, measured (:class:`HotCandidates`).
 
-:func:`fit_costs` times the two collectives at several sizes on the job's group, with the
-payload shapes the exchange uses, takes the slowest rank's median at each size (every rank fits
-the same numbers, so every rank chooses the same R) and fits a line to each; its r² says how
-well a line explains the times. :func:`choose_num_hot` evaluates ``f`` at every R up to the
+:func:`fit_costs` times steps of a one-table exchange on the job's own group (its collectives
+and the work around them) at several sizes of each kind, takes the slowest rank's fastest step
+at each size (every rank fits the same numbers, so every rank chooses the same R) and fits a
+line to each; its r² says how well a line explains the times. :func:`choose_num_hot` evaluates ``f`` at every R up to the
 candidates and takes the smallest minimum (exact: no convexity assumed).
 """
 
@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from trainer.distributed.comm import Comm
-from trainer.distributed.exchange import GRAD_DTYPE, HotCandidates
+from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, ShardedTable
+from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.store import CostCoefficients, HotPlan
 
 __all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
 
-AR_ROWS: tuple[int, ...] = (1024, 4096, 16384, 65536)
-A2A_ROWS: tuple[int, ...] = (256, 1024, 4096, 16384)
+PROBE_ROWS: tuple[int, ...] = (1024, 4096, 16384, 65536)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class LineFit:
         intercept: seconds per call.
         r2: coefficient of determination of the fit.
         sizes: the sizes timed.
-        seconds: the time at each size (slowest rank's median).
+        seconds: the time at each size (the slowest rank's fastest call).
     """
 
     slope: float
@@ -70,18 +70,19 @@ class CostFit:
     """The fitted coefficients of the cost model.
 
     Attributes:
-        all_reduce: time of the hot gradient all-reduce against hot rows R.
-        all_to_all: time of one rank's cold exchange (ids, rows, gradients) against the ids it
-            sends.
+        all_reduce: time of an exchange step against hot rows R (a few of them looked up).
+        all_to_all: time of an exchange step against the cold ids one rank looks up.
         world_size: ranks of the group measured.
         backend: its backend.
+        baseline_s: a step of the all-reduce probe's lookups without a hot set (what the
+            all-reduce probe costs besides the all-reduce).
     """
 
     all_reduce: LineFit
     all_to_all: LineFit
     world_size: int
     backend: str = "gloo"
-    extra: dict[str, float] = field(default_factory=dict)
+    baseline_s: float = 0.0
 
     @property
     def c_ar(self) -> float:
@@ -91,7 +92,7 @@ class CostFit:
     @property
     def a_ar(self) -> float:
         """Seconds per all-reduce call (paid when R > 0)."""
-        return max(self.all_reduce.intercept, 0.0)
+        return max(self.all_reduce.intercept - self.baseline_s, 0.0)
 
     @property
     def c_a2a(self) -> float:
@@ -117,14 +118,58 @@ class CostFit:
         return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _fastest(fn: Callable[[], None], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls after a warm-up (other load only slows calls
+    down, so the fastest is the best estimate of the collective's own cost)."""
+    fn()
+    best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class _Probe:
+    """A one-table exchange on the job's group, driven with synthetic ids: what a step of the
+    real exchange costs (its collectives and the work around them: indexing, placing rows,
+    summing gradients, the optimizer)."""
+
+    def __init__(self, comm: Comm, *, dim: int, dtype: torch.dtype) -> None:
+        from torch import nn
+
+        from trainer.modules import TableConfig
+
+        table = ShardedTable(
+            TableConfig("probe", 1, dim, ("probe",)),
+            RowShard(dim=dim, dtype=dtype, device=comm.device, seed=1, with_state=True),
+        )
+        holder = nn.Module()
+        holder.add_module("probe", table)
+        self.comm = comm
+        self.sparse = ShardedEmbeddings(
+            holder, comm=comm, optimizer=SparseOptimizer("rowwise_adagrad", 1e-3), count_steps=0
+        )
+
+    def step(self, ids: np.ndarray) -> Callable[[], None]:
+        """One exchange step (prepare + step) of a batch looking ``ids`` up."""
+        from recpipe.batch import Batch
+        from recpipe.jagged import KeyedJaggedTensor
+
+        n = ids.size
+        kjt = KeyedJaggedTensor.from_lengths(
+            ["probe"], torch.from_numpy(ids), torch.ones(n, dtype=torch.int64)
+        )
+        batch = Batch(dense=torch.zeros(n, 0), labels=torch.zeros(n), kjt=kjt)
+        device = self.comm.device
+
+        def run() -> None:
+            self.sparse.prepare(batch)
+            self.sparse.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return run
 
 
 def fit_costs(
@@ -132,63 +177,51 @@ def fit_costs(
     *,
     dim: int,
     dtype: torch.dtype = torch.float32,
-    ar_rows: Sequence[int] = AR_ROWS,
-    a2a_rows: Sequence[int] = A2A_ROWS,
-    repeats: int = 5,
+    ar_rows: Sequence[int] = PROBE_ROWS,
+    a2a_rows: Sequence[int] = PROBE_ROWS,
+    repeats: int = 7,
+    hot_lookups: int = 64,
 ) -> CostFit:
-    """Time the exchange's collectives on ``comm`` at several sizes and fit the cost model
-    (collective: every rank calls it with the same arguments).
+    """Time the exchange on ``comm`` at several sizes and fit the cost model (collective:
+    every rank calls it with the same arguments).
+
+    A one-table exchange runs real steps: with ``a2a_rows`` distinct cold ids per rank (no hot
+    set) for ``C_a2a``, and with ``ar_rows`` hot rows and ``hot_lookups`` of them looked up
+    for ``C_ar``; the same lookups with no hot set are the baseline the all-reduce's per-call
+    cost is measured against.
 
     Args:
         comm: the job's exchange group.
         dim: embedding dimension D.
         dtype: the rows' dtype (gradients travel in float64).
-        ar_rows: hot-set sizes R to time the ``[R, D + 1]`` all-reduce at.
-        a2a_rows: ids per rank to time the cold exchange at (spread over all ranks).
-        repeats: timed calls per size (the median is kept).
+        ar_rows: hot-set sizes R to time.
+        a2a_rows: cold ids per rank to time (spread over all owners).
+        repeats: timed steps per size (the fastest is kept).
+        hot_lookups: ids looked up per step in the hot-set probe.
     """
     world = comm.world_size
-    dev = comm.device
-
-    def all_reduce(rows: int) -> Callable[[], None]:
-        flat = torch.zeros(rows * (dim + 1), dtype=GRAD_DTYPE, device=dev)
-        return lambda: comm.all_reduce(flat, what="the cost probe all-reduce")
-
-    def exchange(rows: int) -> Callable[[], None]:
-        """The cold path of a step where this rank asks for ``rows`` ids spread over all ranks:
-        counts, ids (to the owners), rows (back), float64 gradients (to the owners)."""
-        split = [rows // world + (1 if d < rows % world else 0) for d in range(world)]
-        served = split[comm.rank] * world  # every rank asks this rank for as many
-        ids = torch.arange(rows, dtype=torch.int64)
-        vals = torch.zeros(served, dim, dtype=dtype, device=dev)
-        grads = torch.zeros(rows, dim, dtype=GRAD_DTYPE, device=dev)
-        counts = torch.tensor(split, dtype=torch.int64).view(world, 1)
-
-        def run() -> None:
-            got = comm.all_to_all_counts(counts, what="the cost probe").view(-1).tolist()
-            comm.all_to_all(ids, split, got, what="the cost probe")
-            comm.all_to_all(vals, got, split, what="the cost probe")
-            comm.all_to_all(grads, split, got, what="the cost probe")
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-
-        return run
-
+    probe = _Probe(comm, dim=dim, dtype=dtype)
     times = []
+    for rows in a2a_rows:  # ids of this rank, distinct from every other rank's
+        ids = np.arange(rows, dtype=np.int64) + (comm.rank << 40)
+        times.append(_fastest(probe.step(ids), repeats))
+    looked_up = np.arange(hot_lookups, dtype=np.int64)
+    probe.sparse.set_hot([np.zeros(0, dtype=np.int64)])
+    times.append(_fastest(probe.step(looked_up), repeats))  # the baseline: no hot set
     for rows in ar_rows:
-        times.append(_median_time(all_reduce(rows), repeats))
-    for rows in a2a_rows:
-        times.append(_median_time(exchange(rows), repeats))
+        probe.sparse.set_hot([np.arange(max(rows, hot_lookups), dtype=np.int64)])
+        times.append(_fastest(probe.step(looked_up), repeats))
     slowest = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(slowest, what="the cost probe", op="max")
     t = slowest.tolist()
-    n_ar = len(ar_rows)
-    backend = "local" if world == 1 else ("nccl" if dev.type == "cuda" else "gloo")
+    n_a2a = len(a2a_rows)
+    backend = "local" if world == 1 else ("nccl" if comm.device.type == "cuda" else "gloo")
     return CostFit(
-        all_reduce=LineFit.of(ar_rows, t[:n_ar]),
-        all_to_all=LineFit.of(a2a_rows, t[n_ar:]),
+        all_reduce=LineFit.of([max(r, hot_lookups) for r in ar_rows], t[n_a2a + 1 :]),
+        all_to_all=LineFit.of(a2a_rows, t[:n_a2a]),
         world_size=world,
         backend=backend,
+        baseline_s=t[n_a2a],
     )
 
 

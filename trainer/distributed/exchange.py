@@ -231,7 +231,8 @@ class _Counter:
             return
         ids = np.concatenate([self._ids, *self._parts])
         weights = np.concatenate([self._counts, *(np.ones(p.size, np.int64) for p in self._parts)])
-        self._ids, inv = np.unique(ids, return_inverse=True)
+        uniq, inv = torch.unique(torch.from_numpy(ids), return_inverse=True)
+        self._ids, inv = uniq.numpy(), inv.numpy()
         self._counts = np.bincount(inv, weights=weights, minlength=self._ids.size).astype(np.int64)
         self._parts = []
 
@@ -269,6 +270,40 @@ class HotCandidates:
         if self.total:
             curve[1:] = np.cumsum(self.counts) / self.total
         return curve
+
+
+def _unique(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Sorted distinct values (torch's sort-based unique: several times faster than numpy's
+    hash-then-sort ``np.unique`` on int64 ids)."""
+    if isinstance(ids, np.ndarray):
+        ids = torch.from_numpy(ids)
+    return torch.unique(ids).numpy()
+
+
+def _group_order(key: np.ndarray, groups: int) -> np.ndarray:
+    """A stable order of ``key`` (values in ``[0, groups)``): numpy sorts small integer types
+    with a radix sort, linear in the length."""
+    small = np.int16 if groups <= np.iinfo(np.int16).max else np.int32
+    return np.argsort(key.astype(small), kind="stable")
+
+
+def _table_slices(counts: np.ndarray, n_tables: int) -> list[np.ndarray]:
+    """Positions of each table's rows in a buffer laid out by (rank, table) with ``counts``
+    [W, T] rows per block: ``out[t]`` lists table ``t``'s positions, rank by rank."""
+    flat = counts.reshape(-1)
+    starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).reshape(counts.shape)
+    out = []
+    for t in range(n_tables):
+        n = counts[:, t]
+        total = int(n.sum())
+        if not total:
+            out.append(np.zeros(0, dtype=np.int64))
+            continue
+        # block starts repeated per row, plus the row's rank inside its block
+        first = np.repeat(starts[:, t], n)
+        inside = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+        out.append((first + inside).astype(np.int64))
+    return out
 
 
 def _top_pairs(counts: np.ndarray, tables: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
@@ -351,26 +386,31 @@ class ShardedEmbeddings:
         return sum(t.num_hot for t in self.tables)
 
     # -- forward --------------------------------------------------------------------------------
-    def _batch_ids(self, batch: Batch, table: ShardedTable) -> np.ndarray:
-        rows = locate_features(batch, table.config.features)
-        parts = [r.jagged.values.detach().to("cpu", torch.int64).numpy() for r in rows.values()]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+    def _batch_ids(self, batch: Batch) -> list[np.ndarray]:
+        """Every table's unique ids in ``batch`` (sorted)."""
+        features = [f for table in self.tables for f in table.config.features]
+        found = locate_features(batch, features)
+        out = []
+        for table in self.tables:
+            parts = [found[f].jagged.values.detach().to("cpu", torch.int64)
+                     for f in table.config.features]  # fmt: skip
+            out.append(_unique(torch.cat(parts) if len(parts) > 1 else parts[0]))
+        return out
 
     def count(self, batch: Batch) -> None:
         """Count ``batch``'s accesses for the hot set without training on it."""
-        for t, table in enumerate(self.tables):
-            self.counters[t].add(self._batch_ids(batch, table))
+        for counter, uniq in zip(self.counters, self._batch_ids(batch), strict=True):
+            counter.add(uniq)
         self.counted_steps += 1
 
     def prepare(self, batch: Batch, *, train: bool = True) -> None:
         """Fetch the rows of every table's unique ids in ``batch`` (collective: every rank calls
         it once per step, in the same order as :meth:`step`)."""
         comm, n_tables = self.comm, len(self.tables)
-        uniq = [self._batch_ids(batch, table) for table in self.tables]
-        counting = train and (self.count_left is None or self.count_left > 0)
-        if counting:
-            for t, u in enumerate(uniq):
-                self.counters[t].add(u)
+        uniq = self._batch_ids(batch)
+        if train and (self.count_left is None or self.count_left > 0):
+            for counter, u in zip(self.counters, uniq, strict=True):
+                counter.add(u)
             self.counted_steps += 1
             if self.count_left is not None:
                 self.count_left -= 1
@@ -378,10 +418,10 @@ class ShardedEmbeddings:
         cold_pos = [np.flatnonzero(h < 0) for h in hot_idx]
         cold_ids = np.concatenate([u[c] for u, c in zip(uniq, cold_pos, strict=True)])
         cold_tab = np.repeat(np.arange(n_tables), [c.size for c in cold_pos])
-        cold_upos = np.concatenate(cold_pos)
         key = owner_of(cold_ids, comm.world_size) * n_tables + cold_tab
-        order = np.argsort(key, kind="stable")
-        send_ids, send_tab, send_upos = cold_ids[order], cold_tab[order], cold_upos[order]
+        order = _group_order(key, comm.world_size * n_tables)  # by owner, then table
+        send_ids = cold_ids[order]
+        send_upos = np.concatenate(cold_pos)[order]
         counts = np.bincount(key, minlength=comm.world_size * n_tables).reshape(-1, n_tables)
         recv = comm.all_to_all_counts(torch.from_numpy(counts), what="the exchange's counts")
         recv_counts = recv.numpy()
@@ -389,37 +429,36 @@ class ShardedEmbeddings:
         got_ids = comm.all_to_all(
             torch.from_numpy(send_ids), send_rows, recv_rows, what="the exchange's ids"
         ).numpy()
-        recv_tab = np.repeat(np.tile(np.arange(n_tables), comm.world_size), recv_counts.reshape(-1))
+        recv_sel = _table_slices(recv_counts, n_tables)  # positions in the receive buffer
         response = torch.empty(got_ids.size, self.dim, dtype=self.dtype, device=self.device)
-        recv_sel, owner_rows = [], []
-        for t, table in enumerate(self.tables):
-            sel = np.flatnonzero(recv_tab == t)
+        owner_rows = []
+        for table, sel in zip(self.tables, recv_sel, strict=True):
             ids = got_ids[sel]
+            at = torch.from_numpy(sel).to(self.device)
             if train:
                 rows = table.shard.rows(ids)
-                response[torch.from_numpy(sel)] = table.shard.gather(rows)
+                response[at] = table.shard.gather(rows)
             else:
                 rows = np.zeros(0, np.int64)
-                response[torch.from_numpy(sel)] = table.shard.lookup(ids)
-            recv_sel.append(sel)
+                response[at] = table.shard.lookup(ids)
             owner_rows.append(rows)
         fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows")
-        leaves, send_sel, send_pos = [], [], []
+        send_sel = _table_slices(counts, n_tables)  # positions in the send buffer
+        send_pos = [send_upos[sel] for sel in send_sel]
+        leaves = []
         for t, table in enumerate(self.tables):
             rows = torch.empty(uniq[t].size, self.dim, dtype=self.dtype, device=self.device)
             hot = np.flatnonzero(hot_idx[t] >= 0)
             if hot.size:
                 idx = torch.from_numpy(hot_idx[t][hot]).to(self.device)
-                rows[torch.from_numpy(hot)] = table.hot_values.index_select(0, idx)
-            sel = np.flatnonzero(send_tab == t)
-            if sel.size:
-                rows[torch.from_numpy(send_upos[sel])] = fetched[torch.from_numpy(sel)]
+                rows[torch.from_numpy(hot).to(self.device)] = table.hot_values.index_select(0, idx)
+            if send_sel[t].size:
+                at = torch.from_numpy(send_sel[t]).to(self.device)
+                rows[torch.from_numpy(send_pos[t]).to(self.device)] = fetched.index_select(0, at)
             table._uniq = torch.from_numpy(uniq[t]).to(self.device)
             table._rows = rows
             table._grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
             leaves.append(table._grad)
-            send_sel.append(sel)
-            send_pos.append(send_upos[sel])
         self._account_forward(uniq, cold_pos, counts, recv_counts, train=train)
         if not train:
             self._prepared = None
@@ -504,7 +543,8 @@ class ShardedEmbeddings:
         send = torch.empty(prep.num_send, self.dim, dtype=GRAD_DTYPE, device=self.device)
         for t, sel in enumerate(prep.send_sel):
             if sel.size:
-                send[torch.from_numpy(sel)] = grads[t][torch.from_numpy(prep.send_upos[t])]
+                at = torch.from_numpy(prep.send_upos[t]).to(self.device)
+                send[torch.from_numpy(sel).to(self.device)] = grads[t].index_select(0, at)
         got = self.comm.all_to_all(
             send, prep.send_counts, prep.recv_counts, what="the exchange's gradients"
         )
@@ -512,9 +552,11 @@ class ShardedEmbeddings:
             rows = prep.owner_rows[t]
             if not rows.size:
                 continue
-            uniq, inv = np.unique(rows, return_inverse=True)
-            summed = got.new_zeros(uniq.size, self.dim)
-            summed.index_add_(0, torch.from_numpy(inv).to(self.device), got[prep.recv_sel[t]])
+            uniq, inv = torch.unique(torch.from_numpy(rows), return_inverse=True)
+            summed = got.new_zeros(uniq.numel(), self.dim)
+            at = torch.from_numpy(prep.recv_sel[t]).to(self.device)
+            summed.index_add_(0, inv.to(self.device), got.index_select(0, at))
+            uniq = uniq.numpy()
             table.shard.apply(self.optimizer, uniq, summed.to(self.dtype))  # rounded once
 
     # -- the hot set ----------------------------------------------------------------------------
@@ -528,7 +570,7 @@ class ShardedEmbeddings:
         cnt = np.concatenate([c for _, c in totals])
         tab = np.repeat(np.arange(n_tables), [i.size for i, _ in totals])
         key = owner_of(ids, comm.world_size) * n_tables + tab
-        order = np.argsort(key, kind="stable")
+        order = _group_order(key, comm.world_size * n_tables)
         counts = np.bincount(key, minlength=comm.world_size * n_tables).reshape(-1, n_tables)
         recv = comm.all_to_all_counts(torch.from_numpy(counts), what="the hot-set counts").numpy()
         payload = torch.from_numpy(np.stack([ids[order], cnt[order], tab[order]], axis=1))

@@ -46,8 +46,8 @@ class DistributedConfig:
         hot_budget_rows: most hot rows the cost model may choose.
         timeout_s: collective timeout: a rank that hangs makes the others fail after it.
         probe_repeats: timed calls per size when fitting the cost model at start-up.
-        probe_rows: the largest size probed (hot rows of the all-reduce; the all-to-all is
-            probed at up to a quarter of it).
+        probe_rows: the largest size probed: hot rows of the all-reduce, ids per rank of the
+            all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it).
     """
 
     hot_rows: Literal["auto"] | int = "auto"
@@ -259,7 +259,7 @@ class _RankRun:
             comm,
             dim=cfg.model.embedding_dim,
             ar_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
-            a2a_rows=[max(top // k, 1) for k in (256, 64, 16, 4)],
+            a2a_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
             repeats=self.options.probe_repeats,
         )
         self.summary.cost_model_r2 = self.fit.r2
