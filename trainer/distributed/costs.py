@@ -6,11 +6,13 @@ A step costs (HypeReca)::
 
 ``R`` hot rows cost an all-reduce of their gradients and touched-rows mask every step (``C_ar``
 per row, ``A_ar`` per call); every other access of the step's ``N`` unique-id accesses (all
-ranks) moves an id, a row and a gradient by all-to-all (``C_a2a`` per access). ``ρ(R)`` is the
-share of accesses the R most accessed rows serve, measured (:class:`HotCandidates`).
+ranks) moves an id, a row and a gradient by all-to-all, ``C_a2a`` per access more than a hot
+access costs (the hot accesses' own cost, ``N·C_hot``, does not depend on R and is left out).
+``ρ(R)`` is the share of accesses the R most accessed rows serve, measured
+(:class:`HotCandidates`).
 
 :func:`fit_costs` times steps of a one-table exchange on the job's own group (its collectives
-and the work around them) at several sizes of each kind, takes the slowest rank's fastest step
+and the work around them) at several sizes of three kinds, takes the slowest rank's fastest step
 at each size (every rank fits the same numbers, so every rank chooses the same R) and fits a
 line to each; its r² says how well a line explains the times. :func:`choose_num_hot` evaluates ``f`` at every R up to the
 candidates and takes the smallest minimum (exact: no convexity assumed).
@@ -72,6 +74,7 @@ class CostFit:
     Attributes:
         all_reduce: time of an exchange step against hot rows R (a few of them looked up).
         all_to_all: time of an exchange step against the cold ids one rank looks up.
+        hot_lookup: time of an exchange step against the hot ids one rank looks up.
         world_size: ranks of the group measured.
         backend: its backend.
         baseline_s: a step of the all-reduce probe's lookups without a hot set (what the
@@ -80,6 +83,7 @@ class CostFit:
 
     all_reduce: LineFit
     all_to_all: LineFit
+    hot_lookup: LineFit
     world_size: int
     backend: str = "gloo"
     baseline_s: float = 0.0
@@ -96,13 +100,14 @@ class CostFit:
 
     @property
     def c_a2a(self) -> float:
-        """Seconds per cold access of the job (each rank sends 1/W of them)."""
-        return max(self.all_to_all.slope / self.world_size, 1e-12)
+        """Seconds a cold access of the job costs more than a hot one (each rank looks up 1/W
+        of the accesses)."""
+        return max((self.all_to_all.slope - self.hot_lookup.slope) / self.world_size, 1e-12)
 
     @property
     def r2(self) -> float:
-        """The worse of the two fits' r²."""
-        return min(self.all_reduce.r2, self.all_to_all.r2)
+        """The worst of the fits' r²."""
+        return min(self.all_reduce.r2, self.all_to_all.r2, self.hot_lookup.r2)
 
     def coefficients(self) -> CostCoefficients:
         return CostCoefficients(
@@ -185,26 +190,31 @@ def fit_costs(
     """Time the exchange on ``comm`` at several sizes and fit the cost model (collective:
     every rank calls it with the same arguments).
 
-    A one-table exchange runs real steps: with ``a2a_rows`` distinct cold ids per rank (no hot
-    set) for ``C_a2a``, and with ``ar_rows`` hot rows and ``hot_lookups`` of them looked up
-    for ``C_ar``; the same lookups with no hot set are the baseline the all-reduce's per-call
-    cost is measured against.
+    A one-table exchange runs real steps, three sweeps of them:
+
+    * ``a2a_rows`` distinct ids per rank, all cold (no hot set): the time per cold lookup;
+    * the same ids, all hot: the time per hot lookup (a hot row is not free: it is found,
+      gathered and updated on every rank). ``C_a2a`` is what a cold lookup costs more;
+    * hot sets of ``ar_rows`` rows with ``hot_lookups`` of them looked up: ``C_ar`` per hot
+      row; the same lookups with no hot set are the baseline of the all-reduce's per-call cost.
 
     Args:
         comm: the job's exchange group.
         dim: embedding dimension D.
         dtype: the rows' dtype (gradients travel in float64).
         ar_rows: hot-set sizes R to time.
-        a2a_rows: cold ids per rank to time (spread over all owners).
+        a2a_rows: ids per rank to time (spread over all owners).
         repeats: timed steps per size (the fastest is kept).
-        hot_lookups: ids looked up per step in the hot-set probe.
+        hot_lookups: ids looked up per step in the hot-set sweep.
     """
     world = comm.world_size
     probe = _Probe(comm, dim=dim, dtype=dtype)
-    times = []
-    for rows in a2a_rows:  # ids of this rank, distinct from every other rank's
-        ids = np.arange(rows, dtype=np.int64) + (comm.rank << 40)
-        times.append(_fastest(probe.step(ids), repeats))
+    top = max(a2a_rows)
+    own = [np.arange(rows, dtype=np.int64) + (comm.rank << 40) for rows in a2a_rows]
+    times = [_fastest(probe.step(ids), repeats) for ids in own]  # cold
+    every = np.concatenate([np.arange(top, dtype=np.int64) + (r << 40) for r in range(world)])
+    probe.sparse.set_hot([every])
+    times += [_fastest(probe.step(ids), repeats) for ids in own]  # the same lookups, hot
     looked_up = np.arange(hot_lookups, dtype=np.int64)
     probe.sparse.set_hot([np.zeros(0, dtype=np.int64)])
     times.append(_fastest(probe.step(looked_up), repeats))  # the baseline: no hot set
@@ -214,14 +224,15 @@ def fit_costs(
     slowest = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(slowest, what="the cost probe", op="max")
     t = slowest.tolist()
-    n_a2a = len(a2a_rows)
+    n = len(a2a_rows)
     backend = "local" if world == 1 else ("nccl" if comm.device.type == "cuda" else "gloo")
     return CostFit(
-        all_reduce=LineFit.of([max(r, hot_lookups) for r in ar_rows], t[n_a2a + 1 :]),
-        all_to_all=LineFit.of(a2a_rows, t[:n_a2a]),
+        all_reduce=LineFit.of([max(r, hot_lookups) for r in ar_rows], t[2 * n + 1 :]),
+        all_to_all=LineFit.of(a2a_rows, t[:n]),
+        hot_lookup=LineFit.of(a2a_rows, t[n : 2 * n]),
         world_size=world,
         backend=backend,
-        baseline_s=t[n_a2a],
+        baseline_s=t[2 * n],
     )
 
 

@@ -81,15 +81,16 @@ class GlobalBatchNorm(nn.Module):
         if not self.training:
             return F.batch_norm(x, self.running_mean, self.running_var, None, None, False, 0.0,
                                 self.eps)  # fmt: skip
-        # statistics summed in float64: partial sums on several ranks round to the same
-        # float32 mean and variance as one sum over the whole batch (almost always bitwise)
+        # one all-reduce of the count, the sums and the sums of squares, in float64: partial
+        # sums on several ranks round to the same float32 mean and variance as one sum over the
+        # whole batch (almost always bitwise), and float64 keeps E[x²] − E[x]² accurate
         wide = x.to(torch.float64)
         count = wide.new_tensor([float(x.shape[0])])
-        sums = _all_reduce_sum(self.comm, torch.cat([wide.sum(0), count]))  # (F + 1,)
+        sums = _all_reduce_sum(self.comm, torch.cat([wide.sum(0), (wide * wide).sum(0), count]))
+        features = x.shape[1]
         n = sums[-1].detach()
-        mean_wide = sums[:-1] / n  # (F,)
-        dev = wide - mean_wide  # (B, F)
-        var_wide = _all_reduce_sum(self.comm, (dev * dev).sum(0)) / n  # (F,)
+        mean_wide = sums[:features] / n  # (F,)
+        var_wide = (sums[features : 2 * features] / n - mean_wide * mean_wide).clamp(min=0.0)
         mean, var = mean_wide.to(x.dtype), var_wide.to(x.dtype)
         with torch.no_grad():
             m = self.momentum

@@ -128,6 +128,7 @@ class ShardedTable(nn.Module):
         self._uniq: torch.Tensor | None = None  # sorted unique ids of the prepared batch
         self._rows: torch.Tensor | None = None  # [U, D] their rows
         self._grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
+        self._known: dict[tuple[int, ...], torch.Tensor] = {}  # feature values -> positions
         # a zero-size tensor that requires grad, so autograd records the lookups
         self._anchor = torch.zeros(0, requires_grad=True)
 
@@ -148,6 +149,9 @@ class ShardedTable(nn.Module):
             self._grad.index_add_(0, pos, grad.to(GRAD_DTYPE))
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        known = self._known.get(_tensor_key(ids))
+        if known is not None:  # the very values prepare() saw: their positions are known
+            return known
         uniq = self._uniq
         if uniq is None:
             msg = f"table {self.config.name!r}: no rows prepared; call ShardedEmbeddings.prepare(batch)"
@@ -272,12 +276,9 @@ class HotCandidates:
         return curve
 
 
-def _unique(ids: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Sorted distinct values (torch's sort-based unique: several times faster than numpy's
-    hash-then-sort ``np.unique`` on int64 ids)."""
-    if isinstance(ids, np.ndarray):
-        ids = torch.from_numpy(ids)
-    return torch.unique(ids).numpy()
+def _tensor_key(t: torch.Tensor) -> tuple[int, ...]:
+    """Identifies a tensor's elements (the same storage, offset and length)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.device.index or 0)
 
 
 def _group_order(key: np.ndarray, groups: int) -> np.ndarray:
@@ -386,15 +387,27 @@ class ShardedEmbeddings:
         return sum(t.num_hot for t in self.tables)
 
     # -- forward --------------------------------------------------------------------------------
-    def _batch_ids(self, batch: Batch) -> list[np.ndarray]:
-        """Every table's unique ids in ``batch`` (sorted)."""
+    def _batch_ids(self, batch: Batch, *, positions: bool = False) -> list[np.ndarray]:
+        """Every table's unique ids in ``batch`` (sorted). With ``positions``, each table also
+        learns where each of its features' values sits among them (the model's lookups then
+        need no search)."""
         features = [f for table in self.tables for f in table.config.features]
         found = locate_features(batch, features)
         out = []
         for table in self.tables:
-            parts = [found[f].jagged.values.detach().to("cpu", torch.int64)
-                     for f in table.config.features]  # fmt: skip
-            out.append(_unique(torch.cat(parts) if len(parts) > 1 else parts[0]))
+            values = [found[f].jagged.values for f in table.config.features]
+            ids = [v.detach().to("cpu", torch.int64) for v in values]
+            flat = torch.cat(ids) if len(ids) > 1 else ids[0]
+            if not positions:
+                out.append(torch.unique(flat).numpy())
+                continue
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            inverse = inverse.to(self.device)
+            table._known = {
+                _tensor_key(v): part
+                for v, part in zip(values, inverse.split([i.numel() for i in ids]), strict=True)
+            }
+            out.append(uniq.numpy())
         return out
 
     def count(self, batch: Batch) -> None:
@@ -407,7 +420,7 @@ class ShardedEmbeddings:
         """Fetch the rows of every table's unique ids in ``batch`` (collective: every rank calls
         it once per step, in the same order as :meth:`step`)."""
         comm, n_tables = self.comm, len(self.tables)
-        uniq = self._batch_ids(batch)
+        uniq = self._batch_ids(batch, positions=True)
         if train and (self.count_left is None or self.count_left > 0):
             for counter, u in zip(self.counters, uniq, strict=True):
                 counter.add(u)
@@ -513,6 +526,7 @@ class ShardedEmbeddings:
         self._cold_step(prep, prep.leaves)
         for table in self.tables:
             table._uniq = table._rows = table._grad = None
+            table._known = {}
 
     def _hot_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
         hot = [t for t, table in enumerate(self.tables) if table.num_hot]

@@ -214,6 +214,7 @@ class _RankRun:
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path | None:
         cfg = self.config
+        self.losses += self.trainer.pending_losses()
         if cfg.checkpoint is None or self.saved_step == self.trainer.step:
             return None if cfg.checkpoint is None else Path(cfg.checkpoint) / "checkpoint.pt"
         state = {
@@ -278,13 +279,13 @@ class _RankRun:
             empty += 1
             for batch in self.loader:
                 empty = 0
-                loss, logits = self.trainer.train_step(batch)
-                self.losses.append(float(loss))
+                _, logits = self.trainer.train_step(batch, reduce_loss=False)
                 self.samples += batch.batch_size * comm.world_size
                 self.window.add(logits, batch.labels)
                 step = self.trainer.step
                 bar.update(1)
                 if step % 10 == 0:
+                    self.losses += self.trainer.pending_losses()
                     rate = (self.samples - samples0) / max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix(loss=f"{np.mean(self.losses[-20:]):.4f}",
                                     sps=f"{rate:,.0f}", refresh=False)  # fmt: skip
@@ -303,6 +304,7 @@ class _RankRun:
                     f"per rank for {comm.world_size} ranks"
                 )
                 raise RecpipeError(msg)
+        self.losses += self.trainer.pending_losses()
         wall = time.perf_counter() - t0
         bar.close()
         if not self.evals or self.evals[-1][0] != self.trainer.step:

@@ -108,14 +108,22 @@ class DistributedTrainer:
         self.optimizers = make_optimizers(self.module, optimizer, lr=self.lr)
         self.model = wrap_ddp(self.module, comm, device=self.device)
         self.step = 0
+        self._pending: list[tuple[torch.Tensor, int]] = []  # (local loss sum, global rows)
 
     @property
     def tables(self) -> list[ShardedTable]:
         return self.sparse.tables
 
-    def train_step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(
+        self, batch: Batch, *, reduce_loss: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One step on this rank's micro-batch (collective); returns the global batch's mean
-        loss (the same on every rank) and this rank's logits."""
+        loss (the same on every rank) and this rank's logits.
+
+        With ``reduce_loss=False`` the loss is kept for :meth:`pending_losses`, which reduces
+        the losses of many steps in one all-reduce (one collective less per step), and
+        ``None`` is returned in its place.
+        """
         self.module.train()
         batch = batch.to(self.device, non_blocking=True)
         global_rows = batch.batch_size * self.comm.world_size
@@ -130,10 +138,22 @@ class DistributedTrainer:
         for opt in self.optimizers:
             opt.step()
         self.sparse.step()
-        total = loss_sum.detach().reshape(1).clone()
-        self.comm.all_reduce(total, what="the loss all-reduce")
         self.step += 1
-        return total[0] / global_rows, logits.detach()
+        self._pending.append((loss_sum.detach().to(torch.float64), global_rows))
+        if not reduce_loss:
+            return None, logits.detach()
+        return torch.tensor(self.pending_losses()[-1]), logits.detach()
+
+    def pending_losses(self) -> list[float]:
+        """The global mean losses of the steps since the last call, in order (collective: one
+        all-reduce of all of them)."""
+        if not self._pending:
+            return []
+        sums = torch.stack([s for s, _ in self._pending])
+        self.comm.all_reduce(sums, what="the loss all-reduce")
+        out = [float(s) / rows for s, (_, rows) in zip(sums.tolist(), self._pending, strict=True)]
+        self._pending = []
+        return out
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
