@@ -167,8 +167,6 @@ def _launch(args: argparse.Namespace) -> None:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
-    if getattr(args, "service", None) is not None:
-        raise _error("`--service` with --nproc: not supported yet (one client per rank)")
     with tempfile.TemporaryDirectory(prefix="recpipe-launch-") as tmp:
         spec = Path(tmp) / "args.pkl"
         worker = argparse.Namespace(**{**vars(args), "nproc": None})
@@ -196,8 +194,9 @@ def run(
     """Run ``recpipe train`` on several ranks: launch the workers (``--nproc``), or train this
     worker's rank. Returns rank 0's result (``None`` elsewhere and in the launching process)."""
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
-    from trainer.distributed.run import train_rank
+    from trainer.distributed.run import check_config, train_rank
 
+    check_config(config)
     if not launched_by_torchrun():
         _launch(args)
         return None

@@ -32,7 +32,7 @@ from trainer.distributed.trainer import DistributedTrainer, sharded_table_factor
 from trainer.metrics import PredictionWindow
 from trainer.train import EvalResult, TrainConfig, TrainResult
 
-__all__ = ["DistributedConfig", "DistributedSummary", "train_rank"]
+__all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 
 
 @dataclass
@@ -111,6 +111,29 @@ class DistributedSummary:
         ]  # fmt: skip
 
 
+def check_config(config: TrainConfig) -> None:
+    """Refuse what a multi-rank run does not support (before any process is started).
+
+    Raises:
+        RecpipeError: naming the option and why.
+    """
+    if config.store != "module":
+        msg = (
+            f"`store` {config.store!r} with several processes: not supported yet; the tables of "
+            "a multi-rank job are sharded over the ranks (row-wise Adagrad or SGD, as the store)"
+        )
+        raise RecpipeError(msg)
+    if config.optimizer == "adam":
+        msg = "`optimizer` 'adam' with several processes: the sharded tables train with sgd or adagrad"
+        raise RecpipeError(msg)
+    if config.service is not None:
+        msg = "`service` with several processes: not supported yet (one client per rank)"
+        raise RecpipeError(msg)
+    if config.batch_size < 2:
+        msg = f"`batch_size` (per rank) must be >= 2 with several processes, got {config.batch_size}"
+        raise RecpipeError(msg)
+
+
 class _RankRun:
     """The state of one rank's ``train_rank`` call."""
 
@@ -123,7 +146,7 @@ class _RankRun:
         self.progress = progress and comm.rank == 0
         self.schema = dataset_schema(config.dataset)
         self.device = torch.device(config.device)
-        self._check()
+        check_config(config)
         self.resume_state = None
         if config.resume and config.checkpoint is not None:
             self.resume_state = read_checkpoint(config.checkpoint)
@@ -138,26 +161,6 @@ class _RankRun:
         self.hot_chosen = False
         self.fit: CostFit | None = None
         self.summary = DistributedSummary(world_size=comm.world_size)
-
-    def _check(self) -> None:
-        cfg = self.config
-        if cfg.store != "module":
-            msg = (
-                f"`store` {cfg.store!r} with several processes: not supported yet; the tables of a "
-                "multi-rank job are sharded over the ranks (row-wise Adagrad or SGD, as the store)"
-            )
-            raise RecpipeError(msg)
-        if cfg.optimizer == "adam":
-            msg = "`optimizer` 'adam' with several processes: the sharded tables train with sgd or adagrad"
-            raise RecpipeError(msg)
-        if cfg.service is not None:
-            msg = "`service` with several processes: not supported yet (one client per rank)"
-            raise RecpipeError(msg)
-        if cfg.batch_size < 2:
-            msg = (
-                f"`batch_size` (per rank) must be >= 2 with several processes, got {cfg.batch_size}"
-            )
-            raise RecpipeError(msg)
 
     def _make_trainer(self) -> DistributedTrainer:
         from trainer.models import DLRM
