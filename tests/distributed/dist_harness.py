@@ -43,12 +43,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         dist.destroy_process_group()
 
 
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = JOIN_TIMEOUT_S
-) -> list[int]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one
-    gloo group; returns their exit codes. Processes still alive at the deadline are killed
-    (and their exit code is reported as ``None`` -> the caller's assertion fails)."""
+def start_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Start ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one
+    gloo group; returns the processes."""
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
@@ -57,6 +54,12 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
+    return procs
+
+
+def join_ranks(procs: list[Any], *, timeout_s: float) -> list[int | None]:
+    """Exit codes of ``procs`` after waiting at most ``timeout_s`` in all; a process still
+    alive then is killed and reported as ``None`` (the caller's assertion fails)."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(deadline - time.monotonic(), 0.0))
@@ -69,3 +72,10 @@ def run_ranks(
         else:
             codes.append(p.exitcode)
     return codes
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = JOIN_TIMEOUT_S
+) -> list[int | None]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; their exit codes."""
+    return join_ranks(start_ranks(fn, world_size, *args), timeout_s=timeout_s)

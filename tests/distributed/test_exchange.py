@@ -232,3 +232,34 @@ def _schema(dataset):
     from readers.dataset import dataset_schema
 
     return dataset_schema(str(dataset))
+
+
+def test_hot_rows_no_rank_touched_are_not_updated(dist_dataset):
+    """The touched-rows mask: the optimizer sees exactly the hot rows the step's batch used (a
+    row-wise Adagrad step with a zero gradient changes nothing, but a row no rank touched must
+    not be handed to the optimizer at all)."""
+    batches = _batches(dist_dataset, count=2)
+    trainer = DistributedTrainer(
+        DLRM.from_schema(_schema(dist_dataset), MODEL,
+                         table_factory=sharded_table_factory(optimizer="adagrad")),
+        comm=Comm.single(), optimizer="adagrad", hot_budget_rows=1 << 20,
+    )  # fmt: skip
+    sparse = trainer.sparse
+    for b in batches:
+        sparse.count(b)
+    sparse.gather_counts()
+    sparse.reshard(10**9)  # every row seen in either batch is hot
+    seen: list[int] = []
+
+    class Recording(type(sparse.optimizer)):
+        def apply(self, values, state, rows, grads):
+            seen.append(int(rows.numel()))
+            super().apply(values, state, rows, grads)
+
+    sparse.optimizer = Recording(**{f: getattr(sparse.optimizer, f) for f in ("kind", "lr", "eps")})
+    ids = sparse._batch_ids(batches[0])
+    trainer.train_step(batches[0])
+    touched = [int(np.isin(t.hot_ids, u).sum()) for t, u in zip(sparse.tables, ids, strict=True)]
+    hot_tables = [n for n, t in zip(touched, sparse.tables, strict=True) if t.num_hot]
+    assert seen[: len(hot_tables)] == hot_tables  # hot step: only the touched rows
+    assert sum(hot_tables) < sparse.num_hot  # batch 1's rows were hot and left alone
