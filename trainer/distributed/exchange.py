@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.errors import RecpipeError
+from trainer.distributed import _kernels as K
 from trainer.distributed.comm import Comm
 from trainer.distributed.shard import RowShard, SparseOptimizer, owner_of
 from trainer.modules import PoolingMode, TableConfig, locate_features
@@ -79,7 +80,11 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.table._accumulate(ctx.pos, grad)
+        acc = ctx.table._grad
+        if acc is not None and acc.device.type == "cpu":
+            K.add_rows(grad.contiguous().numpy(), ctx.pos.numpy(), acc.numpy())
+        elif acc is not None:
+            acc.index_add_(0, ctx.pos, grad.to(GRAD_DTYPE))
         return None, None, None
 
 
@@ -95,12 +100,19 @@ class _Pool(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        lengths = ctx.offsets[1:] - ctx.offsets[:-1]  # (R,)
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad.device), lengths)
-        g = grad.to(GRAD_DTYPE)
-        if ctx.mean:
-            g = g / lengths.clamp(min=1).unsqueeze(1).to(GRAD_DTYPE)
-        ctx.table._accumulate(ctx.pos, g.index_select(0, bag))
+        acc = ctx.table._grad
+        if acc is not None and acc.device.type == "cpu":
+            K.pool_backward(grad.contiguous().numpy(), ctx.pos.numpy(), ctx.offsets.numpy(),
+                            ctx.mean, acc.numpy())  # fmt: skip
+        elif acc is not None:
+            lengths = ctx.offsets[1:] - ctx.offsets[:-1]  # (R,)
+            bag = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=grad.device), lengths
+            )
+            g = grad.to(GRAD_DTYPE)
+            if ctx.mean:
+                g = g / lengths.clamp(min=1).unsqueeze(1).to(GRAD_DTYPE)
+            acc.index_add_(0, ctx.pos, g.index_select(0, bag))
         return None, None, None, None, None
 
 
@@ -143,10 +155,6 @@ class ShardedTable(nn.Module):
         pos = np.searchsorted(self.hot_ids, ids)
         clipped = np.minimum(pos, self.hot_ids.size - 1)
         return np.where(self.hot_ids[clipped] == ids, clipped, -1)
-
-    def _accumulate(self, pos: torch.Tensor, grad: torch.Tensor) -> None:
-        if self._grad is not None:
-            self._grad.index_add_(0, pos, grad.to(GRAD_DTYPE))
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
         known = self._known.get(_tensor_key(ids))

@@ -130,7 +130,9 @@ def check_config(config: TrainConfig) -> None:
         msg = "`service` with several processes: not supported yet (one client per rank)"
         raise RecpipeError(msg)
     if config.batch_size < 2:
-        msg = f"`batch_size` (per rank) must be >= 2 with several processes, got {config.batch_size}"
+        msg = (
+            f"`batch_size` (per rank) must be >= 2 with several processes, got {config.batch_size}"
+        )
         raise RecpipeError(msg)
 
 
