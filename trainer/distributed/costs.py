@@ -20,7 +20,6 @@ candidates and takes the smallest minimum (exact: no convexity assumed).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from trainer.distributed.comm import Comm
 from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.store import CostCoefficients, HotPlan
+from trainer.store.hotset import _best_time
 
 __all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
 
@@ -125,14 +125,9 @@ class CostFit:
 
 def _fastest(fn: Callable[[], None], repeats: int) -> float:
     """The fastest of ``repeats`` timed calls after a warm-up (other load only slows calls
-    down, so the fastest is the best estimate of the collective's own cost)."""
+    down, so the fastest is the best estimate of the step's own cost)."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _best_time(fn, repeats)
 
 
 class _Probe:

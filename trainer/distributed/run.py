@@ -30,7 +30,7 @@ from trainer.distributed.costs import CostFit, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.metrics import PredictionWindow
-from trainer.train import EvalResult, TrainConfig, TrainResult
+from trainer.train import EvalResult, TrainConfig, TrainResult, batch_dedup_factor
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 
@@ -278,12 +278,14 @@ class _RankRun:
         bar = tqdm(total=target_steps, initial=self.trainer.step, unit="step", desc="train",
                    file=sys.stderr, disable=not self.progress, dynamic_ncols=True)  # fmt: skip
         t0, samples0 = time.perf_counter(), self.samples
+        factors: list[float] = []
         done = self._finished(target_steps, target_epochs)
         empty = 0
         while not done:
             empty += 1
             for batch in self.loader:
                 empty = 0
+                factors.append(batch_dedup_factor(batch))
                 _, logits = self.trainer.train_step(batch, reduce_loss=False)
                 self.samples += batch.batch_size * comm.world_size
                 self.window.add(logits, batch.labels)
@@ -327,7 +329,7 @@ class _RankRun:
             evals=self.evals,
             samples_per_s=(self.samples - samples0) / wall if wall > 0 else float("nan"),
             peak_memory_bytes=_peak_memory(self.device),
-            dedup_factor=1.0,
+            dedup_factor=float(np.mean(factors)) if factors else 1.0,
             wall_s=wall,
             checkpoint=None if path is None else str(path),
             resumed_from=self.resumed_from,
