@@ -147,7 +147,8 @@ class _RankRun:
         self.config, self.options, self.comm = config, options, comm
         self.progress = progress and comm.rank == 0
         self.schema = dataset_schema(config.dataset)
-        self.device = torch.device(config.device)
+        # on CUDA each rank trains on the device its group was set up on (cuda:LOCAL_RANK)
+        self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
         check_config(config)
         self.resume_state = None
         if config.resume and config.checkpoint is not None:
