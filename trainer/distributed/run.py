@@ -54,7 +54,7 @@ class DistributedConfig:
     count_steps: int = 20
     hot_budget_rows: int = 65536
     timeout_s: float = 300.0
-    probe_repeats: int = 5
+    probe_repeats: int = 7
     probe_rows: int = 65536
 
     def __post_init__(self) -> None:
