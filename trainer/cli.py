@@ -14,8 +14,9 @@ import sys
 
 from recpipe.config_cli import Option, add_config_options
 from trainer.config import ModelConfig, TrainConfig
+from trainer.distributed import launch as distributed
 
-__all__ = ["register_cli"]
+__all__ = ["register_cli", "run"]
 
 
 # Model options `recpipe train` exposes (the rest of ModelConfig keeps its defaults).
@@ -61,16 +62,28 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    distributed.add_distributed_arguments(parser)
     parser.set_defaults(
-        func=lambda args: _run(run_options.build(args, model=model_options.build(args)), args)
+        func=lambda args: run(run_options.build(args, model=model_options.build(args)), args)
     )
 
 
-def _run(config: TrainConfig, args: argparse.Namespace) -> int:
+def run(config: TrainConfig, args: argparse.Namespace) -> int:
+    """Train ``config`` (on several ranks when ``args`` asks for it), print the summary and
+    write ``--json``; the exit code. A torchrun worker of ``--nproc`` enters here too."""
     from trainer.train import format_summary, train
 
-    result = train(config, progress=not args.no_progress)
+    summary = None
+    if distributed.requested(args):
+        ran = distributed.run(args, config)
+        if ran is None:  # the launching process, or a rank other than 0
+            return 0
+        result, summary = ran
+    else:
+        result = train(config, progress=not args.no_progress)
     print(format_summary(config, result))
+    if summary is not None:
+        print(distributed.describe(summary))
     if args.json:
         ev = result.final_eval
         doc = {
@@ -86,6 +99,8 @@ def _run(config: TrainConfig, args: argparse.Namespace) -> int:
             "wall_s": result.wall_s,
             "checkpoint": result.checkpoint,
         }
+        if summary is not None:
+            doc["distributed"] = distributed.dump(summary)
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2)
     sys.stdout.flush()

@@ -1,0 +1,414 @@
+"""Training on 2 ranks (gloo, CPU): the hot-set size R and its cost model, TorchRec's
+DistributedModelParallel on the same job, and 2 ranks against 1.
+
+Generates the default synthetic logs, builds the clustered dataset, and launches 2 worker
+processes through torchrun's API (`torch.distributed.launcher.api.elastic_launch`). Each rank
+reads its own equal share of every global batch (`readers.ranks`, ids hashed into
+`--num-embeddings` rows so TorchRec's fixed-size tables can hold them) and trains a DLRM with
+every sparse feature pooled (no attention: TorchRec's sharded `EmbeddingBagCollection` pools
+only). Every case runs `--steps` steps per repeat, the cases alternated (`_common.alternate`),
+rank 0's wall time kept; its CPU time is reported beside it.
+
+Figures (written to benchmarks/results/distributed.json):
+  samples_per_s            global samples/s at each R measured: 0, the cost model's choice, a few
+                           between, and every row seen (all tables together)
+  best_r_vs_r0             samples/s at the best R measured / at R = 0 (HypeReca: 1.6x-7.8x on
+                           GPUs); report what 2 CPU ranks show
+  cost_model_r2            the worst r² of the lines fitted at start-up to steps of a one-table
+                           exchange timed on the job's own group (step time vs hot rows R, vs
+                           cold ids, vs hot ids looked up). Target >= 0.9
+  chosen_vs_best_measured  step time at the chosen R / at the best R measured. Target <= 1.05
+  a2a_bytes_ratio          all-to-all bytes per step at R = 0 / at the chosen R (counted)
+  vs_torchrec_dmp          our samples/s (chosen R, dedup on) / TorchRec DMP's (table-wise
+                           sharding, fused row-wise Adagrad, FBGEMM's CPU kernels) on the same
+                           batches (TorchRec gets them without dedup: it has no grouped IKJT).
+                           Target >= 1.0; `vs_torchrec_dmp_dedup_off` compares the same without
+                           dedup on our side
+  scaling_2_ranks          samples/s of 2 ranks / of 1 rank with the same batch per rank
+                           (report; 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from _common import alternate, ratio_spread, spread, write_results
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed.json"
+WORLD = 2
+
+__all__ = ["main", "parse_args", "run"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/distributed.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--requests", type=int, default=200_000, help="synthetic requests")
+    parser.add_argument("--batch-size", type=int, default=2048, help="rows per rank per step")
+    parser.add_argument("--batches", type=int, default=8, help="distinct batches per rank")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per case and repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repeats per case")
+    parser.add_argument("--embedding-dim", type=int, default=16)
+    parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
+    parser.add_argument("--probe-rows", type=int, default=65536, help="largest cost probe")
+    parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
+    parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    return parser.parse_args(argv)
+
+
+def build_dataset(work: Path, *, requests: int, seed: int) -> Path:
+    from etl.build import BuildConfig, build
+    from etl.synth import SynthConfig, generate
+    from schemas import default_schema
+
+    logs = generate(work / "raw", SynthConfig(num_requests=requests, seed=seed), progress=True)
+    out = work / "clustered"
+    build(logs.features, out, events=logs.events, schema=default_schema(), config=BuildConfig(),
+          overwrite=True, progress=True)  # fmt: skip
+    return out
+
+
+# -- one rank -----------------------------------------------------------------------------------
+def _batches(dataset: str, args: dict, *, rank: int, world: int, dedup: bool) -> list[Any]:
+    from readers.dataset import dataset_schema
+    from readers.ranks import RankBatchDataset
+    from readers.source import ReaderConfig
+
+    schema = dataset_schema(dataset)
+    hashing = [{"transform": "HashModulo", "features": list(schema.sparse_names),
+                "params": {"modulus": args["num_embeddings"]}}]  # fmt: skip
+    ds = RankBatchDataset(
+        dataset, schema=schema, transforms=hashing, dedup=dedup, rank=rank, world_size=world,
+        config=ReaderConfig(batch_size=args["batch_size"], shuffle=True, seed=1),
+    )  # fmt: skip
+    return [b for _, b in zip(range(args["batches"]), ds, strict=False)]
+
+
+def _model_config(args: dict) -> Any:
+    from trainer.models import ModelConfig
+
+    return ModelConfig(embedding_dim=args["embedding_dim"],
+                       num_embeddings=args["num_embeddings"], attention="none")  # fmt: skip
+
+
+def _ours(dataset: str, args: dict, comm: Any) -> Any:
+    from readers.dataset import dataset_schema
+    from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
+    from trainer.models import DLRM
+
+    factory = sharded_table_factory(optimizer="adagrad")
+    model = DLRM.from_schema(dataset_schema(dataset), _model_config(args), table_factory=factory)
+    return DistributedTrainer(model, comm=comm, optimizer="adagrad", hot_budget_rows=1 << 24)
+
+
+class _TorchRecDLRM:
+    """The same DLRM with TorchRec's EmbeddingBagCollection (built lazily: torchrec imports)."""
+
+    @staticmethod
+    def build(dataset: str, args: dict) -> Any:
+        import torch
+        from torch import nn
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        from readers.dataset import dataset_schema
+        from trainer.models import DLRM
+
+        ours = DLRM.from_schema(dataset_schema(dataset), _model_config(args))
+        features = list(ours.ebc.features)
+        tables = [EmbeddingBagConfig(name=f, embedding_dim=args["embedding_dim"],
+                                     num_embeddings=args["num_embeddings"], feature_names=[f])
+                  for f in features]  # fmt: skip
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.dense_norm, self.bottom, self.top = ours.dense_norm, ours.bottom, ours.top
+                self.register_buffer("tri", ours._tri.clone(), persistent=False)
+                self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+            def forward(self, dense: Any, kjt: Any) -> Any:
+                dense = torch.sign(dense) * torch.log1p(dense.abs())  # (B, F)
+                x0 = self.bottom(self.dense_norm(torch.nan_to_num(dense, nan=0.0)))  # (B, D)
+                pooled = self.ebc(kjt).to_dict()
+                t = torch.stack([x0, *(pooled[f] for f in features)], dim=1)  # (B, n, D)
+                dots = torch.bmm(t, t.transpose(1, 2)).flatten(1)  # (B, n * n)
+                return self.top(torch.cat([x0, dots.index_select(1, self.tri)], 1)).squeeze(1)
+
+        return Model()
+
+
+def _torchrec_dmp(dataset: str, args: dict) -> tuple[Any, Any]:
+    import torch
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.distributed.types import ShardingType
+
+    model = _TorchRecDLRM.build(dataset, args)
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+    )
+    table_wise = [ShardingType.TABLE_WISE.value]
+    constraints = {c.name: ParameterConstraints(sharding_types=table_wise)
+                   for c in model.ebc.embedding_bag_configs()}  # fmt: skip
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        constraints=constraints,
+    )
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense = [p for n, p in dmp.named_parameters() if ".ebc." not in n and p.requires_grad]
+    return dmp, torch.optim.Adagrad(dense, lr=0.05)
+
+
+def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
+    """One rank of the benchmark job (started by elastic_launch)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from recpipe.torchrec_interop import to_torchrec
+    from trainer.distributed.comm import Comm, init_from_env
+    from trainer.distributed.costs import fit_costs
+
+    torch.set_num_threads(1)
+    comm = init_from_env(device="cpu", timeout_s=600.0)
+    rank, world = comm.rank, comm.world_size
+    on = _batches(dataset, args, rank=rank, world=world, dedup=True)
+    off = _batches(dataset, args, rank=rank, world=world, dedup=False)
+    top = args["probe_rows"]
+    fit = fit_costs(comm, dim=args["embedding_dim"],
+                    ar_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
+                    a2a_rows=[max(top // k, 1) for k in (64, 16, 4, 1)])  # fmt: skip
+    base = _ours(dataset, args, comm)
+    for batch in on:
+        base.sparse.count(batch)
+    candidates = base.sparse.gather_counts(budget=1 << 24)
+    plan = base.sparse.plan(fit)
+    everything = int(candidates.counts.size)
+    sizes = sorted({0, plan.num_hot, everything // 64, everything // 16, everything // 4,
+                    everything})  # fmt: skip
+    trainers = {}
+    for r in sizes:
+        trainer = base if r == sizes[0] else _ours(dataset, args, comm)
+        trainer.sparse.candidates = candidates
+        trainer.sparse.count_left = 0
+        trainer.sparse.reshard(r)
+        trainers[r] = trainer
+    dedup_off = _ours(dataset, args, comm)
+    dedup_off.sparse.candidates, dedup_off.sparse.count_left = candidates, 0
+    dedup_off.sparse.reshard(plan.num_hot)
+    single = _ours(dataset, args, Comm.single()) if rank == 0 else None
+    if single is not None:
+        single.sparse.count_left = 0
+    dmp, dmp_opt = _torchrec_dmp(dataset, args)
+    plain = [(b.dense, to_torchrec(b.to_plain().kjt), b.labels) for b in off]
+    steps = args["steps"]
+
+    def ours(trainer: Any, batches: list[Any]) -> Any:
+        def case() -> None:
+            comm.barrier(what="benchmark")
+            for k in range(steps):
+                trainer.train_step(batches[k % len(batches)], reduce_loss=False)
+            trainer.pending_losses()  # one all-reduce for the case's losses
+
+        return case
+
+    def theirs() -> None:
+        comm.barrier(what="benchmark")
+        for k in range(steps):
+            dense, kjt, labels = plain[k % len(plain)]
+            dmp_opt.zero_grad(set_to_none=True)
+            loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels)
+            loss.backward()
+            dmp_opt.step()
+
+    def one_rank() -> None:
+        comm.barrier(what="benchmark")
+        if single is not None:
+            for k in range(steps):
+                single.train_step(on[k % len(on)], reduce_loss=False)
+            single.pending_losses()
+        comm.barrier(what="benchmark")
+
+    cases = {f"R={r}": ours(t, on) for r, t in trainers.items()}
+    cases["dedup_off"] = ours(dedup_off, off)
+    cases["torchrec_dmp"] = theirs
+    cases["one_rank"] = one_rank
+    for trainer in [*trainers.values(), dedup_off]:
+        trainer.sparse.stats = type(trainer.sparse.stats)()
+    runs = alternate(cases, repeats=args["repeats"])
+    totals = {}
+    for r, trainer in trainers.items():
+        stats = trainer.sparse.stats.as_tensor()
+        comm.all_reduce(stats, what="benchmark")
+        totals[r] = stats.tolist()
+    if rank != 0:
+        return None
+    fields = list(type(base.sparse.stats).__dataclass_fields__)
+    rho = candidates.rho()
+    return {
+        "runs": {name: [[t.wall_s, t.cpu_s] for t in ts] for name, ts in runs.items()},
+        "sizes": sizes,
+        "chosen": plan.num_hot,
+        "all_rows": everything,
+        "rho": {str(r): float(rho[min(r, rho.size - 1)]) for r in sizes},
+        "accesses_per_step": float(candidates.accesses_per_step),
+        "predicted_cost_s": {
+            str(r): float(fit.cost(r, rho[min(r, rho.size - 1)], candidates.accesses_per_step))
+            for r in sizes
+        },
+        "exchange": {str(r): dict(zip(fields, v, strict=True)) for r, v in totals.items()},
+        "fit": {
+            **{
+                name: _line(getattr(fit, name))
+                for name in ("all_reduce", "all_to_all", "hot_lookup")
+            },
+            "c_ar": fit.c_ar,
+            "c_a2a": fit.c_a2a,
+            "a_ar": fit.a_ar,
+            "r2": fit.r2,
+        },
+        "dedup_factor": float(np.mean([_dedup_factor(b) for b in on])),
+        "steps": steps,
+        "world": world,
+    }
+
+
+def _line(line: Any) -> dict[str, Any]:
+    return {"slope": line.slope, "intercept": line.intercept, "r2": line.r2,
+            "sizes": list(line.sizes), "seconds": list(line.seconds)}  # fmt: skip
+
+
+def _dedup_factor(batch: Any) -> float:
+    from trainer.train import batch_dedup_factor
+
+    return batch_dedup_factor(batch)
+
+
+# -- the job ------------------------------------------------------------------------------------
+def _launch(dataset: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=WORLD, run_id=f"bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
+    )  # fmt: skip
+    options = {k: getattr(args, k) for k in ("batch_size", "batches", "steps", "repeats",
+                                               "embedding_dim", "num_embeddings", "probe_rows")}  # fmt: skip
+    results = elastic_launch(config, _worker)(str(dataset), options)
+    return results[0]
+
+
+def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    steps, world, batch = raw["steps"], raw["world"], args.batch_size
+    walls = {name: [w for w, _ in ts] for name, ts in raw["runs"].items()}
+    cpus = {name: [c for _, c in ts] for name, ts in raw["runs"].items()}
+    samples = {name: (batch if name == "one_rank" else world * batch) * steps for name in walls}
+    sps = {name: samples[name] / spread(ws)["median"] for name, ws in walls.items()}
+    ours_r = {int(name[2:]): v for name, v in sps.items() if name.startswith("R=")}
+    best = max(ours_r, key=ours_r.get)
+    chosen = raw["chosen"]
+    ex = raw["exchange"]
+    bytes_per_step = {r: ex[str(r)]["a2a_bytes"] / max(ex[str(r)]["steps"] / world, 1)
+                      for r in ours_r}  # fmt: skip
+
+    def rate_ratio(a: str, b: str) -> dict[str, Any]:
+        # rates: samples_a / time_a over samples_b / time_b, repeat by repeat
+        wall = ratio_spread([samples[a] / t for t in walls[a]], [samples[b] / t for t in walls[b]])
+        cpu = ratio_spread([samples[a] / t for t in cpus[a]], [samples[b] / t for t in cpus[b]])
+        return {"median": wall["median"], "wall": wall, "cpu": cpu}
+
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "world_size": world,
+        "samples_per_s": {str(r): v for r, v in sorted(ours_r.items())},
+        "samples_per_s_spread": {
+            name: spread([samples[name] / t for t in ws]) for name, ws in walls.items()
+        },
+        "hot_rows_measured": sorted(ours_r),
+        "chosen_r": chosen,
+        "best_measured_r": best,
+        "all_rows": raw["all_rows"],
+        "rho": raw["rho"],
+        "accesses_per_step": raw["accesses_per_step"],
+        "best_r_vs_r0": rate_ratio(f"R={best}", "R=0"),
+        "cost_model_r2": raw["fit"]["r2"],
+        "cost_model": raw["fit"],
+        "predicted_cost_s": raw["predicted_cost_s"],
+        "chosen_vs_best_measured": rate_ratio(f"R={best}", f"R={chosen}"),
+        "a2a_bytes_per_step": {str(r): v for r, v in sorted(bytes_per_step.items())},
+        "a2a_bytes_ratio": bytes_per_step[0] / bytes_per_step[chosen]
+        if bytes_per_step[chosen]
+        else float("inf"),
+        "vs_torchrec_dmp": rate_ratio(f"R={chosen}", "torchrec_dmp"),
+        "vs_torchrec_dmp_dedup_off": rate_ratio("dedup_off", "torchrec_dmp"),
+        "scaling_2_ranks": rate_ratio(f"R={chosen}", "one_rank"),
+        "exchange": ex,
+        "dedup_factor": raw["dedup_factor"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="recpipe-bench-dist-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        dataset = args.data or build_dataset(work, requests=args.requests, seed=args.seed)
+        raw = _launch(dataset, args)
+        results = _summarise(raw, args)
+        results["wall_s"] = time.perf_counter() - t0
+        return results
+
+
+def _table(results: dict[str, Any]) -> str:
+    rows = [
+        ("samples/s by R", ", ".join(f"{r}: {v:,.0f}" for r, v in results["samples_per_s"].items())),
+        ("chosen R / best measured", f"{results['chosen_r']} / {results['best_measured_r']} "
+                                     f"(of {results['all_rows']:,} rows)"),
+        ("best_r_vs_r0", f"{results['best_r_vs_r0']['median']:.3f}"),
+        ("cost_model_r2", f"{results['cost_model_r2']:.3f}"),
+        ("chosen_vs_best_measured", f"{results['chosen_vs_best_measured']['median']:.3f}"),
+        ("a2a_bytes_ratio", f"{results['a2a_bytes_ratio']:.3f}"),
+        ("vs_torchrec_dmp", f"{results['vs_torchrec_dmp']['median']:.3f} (dedup off: "
+                            f"{results['vs_torchrec_dmp_dedup_off']['median']:.3f})"),
+        ("scaling_2_ranks", f"{results['scaling_2_ranks']['median']:.3f}"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    path = write_results(results, args.out)
+    print(f"benchmarks/distributed.py: {WORLD} ranks (gloo, CPU) -> {path}")
+    print(_table(results))
+    print(json.dumps({"wall_s": round(results["wall_s"], 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    # `python benchmarks/distributed.py` puts this folder first on sys.path, where scripts named
+    # like the packages (etl.py, readers.py, trainer.py) shadow them: the repository goes first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

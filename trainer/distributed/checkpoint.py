@@ -1,0 +1,148 @@
+"""Checkpoints of a multi-rank job: consistent at a step boundary, resumable at any world size.
+
+Layout of a checkpoint directory::
+
+    checkpoint.pt                            rank 0, written last (atomic rename): the step, the
+                                             world size, the dense model and optimizers, the
+                                             readers' position, losses, the hot sets, and
+                                             ``sparse`` = the folder below
+    sparse/step-000000120/
+        rank-00000-of-00002.pt               each rank: every row it owns (hot ones included,
+        rank-00001-of-00002.pt               from its replica), ids + values + optimizer state
+
+A save is collective: every rank writes its rows (to a temporary name, fsynced, renamed), all
+ranks meet, then rank 0 writes ``checkpoint.pt`` naming the folder and removes older folders.
+A crash before that rename leaves the previous ``checkpoint.pt`` and its folder intact, so the
+last complete checkpoint is always whole.
+
+Resuming at another world size: every rank reads every saved rank file and keeps the rows it
+owns now (``owner_of(id, W)``); the hot sets are installed again from their new owners.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recpipe.errors import RecpipeError
+from trainer.distributed.comm import Comm
+from trainer.distributed.exchange import ShardedEmbeddings
+
+__all__ = ["CHECKPOINT_FILE", "load_sparse", "read_checkpoint", "save_checkpoint"]
+
+CHECKPOINT_FILE = "checkpoint.pt"
+KIND = "distributed"
+VERSION = 1
+
+
+def _write(obj: Any, path: Path) -> None:
+    """torch.save to ``path`` atomically and durably (temporary name, fsync, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rank_file(folder: Path, rank: int, world_size: int) -> Path:
+    return folder / f"rank-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    *,
+    comm: Comm,
+    sparse: ShardedEmbeddings,
+    step: int,
+    state: Mapping[str, Any],
+) -> Path:
+    """Save the job at ``step`` (collective). ``state`` is what rank 0 keeps besides the rows
+    (dense model, optimizers, readers, ...; the same on every rank).
+
+    Returns:
+        the path of ``checkpoint.pt``.
+    """
+    root = Path(root)
+    folder = root / "sparse" / f"step-{step:09d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = {"step": step, "rank": comm.rank, "world_size": comm.world_size,
+            "rows": sparse.owned_rows()}  # fmt: skip
+    _write(rows, _rank_file(folder, comm.rank, comm.world_size))
+    comm.barrier(what="the checkpoint's barrier")
+    path = root / CHECKPOINT_FILE
+    if comm.rank == 0:
+        doc = {
+            **state,
+            "version": VERSION,
+            "kind": KIND,
+            "step": step,
+            "world_size": comm.world_size,
+            "sparse": str(folder.relative_to(root)),
+            "hot": dict(zip(sparse.names, sparse.hot_sets(), strict=True)),
+        }
+        _write(doc, path)
+        for old in (root / "sparse").iterdir():
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+    comm.barrier(what="the checkpoint's barrier")
+    return path
+
+
+def read_checkpoint(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The job state in ``root/checkpoint.pt`` (``None`` when there is none yet).
+
+    Raises:
+        RecpipeError: the file is unreadable or not a multi-rank checkpoint.
+    """
+    path = Path(root) / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file
+        msg = f"{path}: cannot read the checkpoint: {exc}"
+        raise RecpipeError(msg) from exc
+    if not isinstance(state, dict) or state.get("kind") != KIND:
+        msg = (
+            f"{path}: not a multi-rank checkpoint (written by a single-process run?); resume it "
+            "the way it was written"
+        )
+        raise RecpipeError(msg)
+    if state.get("version") != VERSION:
+        msg = f"{path}: checkpoint version {state.get('version')!r}, expected {VERSION}"
+        raise RecpipeError(msg)
+    return state
+
+
+def load_sparse(
+    root: str | os.PathLike[str], state: Mapping[str, Any], *, sparse: ShardedEmbeddings
+) -> None:
+    """Give this rank the rows it owns of the checkpoint ``state`` (saved at any world size)
+    and reinstall the saved hot sets (collective)."""
+    folder = Path(root) / state["sparse"]
+    saved = int(state["world_size"])
+    parts = []
+    for rank in range(saved):
+        path = _rank_file(folder, rank, saved)
+        try:
+            part = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            msg = f"{path}: cannot read rank {rank}'s rows of the checkpoint: {exc}"
+            raise RecpipeError(msg) from exc
+        if part.get("step") != state["step"]:
+            msg = f"{path}: rows of step {part.get('step')!r}, the checkpoint is at {state['step']}"
+            raise RecpipeError(msg)
+        parts.append(part["rows"])
+    sparse.load_owned_rows(parts)
+    hot = state.get("hot", {})
+    sparse.set_hot([hot[name].copy() if name in hot else [] for name in sparse.names])

@@ -1,0 +1,247 @@
+"""The hot-set cost model, fitted on the job's own process group at start-up.
+
+A step costs (HypeReca)::
+
+    f(R) = [R > 0]·A_ar + R·C_ar + N·(1 − ρ(R))·C_a2a
+
+``R`` hot rows cost an all-reduce of their gradients and touched-rows mask every step (``C_ar``
+per row, ``A_ar`` per call); every other access of the step's ``N`` unique-id accesses (all
+ranks) moves an id, a row and a gradient by all-to-all, ``C_a2a`` per access more than a hot
+access costs (the hot accesses' own cost, ``N·C_hot``, does not depend on R and is left out).
+``ρ(R)`` is the share of accesses the R most accessed rows serve, measured
+(:class:`HotCandidates`).
+
+:func:`fit_costs` times steps of a one-table exchange on the job's own group (its collectives
+and the work around them) at several sizes of three kinds, takes the slowest rank's fastest step
+at each size (every rank fits the same numbers, so every rank chooses the same R) and fits a
+line to each; its r² says how well a line explains the times. :func:`choose_num_hot` evaluates ``f`` at every R up to the
+candidates and takes the smallest minimum (exact: no convexity assumed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.distributed.comm import Comm
+from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, ShardedTable
+from trainer.distributed.shard import RowShard, SparseOptimizer
+from trainer.store import CostCoefficients, HotPlan
+from trainer.store.hotset import _best_time
+
+__all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
+
+PROBE_ROWS: tuple[int, ...] = (1024, 4096, 16384, 65536)
+
+
+@dataclass(frozen=True)
+class LineFit:
+    """``seconds = intercept + slope · size``, fitted by least squares.
+
+    Attributes:
+        slope: seconds per unit of size.
+        intercept: seconds per call.
+        r2: coefficient of determination of the fit.
+        sizes: the sizes timed.
+        seconds: the time at each size (the slowest rank's fastest call).
+    """
+
+    slope: float
+    intercept: float
+    r2: float
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], seconds: Sequence[float]) -> LineFit:
+        x = np.asarray(sizes, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        slope, intercept = np.polyfit(x, y, 1)
+        resid = y - (intercept + slope * x)
+        total = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
+        return cls(float(slope), float(intercept), r2, tuple(int(s) for s in sizes),
+                   tuple(float(v) for v in seconds))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """The fitted coefficients of the cost model.
+
+    Attributes:
+        all_reduce: time of an exchange step against hot rows R (a few of them looked up).
+        all_to_all: time of an exchange step against the cold ids one rank looks up.
+        hot_lookup: time of an exchange step against the hot ids one rank looks up.
+        world_size: ranks of the group measured.
+        backend: its backend.
+        baseline_s: a step of the all-reduce probe's lookups without a hot set (what the
+            all-reduce probe costs besides the all-reduce).
+    """
+
+    all_reduce: LineFit
+    all_to_all: LineFit
+    hot_lookup: LineFit
+    world_size: int
+    backend: str = "gloo"
+    baseline_s: float = 0.0
+
+    @property
+    def c_ar(self) -> float:
+        """Seconds per hot row per step."""
+        return max(self.all_reduce.slope, 1e-12)
+
+    @property
+    def a_ar(self) -> float:
+        """Seconds per all-reduce call (paid when R > 0)."""
+        return max(self.all_reduce.intercept - self.baseline_s, 0.0)
+
+    @property
+    def c_a2a(self) -> float:
+        """Seconds a cold access of the job costs more than a hot one (each rank looks up 1/W
+        of the accesses)."""
+        return max((self.all_to_all.slope - self.hot_lookup.slope) / self.world_size, 1e-12)
+
+    @property
+    def r2(self) -> float:
+        """The worst of the fits' r²."""
+        return min(self.all_reduce.r2, self.all_to_all.r2, self.hot_lookup.r2)
+
+    def coefficients(self) -> CostCoefficients:
+        return CostCoefficients(
+            c_ar=self.c_ar,
+            c_a2a=self.c_a2a,
+            source=f"fitted on the job's process group ({self.world_size} ranks, {self.backend})",
+        )
+
+    def cost(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float):
+        """``f(R)`` (see the module docstring)."""
+        r = np.asarray(num_hot, dtype=np.float64)
+        hot = np.where(r > 0, self.a_ar + r * self.c_ar, 0.0)
+        return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
+
+
+def _fastest(fn: Callable[[], None], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls after a warm-up (other load only slows calls
+    down, so the fastest is the best estimate of the step's own cost)."""
+    fn()
+    return _best_time(fn, repeats)
+
+
+class _Probe:
+    """A one-table exchange on the job's group, driven with synthetic ids: what a step of the
+    real exchange costs (its collectives and the work around them: indexing, placing rows,
+    summing gradients, the optimizer)."""
+
+    def __init__(self, comm: Comm, *, dim: int, dtype: torch.dtype) -> None:
+        from torch import nn
+
+        from trainer.modules import TableConfig
+
+        table = ShardedTable(
+            TableConfig("probe", 1, dim, ("probe",)),
+            RowShard(dim=dim, dtype=dtype, device=comm.device, seed=1, with_state=True),
+        )
+        holder = nn.Module()
+        holder.add_module("probe", table)
+        self.comm = comm
+        self.sparse = ShardedEmbeddings(
+            holder, comm=comm, optimizer=SparseOptimizer("rowwise_adagrad", 1e-3), count_steps=0
+        )
+
+    def step(self, ids: np.ndarray) -> Callable[[], None]:
+        """One exchange step (prepare + step) of a batch looking ``ids`` up."""
+        from recpipe.batch import Batch
+        from recpipe.jagged import KeyedJaggedTensor
+
+        n = ids.size
+        kjt = KeyedJaggedTensor.from_lengths(
+            ["probe"], torch.from_numpy(ids), torch.ones(n, dtype=torch.int64)
+        )
+        batch = Batch(dense=torch.zeros(n, 0), labels=torch.zeros(n), kjt=kjt)
+        device = self.comm.device
+
+        def run() -> None:
+            self.sparse.prepare(batch)
+            self.sparse.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return run
+
+
+def fit_costs(
+    comm: Comm,
+    *,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    ar_rows: Sequence[int] = PROBE_ROWS,
+    a2a_rows: Sequence[int] = PROBE_ROWS,
+    repeats: int = 7,
+    hot_lookups: int = 64,
+) -> CostFit:
+    """Time the exchange on ``comm`` at several sizes and fit the cost model (collective:
+    every rank calls it with the same arguments).
+
+    A one-table exchange runs real steps, three sweeps of them:
+
+    * ``a2a_rows`` distinct ids per rank, all cold (no hot set): the time per cold lookup;
+    * the same ids, all hot: the time per hot lookup (a hot row is not free: it is found,
+      gathered and updated on every rank). ``C_a2a`` is what a cold lookup costs more;
+    * hot sets of ``ar_rows`` rows with ``hot_lookups`` of them looked up: ``C_ar`` per hot
+      row; the same lookups with no hot set are the baseline of the all-reduce's per-call cost.
+
+    Args:
+        comm: the job's exchange group.
+        dim: embedding dimension D.
+        dtype: the rows' dtype (gradients travel in float64).
+        ar_rows: hot-set sizes R to time.
+        a2a_rows: ids per rank to time (spread over all owners).
+        repeats: timed steps per size (the fastest is kept).
+        hot_lookups: ids looked up per step in the hot-set sweep.
+    """
+    world = comm.world_size
+    probe = _Probe(comm, dim=dim, dtype=dtype)
+    top = max(a2a_rows)
+    own = [np.arange(rows, dtype=np.int64) + (comm.rank << 40) for rows in a2a_rows]
+    times = [_fastest(probe.step(ids), repeats) for ids in own]  # cold
+    every = np.concatenate([np.arange(top, dtype=np.int64) + (r << 40) for r in range(world)])
+    probe.sparse.set_hot([every])
+    times += [_fastest(probe.step(ids), repeats) for ids in own]  # the same lookups, hot
+    looked_up = np.arange(hot_lookups, dtype=np.int64)
+    probe.sparse.set_hot([np.zeros(0, dtype=np.int64)])
+    times.append(_fastest(probe.step(looked_up), repeats))  # the baseline: no hot set
+    for rows in ar_rows:
+        probe.sparse.set_hot([np.arange(max(rows, hot_lookups), dtype=np.int64)])
+        times.append(_fastest(probe.step(looked_up), repeats))
+    slowest = torch.tensor(times, dtype=torch.float64)
+    comm.all_reduce(slowest, what="the cost probe", op="max")
+    t = slowest.tolist()
+    n = len(a2a_rows)
+    backend = "local" if world == 1 else ("nccl" if comm.device.type == "cuda" else "gloo")
+    return CostFit(
+        all_reduce=LineFit.of([max(r, hot_lookups) for r in ar_rows], t[2 * n + 1 :]),
+        all_to_all=LineFit.of(a2a_rows, t[:n]),
+        hot_lookup=LineFit.of(a2a_rows, t[n : 2 * n]),
+        world_size=world,
+        backend=backend,
+        baseline_s=t[2 * n],
+    )
+
+
+def choose_num_hot(candidates: HotCandidates, fit: CostFit) -> HotPlan:
+    """The R in ``[0, len(candidates)]`` minimising ``f(R)`` (the smallest on ties)."""
+    rho = candidates.rho()
+    accesses = candidates.accesses_per_step
+    cost = fit.cost(np.arange(rho.size), rho, accesses)
+    best = int(np.argmin(cost))
+    return HotPlan(
+        num_hot=best,
+        rho=float(rho[best]),
+        cost=float(cost[best]),
+        cost_no_hot=float(cost[0]),
+        accesses_per_batch=float(accesses),
+        coefficients=fit.coefficients(),
+    )

@@ -1,0 +1,773 @@
+"""HypeReca's two-stage embedding exchange (2FP) over ``torch.distributed``, for every table.
+
+Every rank trains on its own micro-batch; the job's step is the global batch they make together.
+Per table, the rows are split in two::
+
+    hot set   the R ids accessed most (measured), a replica on every rank   gradients all-reduced
+    cold      every other row, owned by rank owner_of(id, W)                rows and gradients
+                                                                             travel by all-to-all
+
+A step, with every rank calling the same collectives in the same order (all tables at once)::
+
+    prepare(batch)   unique ids u of each table in the rank's batch (IKJT rows are unique
+                     already; ids are deduplicated again across rows and features)
+                     hot ids: rows from the replica
+                     cold ids, grouped by owner:
+                       1. all_to_all counts [W, T]      (sizes first: gloo aborts on mismatches)
+                       2. all_to_all ids                owners create unseen rows (hash init)
+                       3. all_to_all rows               back to the requesting ranks
+                     -> [U, D] rows per table; the model's lookups gather from them
+    forward/backward (the model reads tables through pool()/rows(); gradients land in the leaves)
+    step()           (gradients are accumulated and exchanged in float64, rounded once)
+                     hot:  one all_reduce of [R, D] gradients + a [R] touched-rows mask;
+                           every rank applies the optimizer to the touched rows only
+                     cold: 4. all_to_all gradients to the owners (the sizes of step 3 reversed);
+                           owners sum them per row and apply the optimizer (state stays there)
+
+Both ways apply the same update to the same summed gradient, so ``W`` ranks compute what one
+process computes on the global batch (up to the order of floating-point sums). The hot set is
+chosen by the cost model ``R·C_ar + N·(1−ρ(R))·C_a2a`` (:mod:`trainer.distributed.costs`) from
+access counts gathered on their owners, and :meth:`ShardedEmbeddings.reshard` changes it at a
+step boundary: leaving rows go back to their owner with their optimizer state, entering rows
+are read from their owner and broadcast, so no update is lost. See ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recpipe.errors import RecpipeError
+from trainer.distributed import _kernels as K
+from trainer.distributed.comm import Comm
+from trainer.distributed.shard import RowShard, SparseOptimizer, owner_of
+from trainer.modules import PoolingMode, TableConfig, locate_features
+
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+    from trainer.distributed.costs import CostFit
+    from trainer.store import HotPlan
+
+__all__ = ["ExchangeStats", "HotCandidates", "ShardedEmbeddings", "ShardedTable"]
+
+
+# -------------------------------------------------------------------------------------------
+# one table
+
+
+GRAD_DTYPE = torch.float64
+"""Gradients of the tables are accumulated, exchanged and summed in float64 and rounded once
+before the update: sums over several ranks then give the float32 gradient one process computes
+(float32 partial sums in another order differ in the last bits, and row-wise Adagrad, which
+divides by the gradient's own size, turns a cancelling sum's few wrong bits into a visible
+difference)."""
+
+
+class _Lookup(torch.autograd.Function):
+    """``rows[pos]`` of the prepared rows; backward adds the gradient into the table's float64
+    accumulator (nothing flows to torch's own leaves)."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, pos):
+        ctx.table, ctx.pos = table, pos
+        return table._rows.index_select(0, pos)  # (n, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc = ctx.table._grad
+        if acc is not None and acc.device.type == "cpu":
+            K.add_rows(grad.contiguous().numpy(), ctx.pos.numpy(), acc.numpy())
+        elif acc is not None:
+            acc.index_add_(0, ctx.pos, grad.to(GRAD_DTYPE))
+        return None, None, None
+
+
+class _Pool(torch.autograd.Function):
+    """Pooled bags of the prepared rows (one fused ``embedding_bag``); backward adds each bag's
+    gradient (divided by its length for ``mean``) to its ids' rows in float64."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, pos, offsets, mean):
+        ctx.table, ctx.pos, ctx.offsets, ctx.mean = table, pos, offsets, mean
+        mode = "mean" if mean else "sum"
+        return F.embedding_bag(pos, table._rows, offsets, mode=mode, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc = ctx.table._grad
+        if acc is not None and acc.device.type == "cpu":
+            K.pool_backward(grad.contiguous().numpy(), ctx.pos.numpy(), ctx.offsets.numpy(),
+                            ctx.mean, acc.numpy())  # fmt: skip
+        elif acc is not None:
+            lengths = ctx.offsets[1:] - ctx.offsets[:-1]  # (R,)
+            bag = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=grad.device), lengths
+            )
+            g = grad.to(GRAD_DTYPE)
+            if ctx.mean:
+                g = g / lengths.clamp(min=1).unsqueeze(1).to(GRAD_DTYPE)
+            acc.index_add_(0, ctx.pos, g.index_select(0, bag))
+        return None, None, None, None, None
+
+
+class ShardedTable(nn.Module):
+    """One embedding table of a multi-rank job: the rank's own rows and the hot replica.
+
+    Plugs into the model's collections as a table backend (``pool``/``rows``); lookups read the
+    rows that :meth:`ShardedEmbeddings.prepare` fetched for the current batch, and their
+    gradients collect in a float64 ``[U, D]`` accumulator that :meth:`ShardedEmbeddings.step`
+    exchanges. It holds no ``nn.Parameter`` (DDP sees only the dense model).
+
+    Args:
+        config: the table (``num_embeddings`` only sets the init scale, as in the store: ids
+            index rows directly, the id index grows).
+        shard: the rows this rank owns.
+    """
+
+    def __init__(self, config: TableConfig, shard: RowShard) -> None:
+        super().__init__()
+        self.config = config
+        self.shard = shard
+        self.hot_ids = np.zeros(0, dtype=np.int64)  # sorted
+        self.hot_values = shard.values.new_zeros(0, shard.dim)
+        self.hot_state = None if shard.state is None else shard.state.new_zeros(0)
+        self._uniq: torch.Tensor | None = None  # sorted unique ids of the prepared batch
+        self._rows: torch.Tensor | None = None  # [U, D] their rows
+        self._grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
+        self._known: dict[tuple[int, ...], torch.Tensor] = {}  # feature values -> positions
+        # a zero-size tensor that requires grad, so autograd records the lookups
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    @property
+    def num_hot(self) -> int:
+        return int(self.hot_ids.size)
+
+    def hot_index(self, ids: np.ndarray) -> np.ndarray:
+        """Index in the hot replica of each id, -1 for cold ids."""
+        if not self.hot_ids.size:
+            return np.full(ids.size, -1, dtype=np.int64)
+        pos = np.searchsorted(self.hot_ids, ids)
+        clipped = np.minimum(pos, self.hot_ids.size - 1)
+        return np.where(self.hot_ids[clipped] == ids, clipped, -1)
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        known = self._known.get(_tensor_key(ids))
+        if known is not None:  # the very values prepare() saw: their positions are known
+            return known
+        uniq = self._uniq
+        if uniq is None:
+            msg = f"table {self.config.name!r}: no rows prepared; call ShardedEmbeddings.prepare(batch)"
+            raise RecpipeError(msg)
+        ids = ids.to(uniq.device, torch.int64)
+        pos = torch.searchsorted(uniq, ids)
+        if ids.numel() and (pos.max() >= uniq.numel() or not torch.equal(uniq[pos], ids)):
+            msg = (
+                f"table {self.config.name!r}: ids not in the prepared batch; prepare() the batch "
+                "the model runs on"
+            )
+            raise RecpipeError(msg)
+        return pos
+
+    def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
+        """Pooled ``[R, D]`` bags of the prepared rows."""
+        pos = self._positions(ids)
+        offsets = offsets.to(pos.device, torch.int64)
+        return _Pool.apply(self._anchor, self, pos, offsets, mode == "mean")  # (R, D)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` rows of ``ids``."""
+        return _Lookup.apply(self._anchor, self, self._positions(ids))  # (n, D)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"{c.name!r}, dim={c.dim}, own rows={self.shard.num_rows}, hot={self.num_hot}"
+
+
+# -------------------------------------------------------------------------------------------
+# counters
+
+
+@dataclass
+class ExchangeStats:
+    """What the exchange of this rank did (sums over steps).
+
+    Attributes:
+        steps: training steps exchanged.
+        accesses: unique ids this rank looked up (its share of N, all tables).
+        hot_accesses: those served by the hot replica.
+        cold_rows: ids requested by all-to-all (rows moved forward, gradients back), own
+            rows included: ``accesses - hot_accesses``.
+        remote_rows: of those, rows owned by another rank.
+        a2a_bytes: bytes this rank sent to other ranks by all-to-all (counts, ids, rows,
+            gradients).
+        allreduce_bytes: bytes of hot gradients and masks this rank all-reduced.
+    """
+
+    steps: int = 0
+    accesses: int = 0
+    hot_accesses: int = 0
+    cold_rows: int = 0
+    remote_rows: int = 0
+    a2a_bytes: int = 0
+    allreduce_bytes: int = 0
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, k) for k in self.__dataclass_fields__])
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> ExchangeStats:
+        return cls(*(int(v) for v in values.tolist()))
+
+
+class _Counter:
+    """Access counts of ids (unique per step), merged now and then."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, uniq: np.ndarray) -> None:
+        self._parts.append(uniq)
+        if len(self._parts) >= 32:
+            self._merge()
+
+    def _merge(self) -> None:
+        if not self._parts:
+            return
+        ids = np.concatenate([self._ids, *self._parts])
+        weights = np.concatenate([self._counts, *(np.ones(p.size, np.int64) for p in self._parts)])
+        uniq, inv = torch.unique(torch.from_numpy(ids), return_inverse=True)
+        self._ids, inv = uniq.numpy(), inv.numpy()
+        self._counts = np.bincount(inv, weights=weights, minlength=self._ids.size).astype(np.int64)
+        self._parts = []
+
+    def totals(self) -> tuple[np.ndarray, np.ndarray]:
+        self._merge()
+        return self._ids, self._counts
+
+
+@dataclass(frozen=True)
+class HotCandidates:
+    """The most accessed (table, id) pairs of the job, most first (identical on every rank).
+
+    Attributes:
+        counts: int64 [K] accesses of each pair over the counted steps.
+        tables: int64 [K] table index.
+        ids: int64 [K] id.
+        total: accesses of every id counted (all tables, all ranks).
+        steps: steps counted.
+    """
+
+    counts: np.ndarray
+    tables: np.ndarray
+    ids: np.ndarray
+    total: int
+    steps: int
+
+    @property
+    def accesses_per_step(self) -> float:
+        """N, unique-id accesses per global step."""
+        return self.total / max(self.steps, 1)
+
+    def rho(self) -> np.ndarray:
+        """``rho[R]``: share of accesses the top R pairs serve (``rho[0] = 0``)."""
+        curve = np.zeros(self.counts.size + 1, dtype=np.float64)
+        if self.total:
+            curve[1:] = np.cumsum(self.counts) / self.total
+        return curve
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[int, ...]:
+    """Identifies a tensor's elements (the same storage, offset and length)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.device.index or 0)
+
+
+def _group_order(key: np.ndarray, groups: int) -> np.ndarray:
+    """A stable order of ``key`` (values in ``[0, groups)``): numpy sorts small integer types
+    with a radix sort, linear in the length."""
+    small = np.int16 if groups <= np.iinfo(np.int16).max else np.int32
+    return np.argsort(key.astype(small), kind="stable")
+
+
+def _table_slices(counts: np.ndarray, n_tables: int) -> list[np.ndarray]:
+    """Positions of each table's rows in a buffer laid out by (rank, table) with ``counts``
+    [W, T] rows per block: ``out[t]`` lists table ``t``'s positions, rank by rank."""
+    flat = counts.reshape(-1)
+    starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).reshape(counts.shape)
+    out = []
+    for t in range(n_tables):
+        n = counts[:, t]
+        total = int(n.sum())
+        if not total:
+            out.append(np.zeros(0, dtype=np.int64))
+            continue
+        # block starts repeated per row, plus the row's rank inside its block
+        first = np.repeat(starts[:, t], n)
+        inside = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+        out.append((first + inside).astype(np.int64))
+    return out
+
+
+def _top_pairs(counts: np.ndarray, tables: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest counts, ties by (table, id): the same order on every rank."""
+    order = np.lexsort((ids, tables, -counts))
+    return order[:k]
+
+
+# -------------------------------------------------------------------------------------------
+# the exchange of a model's tables
+
+
+@dataclass
+class _Prepared:
+    """What step() needs of the prepare() of the same batch."""
+
+    leaves: list[torch.Tensor]  # per table: the float64 [U, D] gradient accumulator
+    hot_pos: list[np.ndarray]  # per table: positions in u of hot ids
+    hot_idx: list[np.ndarray]  # per table: their index in the replica
+    send_counts: np.ndarray  # [W] rows sent to each rank
+    recv_counts: np.ndarray  # [W] rows received from each rank
+    send_upos: list[np.ndarray]  # per table: (positions in the send buffer, positions in u)
+    send_sel: list[np.ndarray]
+    recv_sel: list[np.ndarray]  # per table: positions in the receive buffer
+    owner_rows: list[np.ndarray]  # per table: rows of the shard those ids are
+    num_send: int = 0
+    num_recv: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ShardedEmbeddings:
+    """The 2FP exchange for every :class:`ShardedTable` of a model (see the module docstring).
+
+    Args:
+        model: a model whose table modules are :class:`ShardedTable` (see :func:`table_factory`).
+        comm: the process group of the exchange (world size 1: everything local).
+        optimizer: the row update of every table.
+        hot_budget_rows: most hot rows (all tables together) the planner may choose.
+        count_steps: training steps whose accesses are counted for the hot set (``None``: all).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        comm: Comm,
+        optimizer: SparseOptimizer,
+        hot_budget_rows: int = 65536,
+        count_steps: int | None = None,
+    ) -> None:
+        self.comm = comm
+        self.optimizer = optimizer
+        self.hot_budget_rows = int(hot_budget_rows)
+        self.names: list[str] = []
+        self.tables: list[ShardedTable] = []
+        for name, module in model.named_modules():
+            if isinstance(module, ShardedTable):
+                self.names.append(name)
+                self.tables.append(module)
+        if not self.tables:
+            msg = "`model` has no ShardedTable: build it with trainer.distributed.table_factory"
+            raise RecpipeError(msg)
+        dims = {t.config.dim for t in self.tables}
+        if len(dims) != 1:
+            msg = f"every table of the exchange must have one dim, got {sorted(dims)}"
+            raise RecpipeError(msg)
+        self.dim = dims.pop()
+        self.dtype = self.tables[0].shard.dtype
+        self.device = self.tables[0].shard.device
+        self.counters = [_Counter() for _ in self.tables]
+        self.count_left = count_steps
+        self.counted_steps = 0
+        self.stats = ExchangeStats()
+        self._prepared: _Prepared | None = None
+        self.candidates: HotCandidates | None = None
+
+    @property
+    def num_hot(self) -> int:
+        """Hot rows of all tables, R."""
+        return sum(t.num_hot for t in self.tables)
+
+    # -- forward --------------------------------------------------------------------------------
+    def _batch_ids(self, batch: Batch, *, positions: bool = False) -> list[np.ndarray]:
+        """Every table's unique ids in ``batch`` (sorted). With ``positions``, each table also
+        learns where each of its features' values sits among them (the model's lookups then
+        need no search)."""
+        features = [f for table in self.tables for f in table.config.features]
+        found = locate_features(batch, features)
+        out = []
+        for table in self.tables:
+            values = [found[f].jagged.values for f in table.config.features]
+            ids = [v.detach().to("cpu", torch.int64) for v in values]
+            flat = torch.cat(ids) if len(ids) > 1 else ids[0]
+            if not positions:
+                out.append(torch.unique(flat).numpy())
+                continue
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            inverse = inverse.to(self.device)
+            table._known = {
+                _tensor_key(v): part
+                for v, part in zip(values, inverse.split([i.numel() for i in ids]), strict=True)
+            }
+            out.append(uniq.numpy())
+        return out
+
+    def count(self, batch: Batch) -> None:
+        """Count ``batch``'s accesses for the hot set without training on it."""
+        for counter, uniq in zip(self.counters, self._batch_ids(batch), strict=True):
+            counter.add(uniq)
+        self.counted_steps += 1
+
+    def prepare(self, batch: Batch, *, train: bool = True) -> None:
+        """Fetch the rows of every table's unique ids in ``batch`` (collective: every rank calls
+        it once per step, in the same order as :meth:`step`)."""
+        comm, n_tables = self.comm, len(self.tables)
+        uniq = self._batch_ids(batch, positions=True)
+        if train and (self.count_left is None or self.count_left > 0):
+            for counter, u in zip(self.counters, uniq, strict=True):
+                counter.add(u)
+            self.counted_steps += 1
+            if self.count_left is not None:
+                self.count_left -= 1
+        hot_idx = [table.hot_index(u) for table, u in zip(self.tables, uniq, strict=True)]
+        cold_pos = [np.flatnonzero(h < 0) for h in hot_idx]
+        cold_ids = np.concatenate([u[c] for u, c in zip(uniq, cold_pos, strict=True)])
+        cold_tab = np.repeat(np.arange(n_tables), [c.size for c in cold_pos])
+        key = owner_of(cold_ids, comm.world_size) * n_tables + cold_tab
+        order = _group_order(key, comm.world_size * n_tables)  # by owner, then table
+        send_ids = cold_ids[order]
+        send_upos = np.concatenate(cold_pos)[order]
+        counts = np.bincount(key, minlength=comm.world_size * n_tables).reshape(-1, n_tables)
+        recv = comm.all_to_all_counts(torch.from_numpy(counts), what="the exchange's counts")
+        recv_counts = recv.numpy()
+        send_rows, recv_rows = counts.sum(1), recv_counts.sum(1)
+        got_ids = comm.all_to_all(
+            torch.from_numpy(send_ids), send_rows, recv_rows, what="the exchange's ids"
+        ).numpy()
+        recv_sel = _table_slices(recv_counts, n_tables)  # positions in the receive buffer
+        response = torch.empty(got_ids.size, self.dim, dtype=self.dtype, device=self.device)
+        owner_rows = []
+        for table, sel in zip(self.tables, recv_sel, strict=True):
+            ids = got_ids[sel]
+            at = torch.from_numpy(sel).to(self.device)
+            if train:
+                rows = table.shard.rows(ids)
+                response[at] = table.shard.gather(rows)
+            else:
+                rows = np.zeros(0, np.int64)
+                response[at] = table.shard.lookup(ids)
+            owner_rows.append(rows)
+        fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows")
+        send_sel = _table_slices(counts, n_tables)  # positions in the send buffer
+        send_pos = [send_upos[sel] for sel in send_sel]
+        leaves = []
+        for t, table in enumerate(self.tables):
+            rows = torch.empty(uniq[t].size, self.dim, dtype=self.dtype, device=self.device)
+            hot = np.flatnonzero(hot_idx[t] >= 0)
+            if hot.size:
+                idx = torch.from_numpy(hot_idx[t][hot]).to(self.device)
+                rows[torch.from_numpy(hot).to(self.device)] = table.hot_values.index_select(0, idx)
+            if send_sel[t].size:
+                at = torch.from_numpy(send_sel[t]).to(self.device)
+                rows[torch.from_numpy(send_pos[t]).to(self.device)] = fetched.index_select(0, at)
+            table._uniq = torch.from_numpy(uniq[t]).to(self.device)
+            table._rows = rows
+            table._grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
+            leaves.append(table._grad)
+        self._account_forward(uniq, cold_pos, counts, recv_counts, train=train)
+        if not train:
+            self._prepared = None
+            return
+        self._prepared = _Prepared(
+            leaves=leaves,
+            hot_pos=[np.flatnonzero(h >= 0) for h in hot_idx],
+            hot_idx=[h[h >= 0] for h in hot_idx],
+            send_counts=send_rows,
+            recv_counts=recv_rows,
+            send_upos=send_pos,
+            send_sel=send_sel,
+            recv_sel=recv_sel,
+            owner_rows=owner_rows,
+            num_send=int(send_ids.size),
+            num_recv=int(got_ids.size),
+        )
+
+    def _account_forward(self, uniq, cold_pos, counts, recv_counts, *, train: bool) -> None:
+        if not train:
+            return
+        st, rank = self.stats, self.comm.rank
+        accesses = sum(u.size for u in uniq)
+        cold = sum(c.size for c in cold_pos)
+        st.steps += 1
+        st.accesses += accesses
+        st.hot_accesses += accesses - cold
+        st.cold_rows += cold
+        own = int(counts[rank].sum())
+        served_remote = int(recv_counts.sum() - recv_counts[rank].sum())
+        row_bytes = self.dim * self.values_itemsize
+        grad_bytes = self.dim * torch.empty(0, dtype=GRAD_DTYPE).element_size()
+        st.remote_rows += cold - own
+        # counts (to the other ranks), ids sent, rows served to others, gradients sent back
+        st.a2a_bytes += (self.comm.world_size - 1) * counts.shape[1] * 8
+        st.a2a_bytes += (cold - own) * (8 + grad_bytes) + served_remote * row_bytes
+
+    @property
+    def values_itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    # -- backward -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Reduce hot gradients, send cold gradients to their owners, and update every row the
+        global batch touched (collective; after ``loss.backward()``)."""
+        prep = self._prepared
+        if prep is None:
+            msg = "step() without a prepare(batch, train=True) before it"
+            raise RecpipeError(msg)
+        self._prepared = None
+        self._hot_step(prep, prep.leaves)
+        self._cold_step(prep, prep.leaves)
+        for table in self.tables:
+            table._uniq = table._rows = table._grad = None
+            table._known = {}
+
+    def _hot_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
+        hot = [t for t, table in enumerate(self.tables) if table.num_hot]
+        if not hot:
+            return
+        sizes = [self.tables[t].num_hot for t in hot]
+        flat = torch.zeros(sum(sizes) * (self.dim + 1), dtype=GRAD_DTYPE, device=self.device)
+        bufs, masks, at = [], [], 0
+        for t, r in zip(hot, sizes, strict=True):
+            buf = flat[at : at + r * self.dim].view(r, self.dim)
+            mask = flat[at + r * self.dim : at + r * (self.dim + 1)]
+            at += r * (self.dim + 1)
+            if prep.hot_idx[t].size:
+                idx = torch.from_numpy(prep.hot_idx[t]).to(self.device)
+                buf.index_copy_(0, idx, grads[t][torch.from_numpy(prep.hot_pos[t])])
+                mask[idx] = 1
+            bufs.append(buf)
+            masks.append(mask)
+        self.comm.all_reduce(flat, what="the hot rows' gradient all-reduce")
+        self.stats.allreduce_bytes += flat.numel() * flat.element_size()
+        for t, buf, mask in zip(hot, bufs, masks, strict=True):
+            table = self.tables[t]
+            touched = torch.nonzero(mask > 0).squeeze(1)  # rows some rank touched
+            grad = buf.index_select(0, touched).to(self.dtype)  # rounded once
+            self.optimizer.apply(table.hot_values, table.hot_state, touched, grad)
+
+    def _cold_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
+        send = torch.empty(prep.num_send, self.dim, dtype=GRAD_DTYPE, device=self.device)
+        for t, sel in enumerate(prep.send_sel):
+            if sel.size:
+                at = torch.from_numpy(prep.send_upos[t]).to(self.device)
+                send[torch.from_numpy(sel).to(self.device)] = grads[t].index_select(0, at)
+        got = self.comm.all_to_all(
+            send, prep.send_counts, prep.recv_counts, what="the exchange's gradients"
+        )
+        for t, table in enumerate(self.tables):
+            rows = prep.owner_rows[t]
+            if not rows.size:
+                continue
+            uniq, inv = torch.unique(torch.from_numpy(rows), return_inverse=True)
+            summed = got.new_zeros(uniq.numel(), self.dim)
+            at = torch.from_numpy(prep.recv_sel[t]).to(self.device)
+            summed.index_add_(0, inv.to(self.device), got.index_select(0, at))
+            uniq = uniq.numpy()
+            table.shard.apply(self.optimizer, uniq, summed.to(self.dtype))  # rounded once
+
+    # -- the hot set ----------------------------------------------------------------------------
+    def gather_counts(self, *, budget: int | None = None) -> HotCandidates:
+        """Bring every id's access counts to its owner and keep the job's top ``budget``
+        (table, id) pairs (collective). Sets and returns :attr:`candidates`."""
+        comm, n_tables = self.comm, len(self.tables)
+        k = self.hot_budget_rows if budget is None else int(budget)
+        totals = [c.totals() for c in self.counters]
+        ids = np.concatenate([i for i, _ in totals])
+        cnt = np.concatenate([c for _, c in totals])
+        tab = np.repeat(np.arange(n_tables), [i.size for i, _ in totals])
+        key = owner_of(ids, comm.world_size) * n_tables + tab
+        order = _group_order(key, comm.world_size * n_tables)
+        counts = np.bincount(key, minlength=comm.world_size * n_tables).reshape(-1, n_tables)
+        recv = comm.all_to_all_counts(torch.from_numpy(counts), what="the hot-set counts").numpy()
+        payload = torch.from_numpy(np.stack([ids[order], cnt[order], tab[order]], axis=1))
+        got = comm.all_to_all(payload, counts.sum(1), recv.sum(1), what="the hot-set counts")
+        got = got.numpy()
+        own_ids, own_tab = got[:, 0], got[:, 2]
+        pair = np.stack([own_tab, own_ids], axis=1)
+        uniq, inv = np.unique(pair, axis=0, return_inverse=True)
+        summed = np.bincount(inv.reshape(-1), weights=got[:, 1], minlength=len(uniq))
+        summed = summed.astype(np.int64)
+        top = _top_pairs(summed, uniq[:, 0], uniq[:, 1], k)
+        mine = torch.from_numpy(np.stack([summed[top], uniq[top, 0], uniq[top, 1]], axis=1))
+        every = torch.cat(comm.all_gather_rows(mine, what="the hot-set candidates")).numpy()
+        best = _top_pairs(every[:, 0], every[:, 1], every[:, 2], k)
+        total = torch.tensor([int(cnt.sum())], dtype=torch.int64)
+        comm.all_reduce(total, what="the hot-set counts")
+        self.candidates = HotCandidates(
+            counts=every[best, 0].copy(),
+            tables=every[best, 1].copy(),
+            ids=every[best, 2].copy(),
+            total=int(total.item()),
+            steps=self.counted_steps,
+        )
+        return self.candidates
+
+    def plan(self, fit: CostFit) -> HotPlan:
+        """R minimising ``R·C_ar + N·(1−ρ(R))·C_a2a`` over the counted accesses (call
+        :meth:`gather_counts` first)."""
+        from trainer.distributed.costs import choose_num_hot
+
+        if self.candidates is None:
+            msg = "plan() needs access counts: call gather_counts() first"
+            raise RecpipeError(msg)
+        return choose_num_hot(self.candidates, fit)
+
+    def reshard(self, num_hot: int) -> int:
+        """Make the ``num_hot`` most accessed (table, id) pairs of :attr:`candidates` the hot
+        set (collective, at a step boundary). Rows leaving it go back to their owners with
+        their optimizer state; rows entering it are read from their owners and replicated.
+
+        Returns:
+            the new R (at most the number of candidates).
+        """
+        if self._prepared is not None:
+            msg = "reshard() between prepare() and step(): reshard at a step boundary"
+            raise RecpipeError(msg)
+        if isinstance(num_hot, bool) or not isinstance(num_hot, int) or num_hot < 0:
+            msg = f"`num_hot` must be a non-negative integer, got {num_hot!r}"
+            raise RecpipeError(msg)
+        cand = self.candidates
+        if cand is None:
+            if num_hot:
+                msg = "reshard() to R > 0 needs access counts: call gather_counts() first"
+                raise RecpipeError(msg)
+            cand = HotCandidates(*(np.zeros(0, np.int64),) * 3, total=0, steps=0)
+        take = min(num_hot, cand.counts.size)
+        wanted = [
+            np.sort(cand.ids[:take][cand.tables[:take] == t]) for t in range(len(self.tables))
+        ]
+        self.set_hot(wanted)
+        return take
+
+    def set_hot(self, hot_ids: Sequence[np.ndarray]) -> None:
+        """Make ``hot_ids[t]`` (sorted, distinct) table ``t``'s hot set (collective)."""
+        comm = self.comm
+        new_sets = [np.asarray(h, dtype=np.int64) for h in hot_ids]
+        keys, rows = [], []
+        for t, (table, new) in enumerate(zip(self.tables, new_sets, strict=True)):
+            self._demote(table, new)
+            entering = new[~np.isin(new, table.hot_ids)]
+            mine = entering[owner_of(entering, comm.world_size) == comm.rank]
+            values, state = table.shard.read(mine)
+            rows.append(values if state is None else torch.cat([values, state.unsqueeze(1)], 1))
+            keys.append(np.stack([np.full(mine.size, t, dtype=np.int64), mine], axis=1))
+        what = "the reshard's rows"
+        got_keys = torch.cat(
+            comm.all_gather_rows(torch.from_numpy(np.concatenate(keys)), what=what)
+        )
+        got_rows = torch.cat(comm.all_gather_rows(torch.cat(rows), what=what)).to(self.device)
+        got_keys = got_keys.numpy()
+        for t, (table, new) in enumerate(zip(self.tables, new_sets, strict=True)):
+            sel = np.flatnonzero(got_keys[:, 0] == t)
+            self._install(table, new, got_keys[sel, 1], got_rows[torch.from_numpy(sel)])
+
+    def _demote(self, table: ShardedTable, new: np.ndarray) -> None:
+        """Rows leaving the hot set go back to their owner, with their optimizer state."""
+        old = table.hot_ids
+        back = ~np.isin(old, new) & (owner_of(old, self.comm.world_size) == self.comm.rank)
+        if back.any():
+            sel = torch.from_numpy(np.flatnonzero(back)).to(self.device)
+            state = None if table.hot_state is None else table.hot_state[sel]
+            table.shard.write(old[back], table.hot_values[sel], state)
+
+    def _install(
+        self, table: ShardedTable, new: np.ndarray, in_ids: np.ndarray, in_rows: torch.Tensor
+    ) -> None:
+        """The replica of ``new``: rows staying hot, and ``in_rows`` of the entering ``in_ids``."""
+        values = table.hot_values.new_empty(new.size, self.dim)
+        state = None if table.hot_state is None else table.hot_state.new_empty(new.size)
+        stay = np.isin(new, table.hot_ids)
+        if int(stay.sum()) + in_ids.size != new.size:
+            msg = f"table {table.config.name!r}: the reshard lost rows ({new.size} wanted)"
+            raise RecpipeError(msg)
+        if stay.any():
+            src = torch.from_numpy(table.hot_index(new[stay])).to(self.device)
+            dst = torch.from_numpy(np.flatnonzero(stay)).to(self.device)
+            values[dst] = table.hot_values.index_select(0, src)
+            if state is not None:
+                state[dst] = table.hot_state.index_select(0, src)
+        if in_ids.size:
+            dst = torch.from_numpy(np.searchsorted(new, in_ids)).to(self.device)
+            values[dst] = in_rows[:, : self.dim].to(values.dtype)
+            if state is not None:
+                state[dst] = in_rows[:, self.dim].to(state.dtype)
+        table.hot_ids, table.hot_values, table.hot_state = new, values, state
+
+    def hot_sets(self) -> list[np.ndarray]:
+        """Each table's hot ids (sorted)."""
+        return [t.hot_ids.copy() for t in self.tables]
+
+    # -- state ----------------------------------------------------------------------------------
+    def owned_rows(self) -> dict[str, dict[str, Any]]:
+        """Every row this rank owns, per table (hot rows from the replica): what a checkpoint
+        saves. ``{table key: {"ids", "values", "state"}}``, CPU tensors."""
+        out = {}
+        rank, world = self.comm.rank, self.comm.world_size
+        for name, table in zip(self.names, self.tables, strict=True):
+            ids, values, state = table.shard.export()
+            hot_own = table.hot_ids[owner_of(table.hot_ids, world) == rank]
+            if hot_own.size:
+                cold = ~np.isin(ids, hot_own)
+                idx = torch.from_numpy(table.hot_index(hot_own)).to(self.device)
+                ids = np.concatenate([ids[cold], hot_own])
+                keep = torch.from_numpy(np.flatnonzero(cold)).to(values.device)
+                values = torch.cat([values[keep], table.hot_values.index_select(0, idx)])
+                if state is not None:
+                    state = torch.cat([state[keep], table.hot_state.index_select(0, idx)])
+            order = np.argsort(ids, kind="stable")
+            sel = torch.from_numpy(order).to(values.device)
+            out[name] = {
+                "ids": torch.from_numpy(ids[order]),
+                "values": values[sel].cpu(),
+                "state": None if state is None else state[sel].cpu(),
+            }
+        return out
+
+    def load_owned_rows(self, parts: Iterable[Mapping[str, Mapping[str, Any]]]) -> None:
+        """Rebuild this rank's shards from the :meth:`owned_rows` of every rank of a saved job
+        (any world size): each rank keeps the rows it owns now. The hot sets are emptied."""
+        rank, world = self.comm.rank, self.comm.world_size
+        pieces: dict[str, list[Mapping[str, Any]]] = {name: [] for name in self.names}
+        for part in parts:
+            for name in self.names:
+                if name not in part:
+                    msg = f"the saved rows have no table {name!r} (they hold {sorted(part)!r})"
+                    raise RecpipeError(msg)
+                pieces[name].append(part[name])
+        for name, table in zip(self.names, self.tables, strict=True):
+            ids = np.concatenate([p["ids"].numpy() for p in pieces[name]])
+            values = torch.cat([p["values"] for p in pieces[name]])
+            mine = owner_of(ids, world) == rank
+            order = np.flatnonzero(mine)[np.argsort(ids[mine], kind="stable")]
+            shard = RowShard(
+                dim=table.shard.dim,
+                dtype=table.shard.dtype,
+                device=table.shard.device,
+                seed=table.shard.seed,
+                init_scale=table.shard.init_scale,
+                with_state=table.shard.state is not None,
+            )
+            state = None
+            if shard.state is not None:
+                state = torch.cat([p["state"] for p in pieces[name]])[torch.from_numpy(order)]
+            shard.write(ids[order], values[torch.from_numpy(order)], state)
+            table.shard = shard
+            table.hot_ids = np.zeros(0, dtype=np.int64)
+            table.hot_values = shard.values.new_zeros(0, shard.dim)
+            table.hot_state = None if shard.state is None else shard.state.new_zeros(0)

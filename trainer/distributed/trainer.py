@@ -1,0 +1,200 @@
+"""One rank's trainer: a DLRM with sharded tables, DDP on the dense part, the 2FP exchange.
+
+::
+
+    batch (this rank's micro-batch of the global batch)
+      -> sparse.prepare(batch)        fetch the rows of the batch's unique ids (all-to-all)
+      -> model(batch)                 DDP; batch norm over the global batch
+      -> sum of losses / global B     backward: dense gradients summed by DDP
+      -> dense optimizers, sparse.step()   hot gradients all-reduced, cold ones to their owners
+      -> the step's loss: all-reduced sum / global B (the global batch's mean loss)
+
+With equal micro-batches on every rank this computes what one process computes on the
+concatenated global batch; :class:`DistributedTrainer` with a world of one *is* that process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recpipe.errors import RecpipeError
+from trainer.distributed.comm import Comm
+from trainer.distributed.dense import global_batch_norms, wrap_ddp
+from trainer.distributed.exchange import ShardedEmbeddings, ShardedTable
+from trainer.distributed.shard import RowShard, SparseOptimizer
+from trainer.metrics import auc
+from trainer.modules import TableConfig, TableFactory, table_seed
+from trainer.train import DEFAULT_LR, EvalResult, make_optimizers
+
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+
+__all__ = ["DistributedTrainer", "sharded_table_factory"]
+
+SparseKind = Literal["sgd", "adagrad"]
+
+
+def sharded_table_factory(
+    *,
+    optimizer: SparseKind,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> TableFactory:
+    """Build :class:`ShardedTable` s the way ``--store hybrid`` builds store tables: rows are
+    initialised from a hash of (``table_seed(seed, name)``, id) in ``±sqrt(1/num_embeddings)``,
+    so a sharded run starts from the same tables as a single-process store run."""
+
+    def factory(table: TableConfig, seed: int) -> nn.Module:
+        shard = RowShard(
+            dim=table.dim,
+            dtype=dtype,
+            device=device,
+            seed=table_seed(seed, table.name) % (1 << 31),
+            init_scale=math.sqrt(1.0 / table.num_embeddings),
+            with_state=optimizer == "adagrad",
+        )
+        return ShardedTable(table, shard)
+
+    return factory
+
+
+class DistributedTrainer:
+    """A model with :class:`ShardedTable` s, its optimizers and the step, on one rank.
+
+    Args:
+        model: built with :func:`sharded_table_factory` (its dense part in ``dtype``).
+        comm: the exchange group (world size 1: a single process).
+        optimizer: ``"sgd"`` (SGD everywhere) or ``"adagrad"`` (row-wise Adagrad for the
+            tables, Adagrad for the dense part).
+        lr: learning rate (default per optimizer).
+        device: where the model runs.
+        hot_budget_rows: most hot rows the planner may choose (all tables).
+        count_steps: steps whose accesses are counted for the hot set (``None``: every step).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        comm: Comm,
+        optimizer: SparseKind = "adagrad",
+        lr: float | None = None,
+        device: torch.device | str = "cpu",
+        hot_budget_rows: int = 65536,
+        count_steps: int | None = None,
+    ) -> None:
+        if optimizer not in ("sgd", "adagrad"):
+            msg = f"`optimizer` must be 'sgd' or 'adagrad' with sharded tables, got {optimizer!r}"
+            raise RecpipeError(msg)
+        self.comm = comm
+        self.device = torch.device(device)
+        self.lr = DEFAULT_LR[optimizer] if lr is None else float(lr)
+        self.module = model.to(self.device)
+        global_batch_norms(self.module, comm)
+        kind = "sgd" if optimizer == "sgd" else "rowwise_adagrad"
+        self.sparse = ShardedEmbeddings(
+            self.module,
+            comm=comm,
+            optimizer=SparseOptimizer(kind, self.lr),
+            hot_budget_rows=hot_budget_rows,
+            count_steps=count_steps,
+        )
+        self.optimizers = make_optimizers(self.module, optimizer, lr=self.lr)
+        self.model = wrap_ddp(self.module, comm, device=self.device)
+        self.step = 0
+        self._pending: list[tuple[torch.Tensor, int]] = []  # (local loss sum, global rows)
+
+    @property
+    def tables(self) -> list[ShardedTable]:
+        return self.sparse.tables
+
+    def train_step(
+        self, batch: Batch, *, reduce_loss: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One step on this rank's micro-batch (collective); returns the global batch's mean
+        loss (the same on every rank) and this rank's logits.
+
+        With ``reduce_loss=False`` the loss is kept for :meth:`pending_losses`, which reduces
+        the losses of many steps in one all-reduce (one collective less per step), and
+        ``None`` is returned in its place.
+        """
+        self.module.train()
+        batch = batch.to(self.device, non_blocking=True)
+        global_rows = batch.batch_size * self.comm.world_size
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.sparse.prepare(batch)
+        logits = self.model(batch)
+        loss_sum = F.binary_cross_entropy_with_logits(
+            logits, batch.labels.to(logits.dtype), reduction="sum"
+        )
+        (loss_sum / global_rows).backward()
+        for opt in self.optimizers:
+            opt.step()
+        self.sparse.step()
+        self.step += 1
+        self._pending.append((loss_sum.detach().to(torch.float64), global_rows))
+        if not reduce_loss:
+            return None, logits.detach()
+        return torch.tensor(self.pending_losses()[-1]), logits.detach()
+
+    def pending_losses(self) -> list[float]:
+        """The global mean losses of the steps since the last call, in order (collective: one
+        all-reduce of all of them)."""
+        if not self._pending:
+            return []
+        sums = torch.stack([s for s, _ in self._pending])
+        self.comm.all_reduce(sums, what="the loss all-reduce")
+        out = [float(s) / rows for s, (_, rows) in zip(sums.tolist(), self._pending, strict=True)]
+        self._pending = []
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
+        """Loss and AUC over every rank's ``batches`` (collective: every rank must bring the
+        same number of batches of the same size)."""
+        self.module.eval()
+        scores, labels, count = [], [], 0
+        for batch in batches:
+            if max_batches is not None and count >= max_batches:
+                break
+            batch = batch.to(self.device, non_blocking=True)
+            self.sparse.prepare(batch, train=False)
+            logits = self.module(batch)
+            pair = torch.stack([logits.to(torch.float64), batch.labels.to(torch.float64)])
+            every = self.comm.all_gather(pair, what="the evaluation gather")
+            scores.extend(p[0] for p in every)
+            labels.extend(p[1] for p in every)
+            count += 1
+        if not scores:
+            return EvalResult(float("nan"), float("nan"), 0, 0)
+        s, y = torch.cat(scores), torch.cat(labels)
+        loss = float(F.binary_cross_entropy_with_logits(s, y, reduction="sum")) / y.numel()
+        return EvalResult(loss, auc(s, y), y.numel(), count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dense model, the dense optimizers and the step (the same on every rank)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.module.load_state_dict(state["model"])
+        if len(state["optimizers"]) != len(self.optimizers):
+            msg = (
+                f"the checkpoint holds {len(state['optimizers'])} dense optimizers, this model "
+                f"needs {len(self.optimizers)}"
+            )
+            raise RecpipeError(msg)
+        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        self.step = int(state["step"])
