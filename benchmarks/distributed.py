@@ -188,7 +188,7 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
 
     from recpipe.torchrec_interop import to_torchrec
     from trainer.distributed.comm import Comm, init_from_env
-    from trainer.distributed.costs import fit_costs
+    from trainer.distributed.costs import choose_num_hot, fit_costs
 
     torch.set_num_threads(1)
     comm = init_from_env(device="cpu", timeout_s=600.0)
@@ -203,7 +203,7 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     for batch in on:
         base.sparse.count(batch)
     candidates = base.sparse.gather_counts(budget=1 << 24)
-    plan = base.sparse.plan(fit)
+    plan = choose_num_hot(candidates, fit)
     everything = int(candidates.counts.size)
     sizes = sorted({0, plan.num_hot, everything // 64, everything // 16, everything // 4,
                     everything})  # fmt: skip

@@ -12,6 +12,7 @@ import torch
 from readers.ranks import RankBatchDataset
 from readers.source import ReaderConfig
 from recpipe.errors import RecpipeError
+from trainer.config import TrainConfig
 from trainer.distributed.batches import concat_batches, global_batches
 from trainer.distributed.comm import Comm
 from trainer.distributed.costs import CostFit, LineFit, choose_num_hot, fit_costs
@@ -21,7 +22,6 @@ from trainer.distributed.run import DistributedConfig, check_config
 from trainer.distributed.shard import RowShard, SparseOptimizer, owner_of
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.models import DLRM, ModelConfig
-from trainer.train import TrainConfig
 
 MODEL = ModelConfig(
     embedding_dim=8, num_embeddings=1000, bottom_mlp=(16,), top_mlp=(16,), attention_heads=2
@@ -147,11 +147,13 @@ def test_one_process_equals_the_store_trainer(dist_dataset, optimizer):
     of the id, same row-wise Adagrad), so a world of one trains like `recpipe train --store
     hybrid` (with the same, global, batch norm)."""
     from readers.dataset import dataset_schema
+    from trainer.config import DEFAULT_LR
     from trainer.distributed.dense import global_batch_norms
     from trainer.modules import table_seed
     from trainer.store import StoreConfig
     from trainer.store.store import EmbeddingStore
-    from trainer.train import DEFAULT_LR, StoreTable, Trainer
+    from trainer.store.table import StoreTable
+    from trainer.train import Trainer
 
     schema = dataset_schema(str(dist_dataset))
     batches = _batches(dist_dataset, count=4)

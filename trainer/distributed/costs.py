@@ -20,6 +20,7 @@ candidates and takes the smallest minimum (exact: no convexity assumed).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,6 @@ from trainer.distributed.comm import Comm
 from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.store import CostCoefficients, HotPlan
-from trainer.store.hotset import _best_time
 
 __all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
 
@@ -127,7 +127,12 @@ def _fastest(fn: Callable[[], None], repeats: int) -> float:
     """The fastest of ``repeats`` timed calls after a warm-up (other load only slows calls
     down, so the fastest is the best estimate of the step's own cost)."""
     fn()
-    return _best_time(fn, repeats)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class _Probe:

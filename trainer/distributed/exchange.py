@@ -51,8 +51,6 @@ from trainer.modules import PoolingMode, TableConfig, locate_features
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
-    from trainer.distributed.costs import CostFit
-    from trainer.store import HotPlan
 
 __all__ = ["ExchangeStats", "HotCandidates", "ShardedEmbeddings", "ShardedTable"]
 
@@ -617,16 +615,6 @@ class ShardedEmbeddings:
             steps=self.counted_steps,
         )
         return self.candidates
-
-    def plan(self, fit: CostFit) -> HotPlan:
-        """R minimising ``R·C_ar + N·(1−ρ(R))·C_a2a`` over the counted accesses (call
-        :meth:`gather_counts` first)."""
-        from trainer.distributed.costs import choose_num_hot
-
-        if self.candidates is None:
-            msg = "plan() needs access counts: call gather_counts() first"
-            raise RecpipeError(msg)
-        return choose_num_hot(self.candidates, fit)
 
     def reshard(self, num_hot: int) -> int:
         """Make the ``num_hot`` most accessed (table, id) pairs of :attr:`candidates` the hot

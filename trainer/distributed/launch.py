@@ -20,20 +20,19 @@ group timeout (``--dist-timeout``).
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
-import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trainer.config import TrainConfig
     from trainer.distributed.run import DistributedSummary
-    from trainer.train import TrainConfig, TrainResult
+    from trainer.train import TrainResult
 
-__all__ = ["add_distributed_arguments", "describe", "dump", "requested", "run", "worker_main"]
+__all__ = ["SPEC_FLAG", "add_distributed_arguments", "describe", "dump", "requested", "run"]
 
-_SPEC_FLAG = "--launch-spec"
+SPEC_FLAG = "--launch-spec"
 
 
 def _hot_rows(text: str) -> str | int:
@@ -152,7 +151,7 @@ def _torchrun_args(args: argparse.Namespace, spec: Path) -> list[str]:
             raise _error(msg)
         argv += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
                  "--master-port", str(args.master_port), "--rdzv-backend", "static"]  # fmt: skip
-    return [*argv, "-m", "trainer", _SPEC_FLAG, str(spec)]
+    return [*argv, "-m", "trainer", SPEC_FLAG, str(spec)]
 
 
 def _error(msg: str) -> Exception:
@@ -227,29 +226,3 @@ def dump(summary: DistributedSummary) -> dict[str, Any]:
     from trainer.distributed.run import dump as values
 
     return values(summary)
-
-
-def worker_main(argv: list[str] | None = None) -> int:
-    """``python -m trainer``: a torchrun worker of ``recpipe train`` (see the module docstring)."""
-    from recpipe.errors import RecpipeError
-    from trainer.cli import register_cli, run
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [_SPEC_FLAG] and len(argv) == 2:
-        config, args = pickle.loads(Path(argv[1]).read_bytes())
-        args.func = lambda a: run(config, a)
-    else:
-        parser = argparse.ArgumentParser(
-            prog="torchrun ... -m trainer",
-            description="A worker of `recpipe train` on several processes (started by torchrun).",
-        )
-        register_cli(parser.add_subparsers(dest="command"))
-        args = parser.parse_args(["train", *argv])
-        if args.nproc is not None:
-            parser.error("--nproc is for `recpipe train`; under torchrun use --nproc-per-node")
-    rank = os.environ.get("RANK", "?")
-    try:
-        return int(args.func(args) or 0)
-    except RecpipeError as exc:
-        print(f"recpipe train (rank {rank}): error: {exc}", file=sys.stderr)
-        return 1

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from recpipe.errors import RecpipeError
+from trainer.config import TrainConfig
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
 from trainer.distributed.comm import Comm
-from trainer.distributed.costs import CostFit, fit_costs
+from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.metrics import PredictionWindow
-from trainer.train import EvalResult, TrainConfig, TrainResult, batch_dedup_factor
+from trainer.train import EvalResult, TrainResult, batch_dedup_factor
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 
@@ -183,9 +184,9 @@ class _RankRun:
         )
 
     def _make_loaders(self) -> None:
+        from readers.holdout import holdout_splits
         from readers.ranks import RankBatchDataset, RankLoader
         from readers.source import DatasetSource, ReaderConfig
-        from trainer.train import holdout_splits
 
         cfg, comm = self.config, self.comm
         splits = DatasetSource(cfg.dataset, schema=self.schema).splits
@@ -207,7 +208,7 @@ class _RankRun:
         sparse, opts = self.trainer.sparse, self.options
         candidates = sparse.gather_counts()
         if opts.hot_rows == "auto":
-            plan = sparse.plan(self.fit)
+            plan = choose_num_hot(candidates, self.fit)
             num_hot = plan.num_hot
         else:
             num_hot = int(opts.hot_rows)

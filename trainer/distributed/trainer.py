@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.errors import RecpipeError
+from trainer.config import DEFAULT_LR
 from trainer.distributed.comm import Comm
 from trainer.distributed.dense import global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.metrics import auc
 from trainer.modules import TableConfig, TableFactory, table_seed
-from trainer.train import DEFAULT_LR, EvalResult, make_optimizers
+from trainer.train import EvalResult, make_optimizers
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
