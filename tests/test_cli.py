@@ -84,6 +84,6 @@ def test_train_keeps_every_option_and_default(monkeypatch):
         assert flag in by_flag, flag
         assert by_flag[flag].default == {"on": True}.get(default, default), flag
     built = []
-    monkeypatch.setattr(trainer.cli, "_run", lambda config, args: built.append(config) or 0)
+    monkeypatch.setattr(trainer.cli, "run", lambda config, args: built.append(config) or 0)
     assert main(["train", "DS"]) == 0
     assert built == [TrainConfig(dataset="DS")]  # the options' defaults are the config's
