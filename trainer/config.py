@@ -37,7 +37,7 @@ class TableConfig:
         num_embeddings: rows of the table.
         dim: embedding dimension D.
         features: sparse features that read this table; several features may share it.
-        pooling: how a bag of ids is pooled by ``trainer.modules.EmbeddingBagCollection``.
+        pooling: how a bag of ids is pooled by ``trainer.modules.PooledEmbeddings``.
         hash_ids: take ids modulo ``num_embeddings`` in the module (for raw ids; leave off when
             preprocessing already mapped them into range, e.g. ``readers.HashModulo``).
         sparse_grad: produce sparse gradients for the table (only the rows looked up); the
