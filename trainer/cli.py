@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from recpipe.config_cli import Option, add_config_options
+from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from trainer.config import ModelConfig, TrainConfig
 
 __all__ = ["register_cli"]
@@ -49,6 +49,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "checkpoint": Option(metavar="DIR"),
             "service": Option(metavar="HOST:PORT"),
             "preprocess": Option(metavar="FILE"),
+            "metrics": Option(metavar="FILE"),
+            "tensorboard": Option(metavar="DIR"),
         },
         exclusive=[("steps", "epochs")],
     )
@@ -60,7 +62,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         owner=parser,
     )
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet_option(parser)
     parser.set_defaults(
         func=lambda args: _run(run_options.build(args, model=model_options.build(args)), args)
     )
@@ -69,7 +71,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 def _run(config: TrainConfig, args: argparse.Namespace) -> int:
     from trainer.train import format_summary, train
 
-    result = train(config, progress=not args.no_progress)
+    result = train(config, progress=not args.quiet)
     print(format_summary(config, result))
     if args.json:
         ev = result.final_eval
