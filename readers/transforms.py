@@ -648,4 +648,5 @@ class Pipeline:
             kjt=self._apply_kjt(batch.kjt),
             ikjts=ikjts,
             session_ids=batch.session_ids,
+            extras=batch.extras,
         )
