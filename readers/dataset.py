@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ __all__ = [
 ]
 
 _STATE_VERSION = 1
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -419,6 +422,7 @@ class ParquetBatchDataset(IterableDataset):
         self._resume = dict(state)
         self._positions = {}
         self._num_workers = int(state["num_workers"])
+        _log.debug("resuming epoch %d at %s", self.epoch, state["positions"])
 
 
 def _positions_of(state: Mapping[str, Any]) -> dict[int, ReaderPosition]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["ServiceClient", "ServiceDataset", "ServiceStream", "parse_address"]
 
 _STATE_VERSION = 1
+
+_log = logging.getLogger(__name__)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -158,6 +161,10 @@ class ServiceClient:
             raise ProtocolError(msg)
         self.welcome = reply.meta
         sock.settimeout(self.read_timeout_s)
+        _log.debug(
+            "connected to %s: shard %d of %d, epoch %d", self.where, self.shard, self.num_shards,
+            self.epoch,
+        )  # fmt: skip
         return self
 
     def _hello(self) -> dict[str, Any]:
@@ -374,6 +381,7 @@ class ServiceDataset(IterableDataset):
             if resume["finished"]:
                 return  # the shard was read to its end: nothing left in this epoch
             skip = int(resume["batches"])
+            _log.debug("resuming shard %d of %d after %d batches", *saved, skip)
         self._batches, self._finished = skip, False
         with self.client() as client:
             for batch in client:
