@@ -21,7 +21,7 @@ Figures (written to benchmarks/results/trainer.json):
                            Computed from the measured bytes saved for backward by the whole
                            forward pass per sample at `--batch-size` (activations grow linearly
                            in B), not by trying batch sizes until one fails.
-  vs_torchrec_ebc          our plain (no-dedup) EmbeddingBagCollection / TorchRec's
+  vs_torchrec_ebc          our plain (no-dedup) PooledEmbeddings / TorchRec's
                            `EmbeddingBagCollection` (torchrec 1.8.0 + fbgemm-gpu-cpu), same
                            tables, same weights, same plain batches, forward + backward with dense
                            gradients as TorchRec has; forward-only and our default sparse-gradient
