@@ -113,7 +113,30 @@ def _torchrec_features(features: Any, names: Sequence[str]) -> dict[str, Any]:
     return jts
 
 
-class EmbeddingBagCollection(nn.Module):
+class _Collection(nn.Module):
+    """What both collections share: their device and TorchRec's initialisation of the tables."""
+
+    _device: torch.device
+
+    def _weights(self) -> list[tuple[Any, nn.Parameter]]:
+        """``(config, weight)`` of every table, in config order."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live."""
+        return self._device
+
+    def reset_parameters(self) -> None:
+        """Initialise every table with its config's ``init_fn`` (nothing on the meta device)."""
+        if self._device.type == "meta":
+            return
+        for table, weight in self._weights():
+            if table.init_fn is not None:
+                table.init_fn(weight)
+
+
+class EmbeddingBagCollection(_Collection):
     """TorchRec's ``EmbeddingBagCollection`` that also pools deduplicated rows (RecD O5).
 
     Args:
@@ -245,21 +268,11 @@ class EmbeddingBagCollection(nn.Module):
         """The tables' ``EmbeddingBagConfig`` s."""
         return self._embedding_bag_configs
 
-    @property
-    def device(self) -> torch.device:
-        """Where the tables live."""
-        return self._device
-
-    def reset_parameters(self) -> None:
-        """Initialise every table with its config's ``init_fn`` (nothing on the meta device)."""
-        if self._device.type == "meta":
-            return
-        for table in self._embedding_bag_configs:
-            if table.init_fn is not None:
-                table.init_fn(self.embedding_bags[table.name].weight)
+    def _weights(self) -> list[tuple[Any, nn.Parameter]]:
+        return [(t, self.embedding_bags[t.name].weight) for t in self._embedding_bag_configs]
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(_Collection):
     """TorchRec's ``EmbeddingCollection`` (un-pooled sequences) that also takes deduplicated rows.
 
     For a feature of an IKJT group the embeddings of the group's U unique rows are looked up and
@@ -425,15 +438,5 @@ class EmbeddingCollection(nn.Module):
         """TorchRec's per-sharding hint, as given."""
         return self._use_gather_select_per_sharding
 
-    @property
-    def device(self) -> torch.device:
-        """Where the tables live."""
-        return self._device
-
-    def reset_parameters(self) -> None:
-        """Initialise every table with its config's ``init_fn`` (nothing on the meta device)."""
-        if self._device.type == "meta":
-            return
-        for table in self._embedding_configs:
-            if table.init_fn is not None:
-                table.init_fn(self.embeddings[table.name].weight)
+    def _weights(self) -> list[tuple[Any, nn.Parameter]]:
+        return [(t, self.embeddings[t.name].weight) for t in self._embedding_configs]

@@ -327,6 +327,8 @@ def test_configs_are_checked():
         [trc.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5)]
     )
     assert ebc.embedding_bag_configs()[0].feature_names == ["t"]
+    on_meta = ours.EmbeddingBagCollection(_bag_tables(), device=torch.device("meta"))
+    assert on_meta.device.type == "meta" and on_meta.embedding_bags["sellers"].weight.is_meta
 
 
 def test_ids_outside_a_table_and_missing_features_are_named(batches):
