@@ -551,6 +551,14 @@ TRAINER = Table(
             target=Target(">=", 1.0),
         ),
         Row(
+            "`torchrec_swap_dedup_speedup` (TorchRec's `EmbeddingBagCollection` swapped for "
+            "`trainer.torchrec`'s by one import, on the deduplicated batches / TorchRec's on "
+            "plain KJTs, fwd+bwd)",
+            "torchrec_swap_dedup_speedup",
+            lambda d: f"{{v}}; {x(d['torchrec_swap_plain'])} on the plain KJTs",
+            reference="report",
+        ),
+        Row(
             "per-step loss, dedup on vs off: max relative difference",
             "max_loss_rel_diff_on_vs_off",
             lambda d: "{v}",

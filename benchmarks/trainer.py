@@ -21,17 +21,25 @@ Figures (written to benchmarks/results/trainer.json):
                            Computed from the measured bytes saved for backward by the whole
                            forward pass per sample at `--batch-size` (activations grow linearly
                            in B), not by trying batch sizes until one fails.
-  vs_torchrec_ebc          our plain (no-dedup) EmbeddingBagCollection / TorchRec's
+  vs_torchrec_ebc          our plain (no-dedup) PooledEmbeddings / TorchRec's
                            `EmbeddingBagCollection` (torchrec 1.8.0 + fbgemm-gpu-cpu), same
                            tables, same weights, same plain batches, forward + backward with dense
                            gradients as TorchRec has; forward-only and our default sparse-gradient
                            path are reported too. Target >= 1.0.
+  torchrec_swap_dedup_speedup
+                           a TorchRec model's embedding step after the one-import swap
+                           (`trainer.torchrec.EmbeddingBagCollection` on the deduplicated batches:
+                           IKJT groups pooled on their unique rows) / TorchRec's
+                           `EmbeddingBagCollection` on the same rows as plain KJTs; same tables,
+                           same weights, forward + backward with dense gradients. Report only;
+                           `torchrec_swap_plain` is the swapped module on the plain KJTs (~1).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -272,24 +280,39 @@ def measure_memory(
 
 
 def measure_vs_torchrec(
-    schema: Any, plain: list[Any], *, dim: int, num_embeddings: int
+    schema: Any, plain: list[Any], dedup: list[Any], *, dim: int, num_embeddings: int
 ) -> dict[str, Any]:
-    """Our EmbeddingBagCollection on plain KJTs vs TorchRec's, same tables and weights."""
+    """Our embedding bags vs TorchRec's EmbeddingBagCollection, same tables and weights: our
+    plain PooledEmbeddings, and the swapped-in trainer.torchrec collection on plain KJTs and on
+    the deduplicated batches of the same rows."""
     import torch
 
     from recpipe._deps import optional_import
     from recpipe.torchrec_interop import to_torchrec
-    from trainer.modules import EmbeddingBagCollection, TableConfig
+    from trainer.modules import PooledEmbeddings, TableConfig
+    from trainer.torchrec import EmbeddingBagCollection as Swapped
 
     trm = optional_import("torchrec.modules.embedding_modules", purpose="vs_torchrec_ebc")
     trc = optional_import("torchrec.modules.embedding_configs", purpose="vs_torchrec_ebc")
     names = list(schema.sparse_names)
-    kjts = [b.kjt.map_values(lambda v: torch.remainder(v, num_embeddings)) for b in plain]
+
+    def modulo(v: torch.Tensor) -> torch.Tensor:
+        return torch.remainder(v, num_embeddings)
+
+    kjts = [b.kjt.map_values(modulo) for b in plain]
     tr_kjts = [to_torchrec(k) for k in kjts]
+    groups = [
+        dataclasses.replace(
+            b,
+            kjt=b.kjt.map_values(modulo),
+            ikjts={n: g.map_values(modulo) for n, g in b.ikjts.items()},
+        )
+        for b in dedup
+    ]
 
     def ours(sparse: bool) -> Any:
         tables = [TableConfig(f, num_embeddings, dim, (f,), sparse_grad=sparse) for f in names]
-        return EmbeddingBagCollection(tables, seed=0)
+        return PooledEmbeddings(tables, seed=0)
 
     ebc_dense, ebc_sparse = ours(False), ours(True)
     theirs = trm.EmbeddingBagCollection(
@@ -305,11 +328,15 @@ def measure_vs_torchrec(
     with torch.no_grad():
         for f in names:
             theirs.embedding_bags[f].weight.copy_(ebc_dense.tables[f].weight)
+    swapped = Swapped(theirs.embedding_bag_configs())
+    swapped.load_state_dict(theirs.state_dict())
     # same numbers first
     with torch.no_grad():
         ref = theirs(tr_kjts[0]).to_dict()
         got = ebc_dense(kjts[0])
+        got_swapped = swapped(groups[0]).to_dict()
     max_diff = max(float((ref[f] - got[f]).abs().max()) for f in names)
+    swap_diff = max(float((ref[f] - got_swapped[f]).abs().max()) for f in names)
 
     def step_ours(m: Any, k: Any, backward: bool) -> None:
         out = m(k)
@@ -317,15 +344,15 @@ def measure_vs_torchrec(
             m.zero_grad(set_to_none=True)
             torch.stack(list(out.values())).sum().backward()
 
-    def step_theirs(k: Any, backward: bool) -> None:
-        out = theirs(k)
+    def step_theirs(k: Any, backward: bool, module: Any = theirs) -> None:
+        out = module(k)
         if backward:
-            theirs.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
             out.values().sum().backward()
 
     cpu = torch.device("cpu")
 
-    def cases(k: Any, tk: Any) -> dict[str, Callable[[], Any]]:
+    def cases(k: Any, tk: Any, g: Any) -> dict[str, Callable[[], Any]]:
         def forward_only(fn: Callable[[], Any]) -> Callable[[], Any]:
             def run() -> Any:
                 with torch.no_grad():
@@ -339,14 +366,16 @@ def measure_vs_torchrec(
             "ours_f": forward_only(lambda: step_ours(ebc_dense, k, False)),
             "torchrec_f": forward_only(lambda: step_theirs(tk, False)),
             "ours_sparse_fb": lambda: step_ours(ebc_sparse, k, True),
+            "swap_plain_fb": lambda: step_theirs(tk, True, swapped),
+            "swap_dedup_fb": lambda: step_theirs(g, True, swapped),
         }
 
-    names = list(cases(kjts[0], tr_kjts[0]))
+    names = list(cases(kjts[0], tr_kjts[0], groups[0]))
     times: dict[str, list[Timing]] = {}
     for _ in range(2):  # the second pass is timed: the first warms every case up alike
         times = {name: [] for name in names}
-        for r, (k, tk) in enumerate(zip(kjts, tr_kjts)):
-            fns = cases(k, tk)
+        for r, (k, tk, g) in enumerate(zip(kjts, tr_kjts, groups)):
+            fns = cases(k, tk, g)
             for name in _rotated(names, r):
                 times[name].append(_timed(fns[name], cpu))
     b = plain[0].batch_size
@@ -355,12 +384,15 @@ def measure_vs_torchrec(
         "vs_torchrec_ebc": _ratio(times, "ours_fb", "torchrec_fb", cpu),
         "vs_torchrec_ebc_forward": _ratio(times, "ours_f", "torchrec_f", cpu),
         "vs_torchrec_ebc_ours_sparse_grad": _ratio(times, "ours_sparse_fb", "torchrec_fb", cpu),
+        "torchrec_swap_plain": _ratio(times, "swap_plain_fb", "torchrec_fb", cpu),
+        "torchrec_swap_dedup_speedup": _ratio(times, "swap_dedup_fb", "torchrec_fb", cpu),
     }
     return {
         **{name: _headline(r) for name, r in ratios.items()},
         **{f"{name}_spread": r for name, r in ratios.items()},
         "ebc_samples_per_s": sps,
         "ebc_max_abs_diff_vs_torchrec": max_diff,
+        "torchrec_swap_dedup_max_abs_diff": swap_diff,
         "ebc_tables": len(names),
     }
 
@@ -416,7 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cpu":
             results.update(
                 measure_vs_torchrec(
-                    schema, off[: args.ebc_batches], dim=args.embedding_dim,
+                    schema, off[: args.ebc_batches], on[: args.ebc_batches], dim=args.embedding_dim,
                     num_embeddings=args.num_embeddings,
                 )
             )  # fmt: skip
@@ -435,6 +467,8 @@ def _table(results: dict[str, Any]) -> str:
         ("vs_torchrec_ebc", "our plain EBC / TorchRec EBC (fwd+bwd)", results.get("vs_torchrec_ebc")),
         ("  forward only", "", results.get("vs_torchrec_ebc_forward")),
         ("  ours with sparse grads", "", results.get("vs_torchrec_ebc_ours_sparse_grad")),
+        ("torchrec_swap_dedup_speedup", "swapped-in ours on IKJTs / TorchRec EBC", results.get("torchrec_swap_dedup_speedup")),
+        ("  swapped-in on plain KJTs", "", results.get("torchrec_swap_plain")),
     ]  # fmt: skip
     lines = [f"{'figure':<30} {'what':<45} {'value':>8}"]
     for name, what, value in rows:

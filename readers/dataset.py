@@ -18,12 +18,26 @@ delivered batch: nothing lost, nothing repeated. Without worker processes
 
 An epoch that finishes moves the state to the start of the next epoch (shuffles are seeded with
 ``(seed, epoch)``); :meth:`ParquetBatchDataset.set_epoch` chooses one explicitly.
+
+Length: ``len(loader)`` (and ``len(dataset)``) is the number of batches the current epoch
+delivers to this rank, computed from the row counts of the row groups each reader is dealt
+(batches are cut every ``batch_size`` rows of a reader's stream, whatever the session
+boundaries, and each reader ends with its own short batch unless ``last_batch="drop"``). It is
+exact, except with ``on_error="skip"``, where splits skipped while reading make it an upper
+bound. It depends on the worker layout, so a dataset read by a plain DataLoader with workers
+must be told their number (``num_workers=``); a mismatch noticed in a worker is an error.
+
+The state protocol of ``torchdata.stateful_dataloader.StatefulDataLoader`` works too: inside a
+DataLoader worker, :meth:`ParquetBatchDataset.state_dict` is that worker's position after the
+last batch it produced, and :meth:`~ParquetBatchDataset.load_state_dict` of that state resumes
+the worker there (a finished worker stays finished). ``docs/loaders.md`` describes both.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +67,8 @@ __all__ = [
 ]
 
 _STATE_VERSION = 1
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,12 @@ def _start_position(
     entry = start_state["positions"].get(str(worker_id))
     pos = None if entry is None else SourcePosition(int(entry[0]), int(entry[1]))
     return int(start_state["epoch"]), pos
+
+
+def _check_num_workers(num_workers: object) -> None:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        msg = f"`num_workers` must be a non-negative integer, got {num_workers!r}"
+        raise DataError(msg)
 
 
 def _check_state(state: Mapping[str, Any], *, num_workers: int, rank: int, world_size: int) -> None:
@@ -246,11 +268,16 @@ class ParquetBatchDataset(IterableDataset):
         transforms: a :class:`Pipeline` or its config.
         dedup: IKJTs for the schema's dedup groups (``False``: one plain KJT).
         rank, world_size: the trainer rank and how many there are.
+        num_workers: the DataLoader workers that will read the dataset (0: the consumer's own
+            process). Only ``len()`` needs it (each worker ends with its own short batch);
+            :func:`make_dataloader` sets it.
 
     Example::
 
-        ds = ParquetBatchDataset("data/demo/dataset", config=ReaderConfig(batch_size=4096))
-        for batch in DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True):
+        ds = ParquetBatchDataset("data/demo/dataset", config=ReaderConfig(batch_size=4096),
+                                 num_workers=2)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True)
+        for batch in loader:  # len(loader) batches
             ...
     """
 
@@ -264,23 +291,27 @@ class ParquetBatchDataset(IterableDataset):
         dedup: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        num_workers: int = 0,
     ) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
             msg = f"`rank` must be in [0, world_size={world_size}), got {rank!r}"
             raise DataError(msg)
+        _check_num_workers(num_workers)
         self.schema = schema or dataset_schema(source)
         self.config = config or ReaderConfig()
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
         self.converter = BatchConverter(self.schema, dedup=dedup)
         self.pipeline = _pipeline(transforms, self.schema)
         self.rank, self.world_size = rank, world_size
+        self.num_workers = num_workers
         self.epoch = 0
         self.emit_positions = False
         self._managed = False  # a StatefulLoader advances the epoch
         self._resume: dict[str, Any] | None = None
         self._positions: dict[int, ReaderPosition] = {}
         self._num_workers = 1
+        self._len_readers: int | None = None  # the readers len() counted for, once called
 
     @property
     def skipped(self) -> list:
@@ -296,6 +327,13 @@ class ParquetBatchDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if self._len_readers is not None and self._len_readers != num_workers:
+            msg = (
+                f"len() of this dataset counted the batches of {self._len_readers} reader(s), "
+                f"but it is read by {num_workers}: give the dataset `num_workers={num_workers}` "
+                "(the DataLoader's), or use make_dataloader"
+            )
+            raise DataError(msg)
         _, start = _start_position(
             self._resume, worker_id=worker_id, num_workers=num_workers, rank=self.rank,
             world_size=self.world_size,
@@ -303,18 +341,51 @@ class ParquetBatchDataset(IterableDataset):
         stream = _produce(
             self.source, self.converter, self.pipeline, epoch=self.epoch, rank=self.rank,
             world_size=self.world_size, worker_id=worker_id, num_workers=num_workers, start=start,
-            end_marker=self.emit_positions,
+            end_marker=True,
         )  # fmt: skip
-        if info is not None:  # end markers only come with emit_positions
-            yield from (item if self.emit_positions else item[0] for item in stream)
-            return
-        self._num_workers = 1
+        self._num_workers = num_workers
         for batch, pos in stream:
+            # the position of what this reader produced: the state a worker reports to a
+            # StatefulDataLoader (and, in-process, what state_dict() returns)
+            self._positions[worker_id] = pos
             if batch is not None:
-                self._positions[0] = pos
-            yield (batch, pos) if self.emit_positions else batch
-        if not self._managed:
+                yield (batch, pos) if self.emit_positions else batch
+            elif self.emit_positions:  # the end marker, for a StatefulLoader
+                yield batch, pos
+        if info is None and not self._managed:
             self.set_epoch(self.epoch + 1)
+
+    def num_batches(self, *, num_workers: int | None = None, epoch: int | None = None) -> int:
+        """Batches an epoch delivers to this rank when ``num_workers`` workers read it.
+
+        Computed from the row groups' row counts: each reader (worker) of this rank is dealt
+        its splits (:func:`~readers.source.plan_splits`) and cuts a batch every ``batch_size``
+        rows of them, ending with one short batch unless ``last_batch="drop"``. Exact, except
+        with ``on_error="skip"``, where splits skipped while reading make it an upper bound.
+
+        Args:
+            num_workers: DataLoader workers (default: the dataset's ``num_workers``; 0 and 1
+                both mean one reader).
+            epoch: the epoch (default: the current one); with ``shuffle`` and several readers
+                the split deal, hence the count, may change from epoch to epoch.
+        """
+        readers = max(self.num_workers if num_workers is None else num_workers, 1)
+        epoch = self.epoch if epoch is None else epoch
+        size, drop = self.config.batch_size, self.config.last_batch == "drop"
+        total = 0
+        for worker_id in range(readers):
+            splits = plan_splits(
+                self.source.splits, config=self.config, epoch=epoch, rank=self.rank,
+                world_size=self.world_size, worker_id=worker_id, num_workers=readers,
+            )  # fmt: skip
+            rows = sum(split.num_rows for split in splits)
+            total += rows // size if drop else -(-rows // size)
+        return total
+
+    def __len__(self) -> int:
+        """:meth:`num_batches` of the current epoch for the dataset's ``num_workers``."""
+        self._len_readers = max(self.num_workers, 1)
+        return self.num_batches()
 
     def _state(self, positions: Mapping[int, ReaderPosition], num_workers: int) -> dict[str, Any]:
         return {
@@ -327,16 +398,20 @@ class ParquetBatchDataset(IterableDataset):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Position of the batches this dataset yielded in-process (``num_workers=0``).
+        """Position of the batches this dataset yielded in this process.
 
-        With DataLoader workers use :class:`StatefulLoader` (:func:`make_dataloader`): only the
-        consumer knows which batches it received.
+        In the consumer's process (``num_workers=0``) that is the position of everything
+        delivered. Inside a DataLoader worker it is that worker's position, which is what
+        ``torchdata``'s ``StatefulDataLoader`` collects from each worker. With a plain DataLoader
+        and workers use :class:`StatefulLoader` (:func:`make_dataloader`): only the consumer knows
+        which batches it received.
         """
         if self._resume is not None and not self._positions:
             return dict(self._resume)
         merged = {} if self._resume is None else _positions_of(self._resume)
         merged.update(self._positions)
-        return self._state(merged, self._num_workers)
+        info = get_worker_info()  # in a worker: before its first batch too, its layout
+        return self._state(merged, self._num_workers if info is None else info.num_workers)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a :meth:`state_dict` (or a :meth:`StatefulLoader.state_dict`)."""
@@ -347,6 +422,7 @@ class ParquetBatchDataset(IterableDataset):
         self._resume = dict(state)
         self._positions = {}
         self._num_workers = int(state["num_workers"])
+        _log.debug("resuming epoch %d at %s", self.epoch, state["positions"])
 
 
 def _positions_of(state: Mapping[str, Any]) -> dict[int, ReaderPosition]:
@@ -379,8 +455,10 @@ class StatefulLoader:
             )
             raise DataError(msg)
         loader_kwargs.pop("batch_size", None)
+        _check_num_workers(num_workers)
         self.dataset = dataset
         self.num_workers = num_workers
+        dataset.num_workers = num_workers
         dataset.emit_positions = True
         dataset._managed = True
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **loader_kwargs)
@@ -410,6 +488,11 @@ class StatefulLoader:
             yield batch
         dataset.set_epoch(dataset.epoch + 1)
         self._positions = {}
+
+    def __len__(self) -> int:
+        """Batches the current epoch delivers (the whole epoch, also when resumed inside it);
+        see :meth:`ParquetBatchDataset.num_batches`."""
+        return self.dataset.num_batches(num_workers=self.num_workers)
 
     def state_dict(self) -> dict[str, Any]:
         """Position right after the last batch this loader handed out."""
@@ -462,7 +545,7 @@ def make_dataloader(
     """
     dataset = ParquetBatchDataset(
         source, schema=schema, config=config, transforms=transforms, dedup=dedup, rank=rank,
-        world_size=world_size,
+        world_size=world_size, num_workers=num_workers,
     )  # fmt: skip
     if num_workers > 0:
         loader_kwargs.setdefault("persistent_workers", False)

@@ -51,6 +51,7 @@ A pipeline is configured from a dict, a TOML file (``[[preprocess]]`` tables), o
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import os
@@ -446,56 +447,84 @@ class FillMissing(SparseTransform, DenseTransform):
         return out, new_offsets
 
 
+_ENTRY_KEYS = ("transform", "features", "params")
+
+
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """`` (did you mean `x`?)`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def _fail(where: str, message: str, hint: str | None = None) -> SchemaError:
+    text = f"{where}: {message}"
+    return SchemaError(text if hint is None else f"{text}\nhint: {hint}")
+
+
 def transform_from_config(entry: Mapping[str, Any], *, where: str = "preprocess") -> Transform:
     """Build one transform from ``{"transform": name, "features": [...], "params": {...}}``.
 
+    Args:
+        entry: one ``[[preprocess]]`` table.
+        where: names the table in messages, e.g. ``"pre.toml [[preprocess]] #2"``.
+
     Raises:
-        SchemaError: unknown transform or key, or bad parameters (the message names ``where``).
+        SchemaError: a missing or unknown key, an unknown transform or parameter (with the
+            closest name: "did you mean"), or a bad value; the message starts with ``where``.
     """
-    known = {"transform", "features", "params"}
-    unknown = sorted(set(entry) - known)
-    if unknown:
-        msg = f"{where}: unknown key(s) {unknown}; expected {sorted(known)}"
-        raise SchemaError(msg)
-    name = entry.get("transform")
+    if not isinstance(entry, Mapping):
+        msg = f"must be a table ({{transform = ..., features = [...]}}), got {entry!r}"
+        raise _fail(where, msg)
+    for key in entry:
+        if key not in _ENTRY_KEYS:
+            hint = f"the keys are {', '.join(_ENTRY_KEYS)}"
+            raise _fail(where, f"unknown key `{key}`{_did_you_mean(key, _ENTRY_KEYS)}", hint)
+    if "transform" not in entry:
+        raise _fail(where, "missing required key `transform`", f"one of {sorted(_REGISTRY)}")
+    name = entry["transform"]
     cls = _REGISTRY.get(str(name))
     if cls is None:
-        msg = f"{where}: unknown `transform` {name!r}; registered: {sorted(_REGISTRY)}"
-        raise SchemaError(msg)
+        msg = f"unknown `transform` {name!r}{_did_you_mean(str(name), sorted(_REGISTRY))}"
+        raise _fail(where, msg, f"registered transforms: {', '.join(sorted(_REGISTRY))}")
     features = entry.get("features")
     if isinstance(features, str):
         features = [features]
     if not isinstance(features, list | tuple) or not features:
-        msg = f"{where}: `features` must be a non-empty list of feature names, got {features!r}"
-        raise SchemaError(msg)
-    params = dict(entry.get("params") or {})
-    allowed = {f.name for f in fields(cls) if f.init and not f.name.startswith("_")} - {
-        "features",
-        "dense_fill",
-    }
-    bad = sorted(set(params) - allowed)
-    if bad:
-        msg = f"{where}: {name} has no parameter(s) {bad}; it takes {sorted(allowed)}"
-        raise SchemaError(msg)
+        msg = f"`features` must be a non-empty list of feature names, got {features!r}"
+        raise _fail(where, msg)
+    params = entry.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise _fail(where, f"`params` must be a table ({{name = value}}), got {params!r}")
+    allowed = sorted(
+        f.name
+        for f in fields(cls)
+        if f.init and not f.name.startswith("_") and f.name not in ("features", "dense_fill")
+    )
+    for key in params:
+        if key not in allowed:
+            msg = f"{name} has no parameter `params.{key}`{_did_you_mean(key, allowed)}"
+            raise _fail(where, msg, f"{name} takes {', '.join(allowed) or 'no parameters'}")
     try:
         return cls(features=tuple(features), **params)
     except SchemaError as exc:
-        msg = f"{where}: {exc}"
-        raise SchemaError(msg) from exc
+        raise _fail(where, str(exc)) from exc
     except (TypeError, ValueError) as exc:
-        msg = f"{where}: bad parameters for {name}: {exc}"
-        raise SchemaError(msg) from exc
+        raise _fail(where, f"bad parameters for {name}: {exc}") from exc
 
 
 def load_preprocess_entries(source: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Read the ``[[preprocess]]`` tables of a TOML file (a pipeline config or a schema file).
 
     Relative vocabulary paths are resolved against the file's folder.
+
+    Raises:
+        SchemaError: the file cannot be read or is not TOML, ``preprocess`` is not an array of
+            tables, or an entry's ``params`` is not a table (messages name the file).
     """
     path = Path(source)
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         msg = f"{path}: cannot read the preprocessing config: {exc}"
         raise SchemaError(msg) from exc
     entries = data.get("preprocess", [])
@@ -503,9 +532,15 @@ def load_preprocess_entries(source: str | os.PathLike[str]) -> list[dict[str, An
         msg = f"{path}: `preprocess` must be an array of tables ([[preprocess]])"
         raise SchemaError(msg)
     out = []
-    for entry in entries:
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise _fail(f"{path} [[preprocess]] #{i + 1}", f"must be a table, got {entry!r}")
         entry = dict(entry)
-        params = dict(entry.get("params") or {})
+        params = entry.get("params") or {}
+        if not isinstance(params, Mapping):
+            msg = f"`params` must be a table ({{name = value}}), got {params!r}"
+            raise _fail(f"{path} [[preprocess]] #{i + 1}", msg)
+        params = dict(params)
         vocab_path = params.get("path")
         if isinstance(vocab_path, str) and not os.path.isabs(vocab_path):
             params["path"] = os.fspath(path.parent / vocab_path)
@@ -529,12 +564,21 @@ class Pipeline:
     Args:
         transforms: the steps, in order.
         schema: the dataset schema (feature kinds, dense column order, dense fills).
+        where: names each step in messages (default ``"preprocess step N (Name)"``;
+            :meth:`from_config` gives the file and the ``[[preprocess]]`` table).
 
     Raises:
-        SchemaError: a step names an unknown feature or one of the wrong kind.
+        SchemaError: a step names an unknown feature (with the closest name of the schema) or
+            one of the wrong kind.
     """
 
-    def __init__(self, transforms: Sequence[Transform], *, schema: DatasetSchema) -> None:
+    def __init__(
+        self,
+        transforms: Sequence[Transform],
+        *,
+        schema: DatasetSchema,
+        where: Sequence[str] | None = None,
+    ) -> None:
         self.transforms = list(transforms)
         self.schema = schema
         dense_index = {n: i for i, n in enumerate(schema.dense_names)}
@@ -542,26 +586,29 @@ class Pipeline:
         self._sparse: dict[str, list[SparseTransform]] = {}
         self._dense: list[tuple[DenseTransform, torch.Tensor]] = []
         for i, step in enumerate(self.transforms):
-            where = f"preprocess step {i + 1} ({type(step).__name__})"
+            label = f"preprocess step {i + 1}" if where is None else where[i]
+            where_i = f"{label} ({type(step).__name__})"
             if not isinstance(step, Transform):
-                msg = f"{where}: not a Transform: {step!r}"
-                raise SchemaError(msg)
+                raise _fail(where_i, f"not a Transform: {step!r}")
             kinds = {"dense" if n in dense_index else "sparse" if n in sparse else None
                      for n in step.features}  # fmt: skip
             if None in kinds:
-                bad = [n for n in step.features if n not in dense_index and n not in sparse]
-                msg = f"{where}: unknown feature(s) {bad}; the schema has {schema.feature_names}"
-                raise SchemaError(msg)
+                bad = next(n for n in step.features if n not in dense_index and n not in sparse)
+                msg = f"`features` names {bad!r}, not a feature of the schema"
+                msg += _did_you_mean(bad, schema.feature_names)
+                raise _fail(
+                    where_i, msg, f"the schema's features: {', '.join(schema.feature_names)}"
+                )
             if len(kinds) > 1:
-                msg = f"{where}: `features` mixes dense and sparse features {list(step.features)}"
-                raise SchemaError(msg)
+                msg = f"`features` mixes dense and sparse features {list(step.features)}"
+                raise _fail(where_i, msg)
             kind = kinds.pop()
             if kind not in step.applies_to:
                 msg = (
-                    f"{where}: applies to {sorted(step.applies_to)} features, but "
+                    f"applies to {sorted(step.applies_to)} features, but "
                     f"{list(step.features)} are {kind}"
                 )
-                raise SchemaError(msg)
+                raise _fail(where_i, msg)
             if isinstance(step, FillMissing):
                 step.bind_schema(schema)
             if kind == "dense":
@@ -576,19 +623,22 @@ class Pipeline:
         """Build from ``[[preprocess]]`` entries: a dict with a ``preprocess`` list, a list of
         entries, a TOML file (a pipeline config, or a schema file with ``[[preprocess]]``
         tables), or ``None`` (no steps)."""
+        origin = ""
         if config is None:
             entries: Sequence[Mapping[str, Any]] = []
         elif isinstance(config, str | os.PathLike):
             entries = load_preprocess_entries(config)
+            origin = f"{os.fspath(config)} "
         elif isinstance(config, Mapping):
             entries = config.get("preprocess", [])
         else:
             entries = config
-        steps = [
-            transform_from_config(e, where=f"[[preprocess]] #{i + 1}")
-            for i, e in enumerate(entries)
-        ]
-        return cls(steps, schema=schema)
+        if not isinstance(entries, Sequence) or isinstance(entries, str):
+            msg = f"{origin}`preprocess` must be an array of tables ([[preprocess]])"
+            raise SchemaError(msg)
+        where = [f"{origin}[[preprocess]] #{i + 1}" for i in range(len(entries))]
+        steps = [transform_from_config(e, where=w) for e, w in zip(entries, where)]
+        return cls(steps, schema=schema, where=where)
 
     def __len__(self) -> int:
         return len(self.transforms)
@@ -648,4 +698,5 @@ class Pipeline:
             kjt=self._apply_kjt(batch.kjt),
             ikjts=ikjts,
             session_ids=batch.session_ids,
+            extras=batch.extras,
         )

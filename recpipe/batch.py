@@ -34,6 +34,10 @@ class Batch:
         ikjts: ``{group name: IKJT}``, each group deduplicated together with its own inverse
             lookup (a :class:`~recpipe.ikjt.PartialInverseKeyedJaggedTensor` is accepted too).
         session_ids: ``[B]`` int64 session of each row (``None`` when unknown).
+        extras: ``{name: tensor}`` of per-row columns carried along untouched (pass-through
+            columns such as request or user ids, to join predictions back to requests): each
+            tensor's first dimension is B. They move with ``to()`` / ``pin_memory()``, travel
+            over the reader service's wire, and are kept by preprocessing and ``to_plain()``.
 
     Shapes are checked on construction (O(1), no pass over the data). Feature keys must be
     unique across ``kjt`` and all groups.
@@ -50,6 +54,7 @@ class Batch:
     kjt: KeyedJaggedTensor
     ikjts: dict[str, DedupFeatures] = field(default_factory=dict)
     session_ids: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dense, torch.Tensor) or self.dense.dim() != 2:
@@ -67,6 +72,18 @@ class Batch:
         _check_rows("labels", self.labels, b)
         if self.session_ids is not None:
             _check_rows("session_ids", self.session_ids, b)
+        for name, tensor in self.extras.items():
+            if not isinstance(name, str) or not name:
+                msg = f"`extras` keys must be non-empty strings, got {name!r}"
+                raise DataError(msg)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1 or tensor.shape[0] != b:
+                got = (
+                    tuple(tensor.shape)
+                    if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__
+                )
+                msg = f"`extras[{name!r}]` must be a tensor of B = {b} rows (rows of `dense`), got {got}"
+                raise DataError(msg)
         if not isinstance(self.kjt, KeyedJaggedTensor):
             msg = f"`kjt` must be a KeyedJaggedTensor, got {type(self.kjt).__name__}"
             raise DataError(msg)
@@ -113,6 +130,7 @@ class Batch:
             kjt=self.kjt.to(device, non_blocking=non_blocking),
             ikjts={n: g.to(device, non_blocking=non_blocking) for n, g in self.ikjts.items()},
             session_ids=move_tensor(self.session_ids, device, non_blocking=non_blocking),
+            extras={n: t.to(device, non_blocking=non_blocking) for n, t in self.extras.items()},
         )
 
     def pin_memory(self) -> Batch:
@@ -127,6 +145,7 @@ class Batch:
             kjt=self.kjt.pin_memory(),
             ikjts={n: g.pin_memory() for n, g in self.ikjts.items()},
             session_ids=pin_optional(self.session_ids),
+            extras={n: pin_tensor(t) for n, t in self.extras.items()},
         )
 
     def equals(self, other: object) -> bool:
@@ -139,6 +158,8 @@ class Batch:
             and self.kjt.equals(other.kjt)
             and list(self.ikjts) == list(other.ikjts)
             and all(g.equals(other.ikjts[n]) for n, g in self.ikjts.items())
+            and list(self.extras) == list(other.extras)
+            and all(tensors_equal(t, other.extras[n]) for n, t in self.extras.items())
         )
 
 

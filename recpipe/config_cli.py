@@ -74,7 +74,13 @@ from typing import Any
 
 from recpipe.errors import RecpipeError
 
-__all__ = ["ConfigOptions", "Option", "add_config_options", "docstring_attributes"]
+__all__ = [
+    "ConfigOptions",
+    "Option",
+    "add_config_options",
+    "add_quiet_option",
+    "docstring_attributes",
+]
 
 _SECTION = re.compile(r"^(\s*)(Attributes|Args|Arguments|Parameters):\s*$")
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w, ]*?)(?:\s*\([^)]*\))?:\s*(.*)$")
@@ -401,3 +407,26 @@ def _with_default(help_text: str, shown: str) -> str:
     if "(default" in help_text:
         return help_text
     return f"{help_text} (default {shown})" if help_text else f"(default {shown})"
+
+
+def add_quiet_option(
+    parser: argparse.ArgumentParser, *, aliases: Sequence[str] = ("--no-progress",)
+) -> None:
+    """Add ``--quiet``, the one spelling of "no progress bars" in every ``recpipe`` command.
+
+    It sets ``args.quiet``: no progress bars or progress lines, and only warnings and errors
+    logged (``recpipe --quiet <command>`` sets it for any command). ``aliases`` are older
+    spellings still accepted, hidden from ``--help``.
+
+    >>> parser = argparse.ArgumentParser(prog="demo")
+    >>> add_quiet_option(parser)
+    >>> parser.parse_args(["--no-progress"]).quiet
+    True
+    """
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars or progress lines; log only warnings and errors",
+    )
+    for flag in aliases:
+        parser.add_argument(flag, dest="quiet", action="store_true", help=argparse.SUPPRESS)

@@ -1,6 +1,10 @@
 """recpipe trainer: dedup-aware modules, models, the training loop and the embedding store.
 
-Names are re-exported lazily (PEP 562) so that ``recpipe --help`` does not import torch.
+``EmbeddingBagCollection`` and ``EmbeddingCollection`` are TorchRec's (same configs, same outputs)
+with deduplicated inputs added (:mod:`trainer.torchrec`; they need TorchRec installed); the
+DLRM's own collections, on recpipe's :class:`TableConfig`, are ``PooledEmbeddings`` and
+``SequenceEmbeddings``. Names are re-exported lazily (PEP 562) so that ``recpipe --help`` does
+not import torch.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ __all__ = [
     "DLRM",
     "AttentionPooling",
     "EmbeddingBagCollection",
+    "EmbeddingCollection",
     "JaggedEmbeddings",
     "ModelConfig",
     "ParameterTable",
-    "SequenceEmbeddingCollection",
+    "PooledEmbeddings",
+    "SequenceEmbeddings",
     "TableConfig",
     "TrainConfig",
     "Trainer",
@@ -24,9 +30,10 @@ __all__ = [
 _WHERE = {
     "trainer.config": ("ModelConfig", "TableConfig", "TrainConfig"),
     "trainer.modules": (
-        "AttentionPooling", "EmbeddingBagCollection", "JaggedEmbeddings", "ParameterTable",
-        "SequenceEmbeddingCollection",
+        "AttentionPooling", "JaggedEmbeddings", "ParameterTable", "PooledEmbeddings",
+        "SequenceEmbeddings",
     ),
+    "trainer.torchrec": ("EmbeddingBagCollection", "EmbeddingCollection"),
     "trainer.models": ("DLRM",),
     "trainer.train": ("Trainer", "train"),
 }  # fmt: skip

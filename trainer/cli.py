@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from recpipe.config_cli import Option, add_config_options
+from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from trainer.config import ModelConfig, TrainConfig
 from trainer.distributed import launch as distributed
 
@@ -50,6 +50,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "checkpoint": Option(metavar="DIR"),
             "service": Option(metavar="HOST:PORT"),
             "preprocess": Option(metavar="FILE"),
+            "metrics": Option(metavar="FILE"),
+            "tensorboard": Option(metavar="DIR"),
         },
         exclusive=[("steps", "epochs")],
     )
@@ -61,7 +63,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         owner=parser,
     )
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet_option(parser)
     distributed.add_distributed_arguments(parser)
     parser.set_defaults(
         func=lambda args: run(run_options.build(args, model=model_options.build(args)), args)
@@ -80,7 +82,7 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
             return 0
         result, summary = ran
     else:
-        result = train(config, progress=not args.no_progress)
+        result = train(config, progress=not args.quiet)
     print(format_summary(config, result))
     if summary is not None:
         print(distributed.describe(summary))

@@ -6,6 +6,7 @@ generates its options from them (:mod:`recpipe.config_cli`) without importing to
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -18,6 +19,7 @@ __all__ = [
     "PoolingMode",
     "TableConfig",
     "TrainConfig",
+    "metrics_format",
 ]
 
 PoolingMode = Literal["sum", "mean"]
@@ -37,7 +39,7 @@ class TableConfig:
         num_embeddings: rows of the table.
         dim: embedding dimension D.
         features: sparse features that read this table; several features may share it.
-        pooling: how a bag of ids is pooled by ``trainer.modules.EmbeddingBagCollection``.
+        pooling: how a bag of ids is pooled by ``trainer.modules.PooledEmbeddings``.
         hash_ids: take ids modulo ``num_embeddings`` in the module (for raw ids; leave off when
             preprocessing already mapped them into range, e.g. ``readers.HashModulo``).
         sparse_grad: produce sparse gradients for the table (only the rows looked up); the
@@ -184,6 +186,13 @@ class TrainConfig:
         preprocess: the readers' preprocessing config (a TOML file).
         model: the model config (its seed is replaced by ``seed``).
         log_window: batches in the running training AUC.
+        log_every: compute the running training AUC (progress bar, metrics) every N steps.
+        metrics: write one record per step and per evaluation to this file, CSV (``.csv``) or
+            JSON Lines (``.jsonl``): step, epoch, samples, loss, AUC (every ``log_every``
+            steps), samples/s, step time, dedup factor, peak memory; a resumed run keeps the
+            records up to its checkpoint's step.
+        tensorboard: also write those metrics as TensorBoard scalars into this directory (needs
+            the tensorboard package).
     """
 
     dataset: str
@@ -207,12 +216,15 @@ class TrainConfig:
     preprocess: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     log_window: int = 50
+    log_every: int = 10
+    metrics: str | None = None
+    tensorboard: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
             msg = f"give `steps` or `epochs`, not both (got {self.steps!r} and {self.epochs!r})"
             raise RecpipeError(msg)
-        for name in ("steps", "epochs", "batch_size"):
+        for name in ("steps", "epochs", "batch_size", "log_window", "log_every"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -236,9 +248,27 @@ class TrainConfig:
         if self.resume and self.checkpoint is None:
             msg = "`resume` needs a `checkpoint` directory"
             raise RecpipeError(msg)
+        if self.metrics is not None:
+            metrics_format(self.metrics)
         if self.device.startswith("cuda") and not _cuda_available():
             msg = f"`device` is {self.device!r} but CUDA is not available here"
             raise RecpipeError(msg)
+
+
+def metrics_format(path: str | os.PathLike[str]) -> str:
+    """``"csv"`` or ``"jsonl"``: the format a metrics file's suffix names.
+
+    Raises:
+        RecpipeError: another suffix.
+
+    >>> metrics_format("runs/metrics.jsonl")
+    'jsonl'
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in (".csv", ".jsonl"):
+        msg = f"`metrics` must name a .csv or .jsonl file, got {os.fspath(path)!r}"
+        raise RecpipeError(msg)
+    return suffix[1:]
 
 
 def _cuda_available() -> bool:

@@ -1,15 +1,56 @@
-"""Training metrics: exact ROC AUC, a sliding window of recent predictions, peak memory."""
+"""Training metrics: exact ROC AUC, a window of recent predictions, peak memory, and where the
+per-step records go (a CSV or JSON Lines file, TensorBoard when it is installed).
+
+A record is a flat dict of :data:`METRIC_FIELDS`: one per training step (``kind`` ``"train"``)
+and one per evaluation (``"eval"``); fields that do not apply are ``None``.
+"""
 
 from __future__ import annotations
 
 import collections
+import csv
+import json
+import logging
+import math
+import os
 import resource
 import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["PredictionWindow", "auc", "peak_memory_bytes"]
+from recpipe._deps import optional_import
+from recpipe.errors import RecpipeError
+from trainer.config import metrics_format
+
+__all__ = [
+    "METRIC_FIELDS",
+    "MetricsFile",
+    "PredictionWindow",
+    "TensorBoardLog",
+    "auc",
+    "peak_memory_bytes",
+]
+
+_log = logging.getLogger(__name__)
+
+METRIC_FIELDS: tuple[str, ...] = (
+    "kind",  # "train" (one optimizer step) or "eval" (one evaluation on the held-out data)
+    "step",  # optimizer steps done
+    "epoch",  # the epoch being read
+    "samples",  # training samples seen (train) or evaluated (eval)
+    "loss",  # the step's loss, or the mean held-out loss
+    "auc",  # AUC of the last `log_window` batches, every `log_every` steps; or held-out AUC
+    "samples_per_s",  # training samples per second since the run (or resume) started
+    "step_s",  # wall seconds of this step, reading the batch included
+    "dedup_factor",  # sparse values of the expanded batch / values stored
+    "peak_memory_bytes",  # peak device memory (CUDA) or peak RSS (CPU) so far
+    "wall_s",  # seconds since the run (or resume) started
+)
+"""The fields of a metrics record, in file order."""
 
 
 def auc(scores: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor) -> float:
@@ -80,3 +121,102 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
         return int(torch.cuda.max_memory_allocated(device))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _clean(value: Any) -> Any:
+    """``None`` for NaN (JSON has no NaN); plain Python numbers otherwise."""
+    if isinstance(value, float | np.floating) and not math.isfinite(float(value)):
+        return None
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+class MetricsFile:
+    """Per-step metrics records written to a ``.csv`` or ``.jsonl`` file as training goes.
+
+    A fresh run replaces the file. A resumed run (``resume_step``) keeps the records up to the
+    step it resumes from and drops later ones (steps the crashed run did after its checkpoint,
+    which the resumed run does again), so the file always describes one run.
+
+    Args:
+        path: the file; its suffix chooses the format (``.csv``: a header line, then one row per
+            record; ``.jsonl``: one JSON object per line).
+        resume_step: the step a resumed run continues from (``None``: a fresh run).
+
+    Raises:
+        RecpipeError: another suffix, or a file to resume that cannot be read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.format = metrics_format(self.path)
+        kept = [] if resume_step is None else self._records_up_to(resume_step)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "w", newline="", buffering=1)  # noqa: SIM115 - closed in close()
+        self._csv = None
+        if self.format == "csv":
+            self._csv = csv.DictWriter(self._fh, fieldnames=METRIC_FIELDS, extrasaction="ignore")
+            self._csv.writeheader()
+        for record in kept:
+            self.write(record)
+        if resume_step is not None:
+            _log.info("%s: kept %d records up to step %d", self.path, len(kept), resume_step)
+
+    def _records_up_to(self, step: int) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        try:
+            text = self.path.read_text()
+            if self.format == "csv":
+                rows = list(csv.DictReader(text.splitlines()))
+                records = [{k: (v if v != "" else None) for k, v in r.items()} for r in rows]
+            else:
+                records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            return [r for r in records if r.get("step") is not None and int(r["step"]) <= step]
+        except (OSError, ValueError, TypeError) as exc:
+            msg = f"{self.path}: cannot read the metrics of the run to resume: {exc}"
+            raise RecpipeError(msg) from exc
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append one record (fields of :data:`METRIC_FIELDS`; missing ones are ``None``)."""
+        row = {k: _clean(record.get(k)) for k in METRIC_FIELDS}
+        if self._csv is not None:
+            self._csv.writerow(row)
+        else:
+            self._fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        """Flush and close the file; idempotent."""
+        if not self._fh.closed:
+            self._fh.close()
+
+
+class TensorBoardLog:
+    """The same records as TensorBoard scalars (``train/loss``, ``eval/auc``, ...).
+
+    Needs the ``tensorboard`` package (``pip install tensorboard``): without it this raises
+    :class:`~recpipe.errors.DependencyError` with that hint.
+
+    Args:
+        logdir: the TensorBoard log directory.
+    """
+
+    _SCALARS = ("loss", "auc", "samples_per_s", "step_s", "dedup_factor", "peak_memory_bytes")
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        optional_import("tensorboard", purpose="`--tensorboard`")
+        board = optional_import("torch.utils.tensorboard", purpose="`--tensorboard`")
+        self.writer = board.SummaryWriter(log_dir=os.fspath(logdir))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Add the record's numbers as scalars at its step."""
+        kind, step = record.get("kind", "train"), int(record["step"])
+        for name in self._SCALARS:
+            value = _clean(record.get(name))
+            if value is not None:
+                self.writer.add_scalar(f"{kind}/{name}", float(value), step)
+
+    def close(self) -> None:
+        """Flush and close the writer."""
+        self.writer.close()

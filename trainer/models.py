@@ -3,8 +3,8 @@
 ::
 
     dense [B, F] -> signed log1p -> batch norm -> bottom MLP ------------------------> x0 [B, D]
-    sparse features -> EmbeddingBagCollection (dedup per IKJT group, O5) -> e1..en [B, D]
-    history group  -> SequenceEmbeddingCollection -> AttentionPooling (O7) -> a1..am [B, D]
+    sparse features -> PooledEmbeddings (dedup per IKJT group, O5) -> e1..en [B, D]
+    history group  -> SequenceEmbeddings -> AttentionPooling (O7) -> a1..am [B, D]
     pairwise dots of [x0, e1..en, a1..am] (upper triangle) ++ x0 -> top MLP -> logit [B]
 
 The model takes a :class:`~recpipe.batch.Batch` with or without IKJTs and computes the same
@@ -26,8 +26,8 @@ from recpipe.errors import RecpipeError
 from trainer.config import ModelConfig, TableConfig
 from trainer.modules import (
     AttentionPooling,
-    EmbeddingBagCollection,
-    SequenceEmbeddingCollection,
+    PooledEmbeddings,
+    SequenceEmbeddings,
     TableFactory,
 )
 
@@ -161,9 +161,9 @@ class DLRM(nn.Module):
             msg = f"`attention` features {missing!r} read no table"
             raise RecpipeError(msg)
         seed = config.seed
-        self.ebc = EmbeddingBagCollection(bag_tables, seed=seed, table_factory=table_factory)
+        self.ebc = PooledEmbeddings(bag_tables, seed=seed, table_factory=table_factory)
         self.seq = (
-            SequenceEmbeddingCollection(seq_tables, seed=seed, table_factory=table_factory)
+            SequenceEmbeddings(seq_tables, seed=seed, table_factory=table_factory)
             if seq_tables
             else None
         )

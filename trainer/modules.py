@@ -15,11 +15,14 @@ and gives the same result (to float rounding) for both:
   The backward of the expansion (``index_select``) sums the gradients of the duplicate rows
   into their unique row, which is exactly the gradient of the plain path.
 
-:class:`EmbeddingBagCollection` pools each feature into ``[B, D]``;
-:class:`SequenceEmbeddingCollection` keeps a feature's ``[values, D]`` jagged as
+:class:`PooledEmbeddings` pools each feature into ``[B, D]``;
+:class:`SequenceEmbeddings` keeps a feature's ``[values, D]`` jagged as
 :class:`JaggedEmbeddings` (still over unique rows; ``expand()`` runs the jagged index select,
 O6); :class:`AttentionPooling` runs a small transformer encoder layer over a group's sequences
-on the unique rows and expands its ``[U, D]`` output (O7).
+on the unique rows and expands its ``[U, D]`` output (O7). Both collections return plain dicts
+and take recpipe's :class:`TableConfig`; the TorchRec-shaped ``EmbeddingBagCollection`` and
+``EmbeddingCollection`` (TorchRec configs in, ``KeyedTensor`` / ``JaggedTensor`` out) are in
+:mod:`trainer.torchrec`, built on the same helpers.
 
 Embedding tables are pluggable: :class:`TableConfig` says what a table is, and a *table
 factory* builds the module that holds it (:class:`ParameterTable` by default: an ordinary
@@ -30,6 +33,7 @@ factory* builds the module that holds it (:class:`ParameterTable` by default: an
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,30 +46,32 @@ from torch import nn
 
 from recpipe.batch import Batch
 from recpipe.errors import DataError, RecpipeError
-from recpipe.ikjt import PartialInverseKeyedJaggedTensor
+from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from recpipe.kernels import jagged_index_select
 from trainer.config import PoolingMode, TableConfig
 
 __all__ = [
     "AttentionPooling",
-    "EmbeddingBagCollection",
     "FeatureRows",
     "JaggedEmbeddings",
     "ParameterTable",
+    "PooledEmbeddings",
     "PoolingMode",
-    "SequenceEmbeddingCollection",
+    "SequenceEmbeddings",
     "SparseInput",
     "TableBackend",
     "TableConfig",
     "TableDict",
     "TableFactory",
+    "check_table_ids",
+    "checked_lookup",
     "locate_features",
     "table_seed",
 ]
 
-SparseInput = Batch | KeyedJaggedTensor
-"""What the modules accept: a whole Batch (KJT + IKJTs) or a plain KJT."""
+SparseInput = Batch | KeyedJaggedTensor | InverseKeyedJaggedTensor | PartialInverseKeyedJaggedTensor
+"""What the modules accept: a whole Batch (KJT + IKJTs), a plain KJT, or one dedup group."""
 
 
 # -------------------------------------------------------------------------------------------
@@ -93,6 +99,39 @@ TableFactory = Callable[[TableConfig, int], nn.Module]
 def table_seed(seed: int, name: str) -> int:
     """The init seed of table ``name``: independent of the order tables are built in."""
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+
+
+def check_table_ids(
+    ids: torch.Tensor, *, feature: str, table: str, num_embeddings: int, hint: str | None = None
+) -> None:
+    """Raise :class:`DataError` if ``ids`` of ``feature`` do not all index a row of ``table``.
+
+    Args:
+        ids: the ids looked up.
+        feature: the feature they belong to (named in the message).
+        table: the table's name.
+        num_embeddings: the table's rows.
+        hint: what to do about it (default: recpipe's ``hash_ids`` and ``HashModulo`` hints).
+    """
+    if ids.numel() == 0:
+        return
+    ids = ids.to(torch.int64)
+    bad = (ids < 0) | (ids >= num_embeddings)
+    if not bool(bad.any()):
+        return
+    bad_ids = ids[bad]
+    hint = hint or (
+        "take ids modulo the table with `hash_ids=True` (ModelConfig.hash_ids, "
+        "`recpipe train --hash-ids`, the default), map them into range with the readers' "
+        "HashModulo preprocessing, or raise `num_embeddings` above the largest id"
+    )
+    msg = (
+        f"feature {feature!r}: id {int(bad_ids[0])} is outside table {table!r} of "
+        f"{num_embeddings:,} rows (valid ids 0..{num_embeddings - 1}; "
+        f"{bad_ids.numel():,} of the batch's {ids.numel():,} ids are outside, "
+        f"from {int(bad_ids.min())} to {int(bad_ids.max())})\nhint: {hint}"
+    )
+    raise DataError(msg)
 
 
 class ParameterTable(nn.Module):
@@ -144,27 +183,36 @@ class ParameterTable(nn.Module):
         lookup on other devices, where an index out of range is a device-side assert.
         """
         c = self.config
-        if c.hash_ids or ids.numel() == 0:
-            return
-        ids = ids.to(torch.int64)
-        bad = (ids < 0) | (ids >= c.num_embeddings)
-        if not bool(bad.any()):
-            return
-        bad_ids = ids[bad]
-        msg = (
-            f"feature {feature!r}: id {int(bad_ids[0])} is outside table {c.name!r} of "
-            f"{c.num_embeddings:,} rows (valid ids 0..{c.num_embeddings - 1}; "
-            f"{bad_ids.numel():,} of the batch's {ids.numel():,} ids are outside, "
-            f"from {int(bad_ids.min())} to {int(bad_ids.max())})\n"
-            "hint: take ids modulo the table with `hash_ids=True` (ModelConfig.hash_ids, "
-            "`recpipe train --hash-ids`, the default), map them into range with the readers' "
-            "HashModulo preprocessing, or raise `num_embeddings` above the largest id"
-        )
-        raise DataError(msg)
+        if not c.hash_ids:
+            check_table_ids(ids, feature=feature, table=c.name, num_embeddings=c.num_embeddings)
 
     def extra_repr(self) -> str:
         c = self.config
         return f"{c.name!r}, {c.num_embeddings} x {c.dim}, features={list(c.features)}"
+
+
+def checked_lookup(
+    lookup: Callable[..., torch.Tensor],
+    ids: torch.Tensor,
+    *args: Any,
+    check: Callable[[torch.Tensor], None] | None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``lookup(ids, *args, **kwargs)``, with ids out of range reported by ``check(ids)``.
+
+    ``check`` raises a :class:`DataError` naming the feature and the table (see
+    :func:`check_table_ids`). On the CPU it runs only after torch refused the lookup (no cost
+    while ids are in range); on other devices before it, where an index out of range would end
+    in a device-side assert.
+    """
+    if check is not None and ids.device.type != "cpu":
+        check(ids)
+    try:
+        return lookup(ids, *args, **kwargs)
+    except (IndexError, RuntimeError):
+        if check is not None:
+            check(ids)
+        raise
 
 
 def _lookup(
@@ -176,15 +224,10 @@ def _lookup(
     **kwargs: Any,
 ) -> torch.Tensor:
     """``lookup(ids, *args, **kwargs)`` (a method of ``table``); ids out of range name ``feature``."""
-    checked = isinstance(table, ParameterTable)
-    if checked and ids.device.type != "cpu":
-        table.check_ids(ids, feature=feature)  # on a GPU torch would end in a device assert
-    try:
-        return lookup(ids, *args, **kwargs)
-    except (IndexError, RuntimeError):
-        if checked:
-            table.check_ids(ids, feature=feature)
-        raise
+    check = None
+    if isinstance(table, ParameterTable):
+        check = functools.partial(table.check_ids, feature=feature)
+    return checked_lookup(lookup, ids, *args, check=check, **kwargs)
 
 
 class TableDict(nn.Module):
@@ -260,18 +303,25 @@ class FeatureRows:
 def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, FeatureRows]:
     """Find ``keys`` in a Batch (its KJT or one of its IKJT groups) or in a plain KJT.
 
-    A :class:`~recpipe.ikjt.PartialInverseKeyedJaggedTensor` group is expanded to its B rows
-    (it has no unique rows to work on).
+    ``features`` may also be one dedup group alone (an IKJT). A
+    :class:`~recpipe.ikjt.PartialInverseKeyedJaggedTensor` group is expanded to its B rows (it
+    has no unique rows to work on).
 
     Raises:
-        DataError: a key is in neither.
+        DataError: a key is in none of them.
     """
     if isinstance(features, KeyedJaggedTensor):
         kjt, groups = features, {}
     elif isinstance(features, Batch):
         kjt, groups = features.kjt, features.ikjts
+    elif isinstance(features, InverseKeyedJaggedTensor | PartialInverseKeyedJaggedTensor):
+        kjt = KeyedJaggedTensor.from_jagged_dict({}, stride=features.batch_size)
+        groups = {"+".join(features.keys): features}
     else:
-        msg = f"`features` must be a Batch or a KeyedJaggedTensor, got {type(features).__name__}"
+        msg = (
+            "`features` must be a Batch, a KeyedJaggedTensor or an InverseKeyedJaggedTensor, "
+            f"got {type(features).__name__}"
+        )
         raise DataError(msg)
     group_of = {key: name for name, g in groups.items() for key in g.keys}
     expanded: dict[str, KeyedJaggedTensor] = {}
@@ -304,7 +354,7 @@ def _expand_rows(pooled: torch.Tensor, inverse: torch.Tensor | None) -> torch.Te
 # embedding bags (O5)
 
 
-class EmbeddingBagCollection(nn.Module):
+class PooledEmbeddings(nn.Module):
     """Pooled embeddings of many features, deduplicated per IKJT group (RecD O5).
 
     For a feature of an IKJT group only the U unique rows are looked up and pooled; the
@@ -318,7 +368,7 @@ class EmbeddingBagCollection(nn.Module):
 
     Example::
 
-        ebc = EmbeddingBagCollection([TableConfig("items", 1000, 16, ("item_id", "liked"))])
+        ebc = PooledEmbeddings([TableConfig("items", 1000, 16, ("item_id", "liked"))])
         out = ebc(batch)  # {"item_id": [B, 16], "liked": [B, 16]}
     """
 
@@ -395,7 +445,7 @@ class JaggedEmbeddings:
         return JaggedTensor(self.values, self.offsets, validate=False)
 
 
-class SequenceEmbeddingCollection(nn.Module):
+class SequenceEmbeddings(nn.Module):
     """Un-pooled embeddings of sequence features, kept jagged (and deduplicated).
 
     For a feature of an IKJT group the embeddings of the U unique rows are returned with the

@@ -15,6 +15,7 @@ resuming from it continues exactly as if training had not stopped.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -46,7 +47,13 @@ from trainer.config import (
     TableConfig,
     TrainConfig,
 )
-from trainer.metrics import PredictionWindow, auc, peak_memory_bytes
+from trainer.metrics import (
+    MetricsFile,
+    PredictionWindow,
+    TensorBoardLog,
+    auc,
+    peak_memory_bytes,
+)
 from trainer.models import DLRM
 from trainer.modules import ParameterTable, table_seed
 
@@ -65,6 +72,8 @@ __all__ = [
     "make_optimizers",
     "train",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 # -------------------------------------------------------------------------------------------
@@ -295,6 +304,7 @@ class _Run:
         self.window = PredictionWindow(config.log_window)
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
+        self.sinks: list[Any] = []  # where per-step metrics go (opened by run())
 
     # -- data ---------------------------------------------------------------------------------
     def _make_loaders(self) -> None:
@@ -423,6 +433,7 @@ class _Run:
         }
         save_checkpoint(state, path)
         self.saved_step = self.trainer.step
+        _log.debug("checkpoint at step %d: %s", self.trainer.step, path)
         return path
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
@@ -451,20 +462,53 @@ class _Run:
         self.resumed_from = self.saved_step = self.trainer.step
         return True
 
+    # -- metrics ------------------------------------------------------------------------------
+    def _open_sinks(self) -> None:
+        """Open where the per-step records go: the ``metrics`` file, TensorBoard."""
+        cfg = self.config
+        if cfg.metrics is not None:
+            self.sinks.append(MetricsFile(cfg.metrics, resume_step=self.resumed_from))
+            _log.info("metrics to %s", cfg.metrics)
+        if cfg.tensorboard is not None:
+            self.sinks.append(TensorBoardLog(cfg.tensorboard))
+            _log.info("TensorBoard logs to %s", cfg.tensorboard)
+
+    def _record(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def _planned_steps(self, target_steps: int | None, target_epochs: int | None) -> int | None:
+        """The run's last step, for the progress bar: ``steps``, or the batches of
+        ``epochs`` epochs (known in-process: ``len()`` of each epoch's loader)."""
+        if target_steps is not None:
+            return target_steps
+        if self.config.service is not None or target_epochs is None:
+            return None
+        dataset = self.loader.dataset
+        workers = self.loader.num_workers
+        return sum(dataset.num_batches(num_workers=workers, epoch=e) for e in range(target_epochs))
+
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         from tqdm import tqdm
 
         cfg = self.config
-        if cfg.resume:
-            self.restore()
+        if cfg.resume and self.restore():
+            _log.info("resumed from step %d (%s)", self.trainer.step, self.checkpoint_path)
         target_steps = cfg.steps
         target_epochs = cfg.epochs if cfg.steps is None else None
         if target_steps is None and target_epochs is None:
             target_epochs = 1
         start_step = self.trainer.step
+        _log.info(
+            "training on %s: %d row groups, %d held out; dedup %s",
+            cfg.dataset if cfg.service is None else cfg.service,
+            self.train_splits,
+            self.eval_splits,
+            "on" if cfg.dedup else "off",
+        )
         bar = tqdm(
-            total=target_steps,
+            total=self._planned_steps(target_steps, target_epochs),
             initial=start_step,
             unit="step",
             desc="train",
@@ -477,7 +521,9 @@ class _Run:
         factors: list[float] = []
         done = self._finished(target_steps, target_epochs)
         empty_passes = 0
+        last = t0
         try:
+            self._open_sinks()
             while not done:
                 empty_passes += 1
                 for batch in self.loader:
@@ -489,15 +535,26 @@ class _Run:
                     self.window.add(logits, batch.labels)
                     step = self.trainer.step
                     bar.update(1)
-                    if step % 10 == 0 or step == target_steps:
-                        rate = (self.samples - samples0) / max(time.perf_counter() - t0, 1e-9)
+                    now = time.perf_counter()
+                    rate = (self.samples - samples0) / max(now - t0, 1e-9)
+                    memory = peak_memory_bytes(self.device)
+                    window_auc = None
+                    if step % cfg.log_every == 0 or step == target_steps:
+                        window_auc = self.window.auc()
                         bar.set_postfix(
                             loss=f"{np.mean(self.losses[-20:]):.4f}",
-                            auc=f"{self.window.auc():.3f}",
+                            auc=f"{window_auc:.3f}",
                             sps=f"{rate:,.0f}",
-                            mem=_fmt_bytes(peak_memory_bytes(self.device)),
+                            mem=_fmt_bytes(memory),
                             refresh=False,
                         )
+                    self._record({
+                        "kind": "train", "step": step, "epoch": self._loader_epoch(),
+                        "samples": self.samples, "loss": self.losses[-1], "auc": window_auc,
+                        "samples_per_s": rate, "step_s": now - last, "dedup_factor": factors[-1],
+                        "peak_memory_bytes": memory, "wall_s": now - t0,
+                    })  # fmt: skip
+                    last = now
                     if cfg.eval_every and step % cfg.eval_every == 0:
                         self._evaluate(step)
                     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -514,6 +571,8 @@ class _Run:
             path = self.save()
         finally:
             bar.close()
+            for sink in self.sinks:
+                sink.close()
             for store in self.stores:
                 store.close()
         done_samples = self.samples - samples0
@@ -542,6 +601,15 @@ class _Run:
         result = self.trainer.evaluate(self._eval_batches(), max_batches=self.config.eval_batches)
         if result.samples:
             self.evals.append((step, result))
+            self._record({
+                "kind": "eval", "step": step, "epoch": self._loader_epoch(),
+                "samples": result.samples, "loss": result.loss, "auc": result.auc,
+                "peak_memory_bytes": peak_memory_bytes(self.device),
+            })  # fmt: skip
+            _log.info(
+                "step %d: held-out loss %.4f, AUC %.4f (%d samples)",
+                step, result.loss, result.auc, result.samples,
+            )  # fmt: skip
 
 
 def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = None) -> TrainResult:
@@ -549,8 +617,10 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
 
     Args:
         config: the run.
-        progress: show a tqdm progress bar on stderr.
-        log: where messages go (default stderr).
+        progress: show a tqdm progress bar on stderr (with a total and an ETA when the number
+            of steps is known: ``steps``, or ``epochs`` read in-process).
+        log: unused, kept for callers that pass it; messages go to the ``logging`` module
+            (logger ``trainer.train``), which the ``recpipe`` command configures.
 
     Returns:
         The run's :class:`TrainResult`; :func:`format_summary` renders it.

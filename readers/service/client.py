@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from recpipe.batch import Batch
 
 __all__ = ["ServiceClient", "ServiceDataset", "ServiceStream", "parse_address"]
+
+_STATE_VERSION = 1
+
+_log = logging.getLogger(__name__)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -156,6 +161,10 @@ class ServiceClient:
             raise ProtocolError(msg)
         self.welcome = reply.meta
         sock.settimeout(self.read_timeout_s)
+        _log.debug(
+            "connected to %s: shard %d of %d, epoch %d", self.where, self.shard, self.num_shards,
+            self.epoch,
+        )  # fmt: skip
         return self
 
     def _hello(self) -> dict[str, Any]:
@@ -247,6 +256,14 @@ class ServiceDataset(IterableDataset):
             for batch in DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True):
                 ...
 
+    Position: :meth:`state_dict` is the epoch and the batches of this process's shard consumed
+    so far (in a DataLoader worker, that worker's: what ``torchdata``'s ``StatefulDataLoader``
+    collects from each worker); :meth:`load_state_dict` makes the next pass resume after them.
+    The server streams a shard from its start, so resuming reads and drops the batches already
+    consumed (the stream is deterministic: the same batches). A shard that was read to its end
+    stays finished until :meth:`set_epoch`. There is no ``len()``: the number of batches is the
+    server's (its readers per client each end with a short batch).
+
     Args:
         host: the server's address.
         port: the server's port.
@@ -286,21 +303,62 @@ class ServiceDataset(IterableDataset):
         self.read_timeout_s = read_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.epoch = 0
+        self._batches = 0  # batches of the current pass consumed
+        self._finished = False  # the current pass reached the end of the shard
+        self._resume: dict[str, Any] | None = None  # a loaded state, used by the next pass
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch`` next (the readers mix it into their shuffle seed)."""
+        """Read epoch ``epoch`` next, from its start (the readers mix it into their shuffle seed)."""
         self.epoch = epoch
+        self._batches, self._finished, self._resume = 0, False, None
+
+    def _shard(self) -> tuple[int, int]:
+        """``(shard, num_shards)`` of the calling process (a DataLoader worker, or this one)."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self.rank * workers + worker, self.world_size * workers
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of this process's shard: epoch, batches consumed, whether it ended."""
+        shard, num_shards = self._shard()
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "shard": shard,
+            "num_shards": num_shards,
+            "batches": self._batches,
+            "finished": self._finished,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a :meth:`state_dict` position with the next pass.
+
+        Raises:
+            DataError: ``state`` is not a state of this class.
+        """
+        keys = ("epoch", "shard", "num_shards", "batches", "finished")
+        if (
+            not isinstance(state, Mapping)
+            or state.get("version") != _STATE_VERSION
+            or any(k not in state for k in keys)
+        ):
+            msg = (
+                f"`state` is not a ServiceDataset state_dict (version {_STATE_VERSION}): {state!r}"
+            )
+            raise DataError(msg)
+        self.epoch = int(state["epoch"])
+        self._batches, self._finished = int(state["batches"]), bool(state["finished"])
+        self._resume = dict(state)
 
     def client(self) -> ServiceClient:
         """A (not yet connected) client for the calling DataLoader worker's shard."""
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard, num_shards = self._shard()
         return ServiceClient(
             self.host,
             self.port,
             token=self.token,
-            shard=self.rank * workers + worker,
-            num_shards=self.world_size * workers,
+            shard=shard,
+            num_shards=num_shards,
             epoch=self.epoch,
             holdout=self.holdout,
             batch_size=self.batch_size,
@@ -310,8 +368,34 @@ class ServiceDataset(IterableDataset):
         )
 
     def __iter__(self) -> Iterator[Batch]:
+        skip, resume, self._resume = 0, self._resume, None
+        if resume is not None:
+            here = self._shard()
+            saved = (int(resume["shard"]), int(resume["num_shards"]))
+            if saved != here:
+                msg = (
+                    f"`state` was saved by shard {saved[0]} of {saved[1]}, this reader is shard "
+                    f"{here[0]} of {here[1]}: resume with the same ranks and DataLoader workers"
+                )
+                raise DataError(msg)
+            if resume["finished"]:
+                return  # the shard was read to its end: nothing left in this epoch
+            skip = int(resume["batches"])
+            _log.debug("resuming shard %d of %d after %d batches", *saved, skip)
+        self._batches, self._finished = skip, False
         with self.client() as client:
-            yield from client
+            for batch in client:
+                if client.batches <= skip:  # consumed before the state was saved
+                    continue
+                self._batches = client.batches
+                yield batch
+        if client.batches < skip:
+            msg = (
+                f"the reader service at {client.where} sent {client.batches} batches of shard "
+                f"{client.shard}, the state to resume had consumed {skip}: another dataset?"
+            )
+            raise DataError(msg)
+        self._finished = True
 
 
 class ServiceStream:

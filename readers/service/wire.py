@@ -490,6 +490,8 @@ def batch_to_frame(
             _put(tensors, widen, prefix + "win_offsets", group.window_offsets, narrow)
             _put(tensors, widen, prefix + "win_lengths", group.window_lengths, narrow)
         groups.append({"name": name, "kind": kind, "keys": list(group.keys)})
+    for i, tensor in enumerate(batch.extras.values()):
+        _put(tensors, widen, f"x{i}", tensor, narrow)
     header = {
         **dict(meta or {}),
         "rows": batch.batch_size,
@@ -497,6 +499,8 @@ def batch_to_frame(
         "groups": groups,
         "widen": widen,
     }
+    if batch.extras:
+        header["extras"] = list(batch.extras)
     return encode_frame_buffers(FrameKind.BATCH, header, tensors)
 
 
@@ -550,6 +554,7 @@ def frame_to_batch(frame: Frame) -> Batch:
             kjt=kjt,
             ikjts=ikjts,
             session_ids=tensors.get("session_ids"),
+            extras={name: tensors[f"x{i}"] for i, name in enumerate(meta.get("extras", []))},
         )
     except ProtocolError:
         raise

@@ -14,7 +14,9 @@ def test_help(capsys):
         bench.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for word in ("dedup_speedup", "activation_memory_ratio", "max_batch_ratio", "vs_torchrec_ebc"):
+    words = ("dedup_speedup", "activation_memory_ratio", "max_batch_ratio", "vs_torchrec_ebc",
+             "torchrec_swap_dedup_speedup")  # fmt: skip
+    for word in words:
         assert word in out
     args = bench.parse_args([])
     assert (args.requests, args.batch_size) == (200_000, 4096)
@@ -36,6 +38,8 @@ def test_tiny_run_writes_results(tmp_path, capsys):
         assert results[key] > 0
     assert results["max_loss_rel_diff_on_vs_off"] < 1e-5
     assert results["ebc_max_abs_diff_vs_torchrec"] < 1e-5
+    assert results["torchrec_swap_dedup_max_abs_diff"] < 1e-5
+    assert results["torchrec_swap_dedup_speedup"] > 0 and results["torchrec_swap_plain"] > 0
     assert results["dedup_factor_sparse_values"] > 1.0
     assert "dedup_speedup" in capsys.readouterr().out
     for key in ("dedup_speedup", "vs_torchrec_ebc", "vs_torchrec_ebc_ours_sparse_grad"):

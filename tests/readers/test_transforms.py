@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -181,9 +182,9 @@ def test_pipeline_config_errors(tiny_schema):
 
     with pytest.raises(SchemaError, match=r"#1: unknown `transform` 'Nope'"):
         build({"transform": "Nope", "features": ["item_id"]})
-    with pytest.raises(SchemaError, match=r"HashModulo has no parameter\(s\) \['mod'\]"):
+    with pytest.raises(SchemaError, match=r"HashModulo has no parameter `params.mod`"):
         build({"transform": "HashModulo", "features": ["item_id"], "params": {"mod": 3}})
-    with pytest.raises(SchemaError, match=r"unknown feature\(s\) \['nope'\]"):
+    with pytest.raises(SchemaError, match=r"`features` names 'nope', not a feature of the schema"):
         build({"transform": "HashModulo", "features": ["nope"]})
     with pytest.raises(SchemaError, match=r"applies to \['dense'\] features"):
         build({"transform": "Log1p", "features": ["item_id"]})
@@ -193,6 +194,38 @@ def test_pipeline_config_errors(tiny_schema):
         build({"transform": "Log1p", "features": ["user_age"], "param": {}})
     with pytest.raises(SchemaError, match="`features` must be a non-empty list"):
         build({"transform": "Log1p", "features": []})
+
+
+def test_config_errors_name_file_table_key_and_the_closest_name(tmp_path, tiny_schema):
+    """Regression: errors named neither the file nor offered the name that was meant."""
+    good = '[[preprocess]]\ntransform = "Log1p"\nfeatures = ["user_age"]\n\n'
+    cases = [
+        ('transfrom = "Log1p"\nfeatures = ["user_age"]\n',
+         r"unknown key `transfrom` \(did you mean `transform`\?\)\nhint: the keys are transform"),
+        ('transform = "HashModulus"\nfeatures = ["item_id"]\n',
+         r"unknown `transform` 'HashModulus' \(did you mean `HashModulo`\?\)\nhint: registered"),
+        ('transform = "HashModulo"\nfeatures = ["item_id"]\nparams = { modulo = 7 }\n',
+         r"HashModulo has no parameter `params.modulo` \(did you mean `modulus`\?\)\n"
+         r"hint: HashModulo takes hash, modulus, salt"),
+        ('transform = "HashModulo"\nfeatures = ["item_ids"]\n',
+         r"\(HashModulo\): `features` names 'item_ids', not a feature of the schema "
+         r"\(did you mean `item_id`\?\)"),
+        ('features = ["item_id"]\n', r"missing required key `transform`"),
+        ('transform = "HashModulo"\nfeatures = ["item_id"]\nparams = 3\n',
+         r"`params` must be a table"),
+        ('transform = "HashModulo"\nfeatures = ["item_id"]\nparams = { modulus = 0 }\n',
+         r"HashModulo: `modulus` must be a positive integer, got 0"),
+    ]  # fmt: skip
+    for body, match in cases:
+        path = tmp_path / "pre.toml"
+        path.write_text(good + "[[preprocess]]\n" + body)
+        with pytest.raises(
+            SchemaError, match=re.escape(f"{path} [[preprocess]] #2") + r".*" + match
+        ):
+            Pipeline.from_config(path, schema=tiny_schema)
+    (tmp_path / "flat.toml").write_text("preprocess = [1]\n")
+    with pytest.raises(SchemaError, match=r"flat\.toml \[\[preprocess\]\] #1: must be a table"):
+        Pipeline.from_config(tmp_path / "flat.toml", schema=tiny_schema)
 
 
 def test_fill_missing_uses_schema_fill(tiny_schema):

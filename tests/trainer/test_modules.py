@@ -18,10 +18,10 @@ from tests.common.data import session_batch
 from tests.common.schemas import TINY_SCHEMA
 from trainer.modules import (
     AttentionPooling,
-    EmbeddingBagCollection,
     JaggedEmbeddings,
     ParameterTable,
-    SequenceEmbeddingCollection,
+    PooledEmbeddings,
+    SequenceEmbeddings,
     TableConfig,
     locate_features,
 )
@@ -73,15 +73,15 @@ def test_table_config_validates():
     with pytest.raises(RecpipeError, match="each once"):
         TableConfig("t", 10, 4, ("a", "a"))
     with pytest.raises(RecpipeError, match="a feature reads exactly one table"):
-        EmbeddingBagCollection([TableConfig("t", 10, 4, ("a",)), TableConfig("u", 10, 4, ("a",))])
+        PooledEmbeddings([TableConfig("t", 10, 4, ("a",)), TableConfig("u", 10, 4, ("a",))])
 
 
 def test_init_is_deterministic_and_order_independent():
     a = TableConfig("a", 30, 4, ("fa",))
     b = TableConfig("b", 30, 4, ("fb",))
-    one = EmbeddingBagCollection([a, b], seed=5)
-    two = EmbeddingBagCollection([b, a], seed=5)
-    other = EmbeddingBagCollection([a, b], seed=6)
+    one = PooledEmbeddings([a, b], seed=5)
+    two = PooledEmbeddings([b, a], seed=5)
+    other = PooledEmbeddings([a, b], seed=6)
     assert torch.equal(one.tables["a"].weight, two.tables["a"].weight)
     assert torch.equal(one.tables["b"].weight, two.tables["b"].weight)
     assert not torch.equal(one.tables["a"].weight, other.tables["a"].weight)
@@ -115,19 +115,19 @@ def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, de
             dense=batch.dense, labels=batch.labels, kjt=rebuilt.select(plain_keys), ikjts=groups
         )
     tables = _tables(small_schema, num=500, hash_ids=False)  # the batch draws ids below 500
-    for module in (EmbeddingBagCollection(tables), SequenceEmbeddingCollection(tables)):
+    for module in (PooledEmbeddings(tables), SequenceEmbeddings(tables)):
         with pytest.raises(DataError) as exc:
             module(inputs)
         text = str(exc.value)
         assert "feature 'user_items'" in text and "table 'user_items' of 500 rows" in text
         assert f"id {bad_id} " in text and "hash_ids" in text and "num_embeddings" in text
     # with hash_ids the same ids are taken modulo the table and the lookup succeeds
-    EmbeddingBagCollection(_tables(small_schema, num=500, hash_ids=True))(inputs)
+    PooledEmbeddings(_tables(small_schema, num=500, hash_ids=True))(inputs)
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_ebc_dedup_matches_plain_values_and_gradients(small_schema, batch, pooling):
-    ebc = EmbeddingBagCollection(_tables(small_schema, pooling=pooling), seed=1).double()
+    ebc = PooledEmbeddings(_tables(small_schema, pooling=pooling), seed=1).double()
     gen = torch.Generator().manual_seed(0)
     weights = {f: torch.randn(64, 4, generator=gen, dtype=torch.float64) for f in ebc.features}
     out_d, grads_d = _backward_grads(ebc, batch, weights)
@@ -149,7 +149,7 @@ def test_ebc_looks_up_unique_rows_only(small_schema, batch):
             seen.append((self.config.name, offsets.numel() - 1))
             return super().pool(ids, offsets, mode=mode)
 
-    ebc = EmbeddingBagCollection(_tables(small_schema), table_factory=CountingTable)
+    ebc = PooledEmbeddings(_tables(small_schema), table_factory=CountingTable)
     ebc(batch)
     rows = dict(seen)
     assert rows["user_items"] == batch.ikjts["user_items+user_sellers"].num_unique
@@ -159,7 +159,7 @@ def test_ebc_looks_up_unique_rows_only(small_schema, batch):
 
 def test_shared_table_accumulates_both_features(small_schema, batch):
     shared = TableConfig("items", 50, 4, ("user_items", "item_id"), hash_ids=True)
-    ebc = EmbeddingBagCollection([shared], seed=2).double()
+    ebc = PooledEmbeddings([shared], seed=2).double()
     weights = {f: torch.ones(64, 4, dtype=torch.float64) for f in ebc.features}
     _, grads_d = _backward_grads(ebc, batch, weights)
     _, grads_p = _backward_grads(ebc, batch.to_plain(), weights)
@@ -173,7 +173,7 @@ def test_shared_table_accumulates_both_features(small_schema, batch):
 
 
 def test_partial_ikjt_group_falls_back_to_expansion(small_schema, batch):
-    ebc = EmbeddingBagCollection(_tables(small_schema), seed=1)
+    ebc = PooledEmbeddings(_tables(small_schema), seed=1)
     plain = batch.to_plain()
     partial = Batch(
         dense=batch.dense,
@@ -194,13 +194,15 @@ def test_partial_ikjt_group_falls_back_to_expansion(small_schema, batch):
 def test_missing_feature_names_it(small_schema, batch):
     with pytest.raises(DataError, match="'nope' is not in the batch"):
         locate_features(batch, ["nope"])
-    with pytest.raises(DataError, match="must be a Batch or a KeyedJaggedTensor"):
+    with pytest.raises(
+        DataError, match="must be a Batch, a KeyedJaggedTensor or an InverseKeyedJaggedTensor"
+    ):
         locate_features({"a": 1}, ["a"])
 
 
 # -- sequence embeddings (O6) ------------------------------------------------------------------
 def test_sequence_embeddings_stay_unique_and_expand_exactly(small_schema, batch):
-    seq = SequenceEmbeddingCollection(_tables(small_schema)[:2], seed=4).double()
+    seq = SequenceEmbeddings(_tables(small_schema)[:2], seed=4).double()
     out_d = seq(batch)
     out_p = seq(batch.to_plain())
     group = batch.ikjts["user_items+user_sellers"]
@@ -231,7 +233,7 @@ def _attention(dim=8, **kw):
 
 
 def test_attention_dedup_matches_plain_values_and_gradients(small_schema, batch):
-    seq = SequenceEmbeddingCollection(_tables(small_schema, dim=8)[:2], seed=4).double()
+    seq = SequenceEmbeddings(_tables(small_schema, dim=8)[:2], seed=4).double()
     att = _attention(num_layers=2)
     calls = []
     att.register_forward_hook(lambda m, i, o: calls.append(o.shape))
@@ -267,7 +269,7 @@ def test_attention_dedup_matches_plain_values_and_gradients(small_schema, batch)
 
 
 def test_attention_rows_do_not_depend_on_other_rows(small_schema, batch):
-    seq = SequenceEmbeddingCollection(_tables(small_schema, dim=8)[:2], seed=4).double()
+    seq = SequenceEmbeddings(_tables(small_schema, dim=8)[:2], seed=4).double()
     att = _attention()
     plain = batch.to_plain()
     full = att(seq(plain))

@@ -205,7 +205,7 @@ def run(
     comm = init_from_env(device=config.device, timeout_s=options.timeout_s)
     try:
         result, summary = train_rank(
-            config, options, comm=comm, progress=not getattr(args, "no_progress", False)
+            config, options, comm=comm, progress=not getattr(args, "quiet", False)
         )
     finally:
         destroy()
