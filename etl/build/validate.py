@@ -1,25 +1,50 @@
-"""SQL that validates raw log lines in DuckDB, in two tiers.
+"""The one validation of raw log lines: DuckDB SQL in two tiers, for every engine.
+
+Engines hand it numbered lines (:func:`etl.build.inputs.read_lines`) and get validated rows back:
+as SQL to run in their own DuckDB (:meth:`Validator.feature_sql`, :meth:`Validator.event_sql`)
+or as Arrow tables (:meth:`Validator.features`, :meth:`Validator.events`, in an in-memory DuckDB).
+The rules and the wording of every reason live here and nowhere else.
 
 1. The fast path (:func:`feature_select` with ``fast=True``): one typed, lenient ``from_json``
    per line plus cheap text tests that prove no leniency was needed. Nearly every good line
    is accepted here. Its text tests run either in SQL or, faster, precomputed per line by
-   :func:`etl._build_io.line_facts` (``facts=True``); both accept exactly the same lines.
+   :func:`etl.build._facts.line_facts` (``facts=True``); both accept exactly the same lines.
 2. The full checks (``fast=False``), run only on the lines the fast path did not accept: the
    line is parsed into a struct whose leaves are JSON fragments, so types are checked strictly
    (DuckDB's typed extraction would quietly turn ``"12"`` into ``12`` and ``1.5`` into ``2``).
    The first failing check, in the order of :data:`etl.reasons.QUARANTINE_REASONS`, gives the
    record's reason and a detail that names the field; a line passing them all is good.
 
-Good rows keep typed, flattened columns and no raw text; bad rows keep the raw line.
+Good rows keep typed, flattened columns and no raw text; bad rows keep the raw line. A feature
+the record does not carry (absent or ``null``) is NULL in a good row: engines count those per
+feature and fill them (``fill`` / ``[]``) only when they write the dataset.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from etl import reasons
-from etl._build_io import LINE_FACT_COLUMNS
+from etl.build._facts import LINE_FACT_COLUMNS, line_facts
+from etl.build.inputs import LINE_COLUMNS
+from etl.rawio import DEFAULT_MAX_LINE_BYTES
 from schemas import DatasetSchema
 
-__all__ = ["PENDING", "TS_RANGE", "event_select", "feature_columns", "feature_select", "sql_str"]
+__all__ = [
+    "PENDING",
+    "TS_RANGE",
+    "Validator",
+    "event_select",
+    "feature_columns",
+    "feature_select",
+    "schema_keys",
+    "sql_str",
+]
 
 _INT_TYPES = "('BIGINT', 'UBIGINT')"
 _NUM_TYPES = "('BIGINT', 'UBIGINT', 'DOUBLE')"
@@ -28,6 +53,7 @@ PENDING = "pending"
 """Reason of rows the fast path could not accept; they are checked again in full."""
 _INT_LIST_RE = r"\[(-?[0-9]+(,-?[0-9]+)*)?\]"
 _TRAILING_COMMA_RE = r",\s*[\]}]"  # DuckDB's JSON reader accepts `[1,]`; strict JSON does not
+_JSON_STRING_RE = r'"([^"\\]|\\.)*"'  # a JSON string, escapes included
 _FLOAT32_MAX = "3.4028234663852886e38"
 TS_RANGE = (-9_223_372_022_400_000, 9_223_372_036_854_775)
 """The ts values (epoch ms) a build accepts: those DuckDB's ``epoch_ms`` turns into a timestamp
@@ -70,17 +96,31 @@ def _detail(field: str, text: str, fragment: str | None = None) -> str:
     if fragment is None:
         return head
     return (
-        f"{head} || ', got ' || coalesce(json_type({fragment}), '?') || ' ' || {_shown(fragment)}"
+        f"{head} || ', got ' || coalesce(json_type({fragment}) || ' ' || {_shown(fragment)}, "
+        "'nothing')"
     )
 
 
-def _line_checks(rk: str) -> list[tuple[str, str, str]]:
+def _too_long(max_line_bytes: int) -> tuple[str, str, str]:
+    """The check of a line the reader cut (``too_long`` holds its length)."""
+    return (
+        "too_long IS NOT NULL",
+        reasons.LINE_TOO_LONG,
+        f"'line of ' || too_long || ' bytes, longer than `max_line_bytes` = {int(max_line_bytes)}"
+        " (raw: its first bytes only)'",
+    )
+
+
+def _line_checks(rk: str, max_line_bytes: int) -> list[tuple[str, str, str]]:
     """The checks every raw log line gets first: JSON parses, the request id is there and typed."""
+    # a trailing comma outside the strings (a `,]` inside a string is text)
+    outside = f"regexp_replace(line, '{_JSON_STRING_RE}', '\"\"', 'g')"
     return [
+        _too_long(max_line_bytes),
         ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
         ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
         (
-            f"regexp_matches(line, '{_TRAILING_COMMA_RE}')",
+            f"regexp_matches({outside}, '{_TRAILING_COMMA_RE}')",
             reasons.MALFORMED_JSON,
             sql_str("not valid JSON (trailing comma)"),
         ),
@@ -105,9 +145,15 @@ def feature_columns(schema: DatasetSchema) -> list[str]:
 
 
 def feature_select(
-    schema: DatasetSchema, src: str, *, fast: bool, guarded: bool = True, facts: bool = False
+    schema: DatasetSchema,
+    src: str,
+    *,
+    fast: bool,
+    guarded: bool = True,
+    facts: bool = False,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> str:
-    """SELECT over ``src(file_id, line_no, line, source, source_line)``: validated feature rows.
+    """SELECT over ``src`` (:data:`etl.build.inputs.LINE_COLUMNS`): validated feature rows.
 
     With ``fast``, rows that pass cheap, conservative text tests are accepted and every other
     row gets the reason :data:`PENDING` (and keeps its raw line): run those few again without
@@ -116,12 +162,16 @@ def feature_select(
     skips the ``json_valid`` guard: the statement then fails on the first malformed line, and
     the caller retries the file guarded — an optimistic saving of one parse per clean file.
     ``facts`` (fast path only): ``src`` also carries the columns of
-    :func:`etl._build_io.line_facts`, which replace the text tests done in SQL.
+    :func:`etl.build._facts.line_facts`, which replace the text tests done in SQL. A line the
+    reader cut (``too_long`` set) is quarantined as ``line_too_long`` by both tiers;
+    ``max_line_bytes`` is the limit its detail names.
 
-    Columns: ``line_no``, ``reason``, ``detail``, ``raw``, ``source`` and ``source_line`` (bad
-    rows only), ``request_id``, ``session_key`` (raw session id as text, or NULL), ``user_key``,
-    ``ts``, the dense columns ``d0..`` (float, filled), the sparse columns ``s0..`` (BIGINT[], truncated) and
-    ``unknown`` (names of features the schema does not know, or NULL).
+    Columns (:data:`FEATURE_COLUMNS`): ``file_id``, ``line_no``, ``reason``, ``detail``,
+    ``raw``, ``source`` and ``source_line`` (bad rows only), ``request_id``, ``session_key``
+    (raw session id as text, or NULL), ``user_key``, ``ts``, the dense columns ``d0..`` (float,
+    NULL when missing), the sparse columns ``s0..`` (BIGINT[], truncated, NULL when missing),
+    ``unknown`` (``dense.x`` / ``sparse.y``: map keys the schema does not know, or NULL) and
+    ``unknown_keys`` (top-level keys the build does not read, or NULL).
     """
     rk, sk, uk, tk = schema_keys(schema)
     dense_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.dense)
@@ -131,7 +181,7 @@ def feature_select(
     struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
     struct = (struct + "}").replace("'", "''")
     checks: list[tuple[str, str, str]] = [
-        *_line_checks(rk),
+        *_line_checks(rk, max_line_bytes),
         (
             f"j.{_ident(tk)} IS NULL OR json_type(j.{_ident(tk)}) = 'NULL'",
             reasons.MISSING_TS,
@@ -233,14 +283,16 @@ def feature_select(
     typed = [f"TRY_CAST({v}::VARCHAR AS DOUBLE) AS dv{i}" for i, v in enumerate(dense_frag)]
     typed += [f"from_json({v}, '[\"BIGINT\"]') AS sv{i}" for i, v in enumerate(sparse_frag)]
     if fast:
-        return _fast_select(schema, src, guarded=guarded, facts=facts)
+        return _fast_select(
+            schema, src, guarded=guarded, facts=facts, max_line_bytes=max_line_bytes
+        )
 
     def text_of(col: str) -> str:
         return f"CASE WHEN starts_with({col}::VARCHAR, '\"') THEN {col} ->> '$' ELSE {col}::VARCHAR END"
 
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source, source_line,
+  SELECT file_id, line_no, line, source, source_line, too_long,
     CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
   FROM {src}
 ), typed AS (
@@ -264,18 +316,23 @@ SELECT
   CASE WHEN bad IS NULL AND j.{_ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{_ident(uk)}")} END
     AS user_key,
   CASE WHEN bad IS NULL THEN TRY_CAST(j.{_ident(tk)}::VARCHAR AS BIGINT) END AS ts,
-{_value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown
+{_value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
+  CASE WHEN bad IS NULL THEN {_unknown_top_keys(schema)} END AS unknown_keys
 FROM checked
 """
 
 
-def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool = False) -> str:
+def _fast_select(
+    schema: DatasetSchema, src: str, *, guarded: bool, facts: bool, max_line_bytes: int
+) -> str:
     """The fast path: one typed (lenient) parse plus cheap, conservative text tests.
 
     DuckDB's typed JSON extraction is lenient (``"12"`` -> 12, ``1.5`` -> 2 for an integer,
     ``true`` -> 1) and its JSON-fragment extraction is slow, so a row is accepted here only
     when plain text tests prove that no leniency was needed:
 
+    - the line is whole (the reader did not cut it: ``too_long`` is NULL; a cut line is
+      quarantined here, as ``line_too_long``),
     - as many ``"`` in the line as two per known key parsed plus two per string-valued id: no
       unknown, repeated or null keys, no number written as a string,
     - no ``true``/``false``, no trailing comma, no list where an object belongs,
@@ -308,7 +365,7 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
     kind_col = dict(zip((rk, sk, uk, tk), ("kind_rk", "kind_sk", "kind_uk", "kind_tk")))
 
     def is_str(key: str) -> str:
-        if facts:  # computed by etl._build_io.line_facts
+        if facts:  # computed by etl.build._facts.line_facts
             return f"(CASE WHEN {kind_col[key]} >= 0 THEN {kind_col[key]} = 1 END)"
         # the first non-blank character after the first `"key":` (keys sit near the start of
         # a line, so this reads a few bytes, not the line); NULL (-> not accepted) when the
@@ -335,6 +392,7 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
 
     tests = [
         "j IS NOT NULL",
+        "too_long IS NULL",
         f"j.{_ident(rk)} IS NOT NULL",
         f"TRY_CAST(j.{_ident(tk)} AS BIGINT) BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
         f"NOT (contains(j.{_ident(tk)}, '.') OR contains(lower(j.{_ident(tk)}), 'e'))",
@@ -378,9 +436,10 @@ def _fast_select(schema: DatasetSchema, src: str, *, guarded: bool, facts: bool 
     parse = f"from_json(line, '{struct}')"
     if guarded:
         parse = f"CASE WHEN json_valid(line) THEN {parse} END"
+    cond, long_reason, long_detail = _too_long(max_line_bytes)
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source, source_line,{fact_cols}
+  SELECT file_id, line_no, line, source, source_line, too_long,{fact_cols}
     {parse} AS j
   FROM {src}
 ), checked AS (
@@ -389,8 +448,8 @@ WITH parsed AS (
 SELECT
   file_id,
   line_no,
-  CASE WHEN NOT ok THEN '{PENDING}' END AS reason,
-  NULL::VARCHAR AS detail,
+  CASE WHEN {cond} THEN '{long_reason}' WHEN NOT ok THEN '{PENDING}' END AS reason,
+  CASE WHEN {cond} THEN {long_detail} END AS detail,
   CASE WHEN NOT ok THEN line END AS raw,
   CASE WHEN NOT ok THEN source END AS source,
   CASE WHEN NOT ok THEN source_line END AS source_line,
@@ -399,7 +458,8 @@ SELECT
   j.{_ident(uk)} AS user_key,
   TRY_CAST(j.{_ident(tk)} AS BIGINT) AS ts,
 {_value_columns(schema, "j.dense", "j.sparse")}
-  NULL::VARCHAR[] AS unknown
+  NULL::VARCHAR[] AS unknown,
+  NULL::VARCHAR[] AS unknown_keys
 FROM checked
 """
 
@@ -407,18 +467,17 @@ FROM checked
 def _value_columns(schema: DatasetSchema, dense: str | None, sparse: str | None) -> str:
     """SQL select-list lines for ``d0..`` / ``s0..``, from typed structs or from ``dv``/``sv``.
 
-    Dense: float32, missing -> ``fill``; sparse: BIGINT[], missing -> empty, longer than
-    ``max_len`` -> the last ``max_len`` ids (bad rows get meaningless values: they are
-    quarantined and never written).
+    Dense: float32; sparse: BIGINT[], longer than ``max_len`` -> the last ``max_len`` ids;
+    missing (absent or ``null``) -> NULL, filled when the dataset is written (bad rows get
+    meaningless values: they are quarantined and never written).
     """
     out = []
     for i, f in enumerate(schema.dense):
         v = f"{dense}[{sql_str(f.name)}]" if dense else f"dv{i}"
-        out.append(f"TRY_CAST(coalesce({v}, {float(f.fill)!r}) AS FLOAT)")
+        out.append(f"TRY_CAST({v} AS FLOAT)")
     for i, f in enumerate(schema.sparse):
         v = f"{sparse}[{sql_str(f.name)}]" if sparse else f"sv{i}"
-        val = f"coalesce({v}, []::BIGINT[])"
-        out.append(f"{val}[-{int(f.max_len)}:]" if f.truncate else val)
+        out.append(f"{v}[-{int(f.max_len)}:]" if f.truncate else v)
     return "".join(f"  {e} AS {n},\n" for e, n in zip(out, feature_columns(schema)))
 
 
@@ -435,12 +494,21 @@ def _unknown_keys(schema: DatasetSchema) -> str:
     []::VARCHAR[])"""
 
 
-def event_select(schema: DatasetSchema, src: str) -> str:
-    """SELECT over ``src(file_id, line_no, line, source, source_line)``: validated event rows.
+def _unknown_top_keys(schema: DatasetSchema) -> str:
+    known = "[" + ", ".join(sql_str(k) for k in (*schema_keys(schema), "dense", "sparse")) + "]"
+    return f"""nullif(list_filter(coalesce(json_keys(line), []),
+                         lambda k: NOT list_contains({known}::VARCHAR[], k)), []::VARCHAR[])"""
 
-    Columns: ``file_id``, ``line_no``, ``reason``, ``detail``, ``raw``, ``source`` and
-    ``source_line`` (bad rows only), ``request_id``, ``label`` (DOUBLE; booleans count as 0/1;
-    a number beyond float32, the type of the dataset's label, is ``non_finite``).
+
+def event_select(
+    schema: DatasetSchema, src: str, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> str:
+    """SELECT over ``src`` (:data:`etl.build.inputs.LINE_COLUMNS`): validated event rows.
+
+    Columns (:data:`EVENT_COLUMNS`): ``file_id``, ``line_no``, ``reason``, ``detail``, ``raw``,
+    ``source`` and ``source_line`` (bad rows only), ``request_id``, ``label`` (DOUBLE; booleans
+    count as 0/1; a number beyond float32, the type of the dataset's label, is ``non_finite``;
+    a missing or ``null`` label is ``wrong_type``, its detail saying which).
     """
     rk, _, _, tk = schema_keys(schema)
     lk = schema.label_key
@@ -448,7 +516,7 @@ def event_select(schema: DatasetSchema, src: str) -> str:
     struct = struct.replace("'", "''")
     lab = f"j.{_ident(lk)}"
     checks: list[tuple[str, str, str]] = [
-        *_line_checks(rk),
+        *_line_checks(rk, max_line_bytes),
         (
             f"j.{_ident(tk)} IS NOT NULL AND json_type(j.{_ident(tk)}) <> 'NULL' "
             f"AND (json_type(j.{_ident(tk)}) NOT IN {_INT_TYPES} "
@@ -456,8 +524,14 @@ def event_select(schema: DatasetSchema, src: str) -> str:
             reasons.WRONG_TYPE,
             _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
         ),
+        (f"{lab} IS NULL", reasons.WRONG_TYPE, sql_str(f"field `{lk}`: missing")),
         (
-            f"{lab} IS NULL OR json_type({lab}) NOT IN ('BIGINT', 'UBIGINT', 'DOUBLE', 'BOOLEAN')",
+            f"json_type({lab}) = 'NULL'",
+            reasons.WRONG_TYPE,
+            sql_str(f"field `{lk}`: null, expected a number"),
+        ),
+        (
+            f"json_type({lab}) NOT IN ('BIGINT', 'UBIGINT', 'DOUBLE', 'BOOLEAN')",
             reasons.WRONG_TYPE,
             _detail(lk, "expected a number", lab),
         ),
@@ -479,7 +553,7 @@ def event_select(schema: DatasetSchema, src: str) -> str:
     rid = f"j.{_ident(rk)}"
     return f"""
 WITH parsed AS (
-  SELECT file_id, line_no, line, source, source_line,
+  SELECT file_id, line_no, line, source, source_line, too_long,
     CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
   FROM {src}
 ), checked AS (
@@ -503,3 +577,123 @@ FROM checked
 def schema_keys(schema: DatasetSchema) -> tuple[str, str, str, str]:
     """The raw record keys: request id, session id, user id, timestamp."""
     return "request_id", schema.session_key, schema.user_key, schema.time_key
+
+
+#: the columns every validated row has first (bad rows fill them; good rows leave the rest NULL)
+BAD_COLUMNS: tuple[str, ...] = (
+    "file_id",
+    "line_no",
+    "reason",
+    "detail",
+    "raw",
+    "source",
+    "source_line",
+)
+
+
+class Validator:
+    """The validation of one build: the schema's SQL, with the limit of the reader.
+
+    Args:
+        schema: the dataset schema.
+        max_line_bytes: the reader's line limit (named in ``line_too_long`` details).
+
+    Thread-safe: :meth:`features` and :meth:`events` may run on several threads at once (each
+    call uses its own cursor of one in-memory DuckDB connection).
+    """
+
+    def __init__(self, schema: DatasetSchema, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
+        self.schema = schema
+        self.max_line_bytes = int(max_line_bytes)
+        self.keys = schema_keys(schema)
+        self._con: Any = None
+        self._lock = threading.Lock()
+
+    # -- SQL, for engines that run DuckDB themselves ------------------------------------------
+
+    def feature_sql(
+        self, src: str, *, fast: bool, guarded: bool = True, facts: bool = False
+    ) -> str:
+        """:func:`feature_select` over the relation ``src`` (a table, view or subquery)."""
+        return feature_select(
+            self.schema,
+            src,
+            fast=fast,
+            guarded=guarded,
+            facts=facts,
+            max_line_bytes=self.max_line_bytes,
+        )
+
+    def event_sql(self, src: str) -> str:
+        """:func:`event_select` over the relation ``src``."""
+        return event_select(self.schema, src, max_line_bytes=self.max_line_bytes)
+
+    def with_facts(self, lines: pa.Table) -> pa.Table:
+        """``lines`` plus the columns of :func:`etl.build._facts.line_facts` (``facts=True``)."""
+        facts = line_facts(lines.column("line").combine_chunks(), self.keys)
+        for name in LINE_FACT_COLUMNS:
+            lines = lines.append_column(name, pa.array(facts[name]))
+        return lines
+
+    # -- Arrow in, Arrow out, for any engine --------------------------------------------------
+
+    def features(self, lines: pa.Table) -> pa.Table:
+        """Validated feature rows (the columns of :func:`feature_select`) of a batch of lines.
+
+        Args:
+            lines: numbered lines with :data:`etl.build.inputs.LINE_COLUMNS`.
+
+        Returns:
+            one row per line, in no particular order: ``reason`` NULL for a good row.
+        """
+        with self._cursor() as cur:
+            view = self._register(cur, self.with_facts(lines))
+            fast = self._run(cur, lambda g: self.feature_sql(view, fast=True, guarded=g, facts=True))
+            is_pending = pc.fill_null(pc.equal(fast.column("reason"), PENDING), False)
+            pending = fast.filter(is_pending)
+            if not pending.num_rows:
+                return fast
+            done = fast.filter(pc.invert(is_pending))
+            again = pending.select(["file_id", "line_no", "raw", "source", "source_line"])
+            again = again.rename_columns(list(LINE_COLUMNS[:5])).append_column(
+                "too_long", pa.nulls(again.num_rows, pa.int64())
+            )
+            view = self._register(cur, again)
+            full = cur.sql(self.feature_sql(view, fast=False)).to_arrow_table()
+            return pa.concat_tables([done, full.cast(done.schema)])
+
+    def events(self, lines: pa.Table) -> pa.Table:
+        """Validated event rows (the columns of :func:`event_select`) of a batch of lines."""
+        with self._cursor() as cur:
+            view = self._register(cur, lines)
+            return cur.sql(self.event_sql(view)).to_arrow_table()
+
+    def _cursor(self) -> Any:
+        import duckdb
+
+        with self._lock:
+            if self._con is None:
+                self._con = duckdb.connect()
+                self._con.execute("SET enable_progress_bar = false")
+        return self._con.cursor()
+
+    @staticmethod
+    def _register(cur: Any, table: pa.Table) -> str:
+        view = f"_recpipe_lines_{next(_VIEWS)}"
+        cur.register(view, table)
+        return view
+
+    @staticmethod
+    def _run(cur: Any, sql) -> pa.Table:
+        """``sql(guarded=False)`` (optimistic: no JSON guard), again guarded on malformed JSON."""
+        import duckdb
+
+        try:
+            return cur.sql(sql(False)).to_arrow_table()
+        except duckdb.InvalidInputException as exc:
+            if "malformed json" not in str(exc).lower():
+                raise
+            return cur.sql(sql(True)).to_arrow_table()
+
+
+_VIEWS = itertools.count()
