@@ -396,13 +396,8 @@ def test_cli_builds_and_prints_a_summary(tmp_path, capsys):
 
     src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
     out = tmp_path / "out"
-    assert (
-        main(
-            ["etl", "build", str(src), "--out", str(out), "--no-progress", "--session-gap", "10m"]
-            + ["--allow-missing-features"]
-        )
-        == 0
-    )
+    args = ["etl", "build", str(src), "--out", str(out), "--no-progress"]
+    assert main([*args, "--session-gap", "10m", "--allow-missing-features"]) == 0
     text = capsys.readouterr().out
     assert "rows in" in text and "malformed_json" in text
     assert main(["etl", "build", str(src), "--out", str(out), "--no-progress"]) == 1
