@@ -42,6 +42,7 @@ __all__ = [
     "event_select",
     "feature_columns",
     "feature_select",
+    "malformed_json",
     "schema_keys",
     "sql_str",
 ]
@@ -494,6 +495,11 @@ def _unknown_keys(schema: DatasetSchema) -> str:
     []::VARCHAR[])"""
 
 
+def _json_path(key: str) -> str:
+    """A JSON path to the top-level ``key``: ``$."key"``."""
+    return "$." + '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _unknown_top_keys(schema: DatasetSchema) -> str:
     known = "[" + ", ".join(sql_str(k) for k in (*schema_keys(schema), "dense", "sparse")) + "]"
     return f"""nullif(list_filter(coalesce(json_keys(line), []),
@@ -524,9 +530,13 @@ def event_select(
             reasons.WRONG_TYPE,
             _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
         ),
-        (f"{lab} IS NULL", reasons.WRONG_TYPE, sql_str(f"field `{lk}`: missing")),
         (
-            f"json_type({lab}) = 'NULL'",
+            f"{lab} IS NULL AND json_type(line, {sql_str(_json_path(lk))}) IS NULL",
+            reasons.WRONG_TYPE,
+            sql_str(f"field `{lk}`: missing"),
+        ),
+        (
+            f"{lab} IS NULL OR json_type({lab}) = 'NULL'",
             reasons.WRONG_TYPE,
             sql_str(f"field `{lk}`: null, expected a number"),
         ),
@@ -690,10 +700,16 @@ class Validator:
 
         try:
             return cur.sql(sql(False)).to_arrow_table()
-        except duckdb.InvalidInputException as exc:
-            if "malformed json" not in str(exc).lower():
+        except (duckdb.InvalidInputException, UnicodeDecodeError) as exc:
+            if not malformed_json(exc):
                 raise
             return cur.sql(sql(True)).to_arrow_table()
 
 
 _VIEWS = itertools.count()
+
+
+def malformed_json(exc: Exception) -> bool:
+    """Whether the optimistic (unguarded) parse failed on a malformed line: DuckDB says so, or
+    its message quotes the line cut inside a UTF-8 character (Python cannot decode it)."""
+    return isinstance(exc, UnicodeDecodeError) or "malformed json" in str(exc).lower()
