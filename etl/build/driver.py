@@ -21,7 +21,7 @@ from typing import Any
 
 from etl.build.config import BuildConfig
 from etl.build.engine import BuildJob, Engine, engine_class
-from etl.build.inputs import InputFile, check_structure, digest, list_inputs
+from etl.build.inputs import check_structure, digest, list_inputs
 from etl.build.output import (
     BuildCounts,
     build_manifest,

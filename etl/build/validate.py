@@ -31,6 +31,19 @@ import pyarrow.compute as pc
 
 from etl import reasons
 from etl.build._facts import LINE_FACT_COLUMNS, line_facts
+from etl.build._fastpath import fast_select
+from etl.build._sql import (
+    FLOAT32_MAX,
+    PENDING,
+    TRAILING_COMMA_RE,
+    TS_RANGE,
+    feature_columns,
+    ident,
+    schema_keys,
+    sql_str,
+    too_long_check,
+    value_columns,
+)
 from etl.build.inputs import LINE_COLUMNS
 from etl.rawio import DEFAULT_MAX_LINE_BYTES
 from schemas import DatasetSchema
@@ -50,24 +63,8 @@ __all__ = [
 _INT_TYPES = "('BIGINT', 'UBIGINT')"
 _NUM_TYPES = "('BIGINT', 'UBIGINT', 'DOUBLE')"
 _ID_TYPES = "('VARCHAR', 'BIGINT', 'UBIGINT')"
-PENDING = "pending"
-"""Reason of rows the fast path could not accept; they are checked again in full."""
 _INT_LIST_RE = r"\[(-?[0-9]+(,-?[0-9]+)*)?\]"
-_TRAILING_COMMA_RE = r",\s*[\]}]"  # DuckDB's JSON reader accepts `[1,]`; strict JSON does not
 _JSON_STRING_RE = r'"([^"\\]|\\.)*"'  # a JSON string, escapes included
-_FLOAT32_MAX = "3.4028234663852886e38"
-TS_RANGE = (-9_223_372_022_400_000, 9_223_372_036_854_775)
-"""The ts values (epoch ms) a build accepts: those DuckDB's ``epoch_ms`` turns into a timestamp
-(about 290,000 BC .. 294,000 AD); others are quarantined as ``ts_out_of_range``."""
-
-
-def sql_str(text: str) -> str:
-    """Quote ``text`` as a SQL string literal."""
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _shown(fragment: str) -> str:
@@ -102,46 +99,29 @@ def _detail(field: str, text: str, fragment: str | None = None) -> str:
     )
 
 
-def _too_long(max_line_bytes: int) -> tuple[str, str, str]:
-    """The check of a line the reader cut (``too_long`` holds its length)."""
-    return (
-        "too_long IS NOT NULL",
-        reasons.LINE_TOO_LONG,
-        f"'line of ' || too_long || ' bytes, longer than `max_line_bytes` = {int(max_line_bytes)}"
-        " (raw: its first bytes only)'",
-    )
-
-
 def _line_checks(rk: str, max_line_bytes: int) -> list[tuple[str, str, str]]:
     """The checks every raw log line gets first: JSON parses, the request id is there and typed."""
     # a trailing comma outside the strings (a `,]` inside a string is text)
     outside = f"regexp_replace(line, '{_JSON_STRING_RE}', '\"\"', 'g')"
     return [
-        _too_long(max_line_bytes),
+        too_long_check(max_line_bytes),
         ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
         ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
         (
-            f"regexp_matches({outside}, '{_TRAILING_COMMA_RE}')",
+            f"regexp_matches({outside}, '{TRAILING_COMMA_RE}')",
             reasons.MALFORMED_JSON,
             sql_str("not valid JSON (trailing comma)"),
         ),
         (
-            f"j.{_ident(rk)} IS NULL OR json_type(j.{_ident(rk)}) = 'NULL'",
+            f"j.{ident(rk)} IS NULL OR json_type(j.{ident(rk)}) = 'NULL'",
             reasons.MISSING_REQUEST_ID,
             sql_str(f"field `{rk}`: missing (or the line is not a JSON object)"),
         ),
         (
-            f"json_type(j.{_ident(rk)}) NOT IN {_ID_TYPES}",
+            f"json_type(j.{ident(rk)}) NOT IN {_ID_TYPES}",
             reasons.WRONG_TYPE,
-            _detail(rk, "expected a string or an integer", f"j.{_ident(rk)}"),
+            _detail(rk, "expected a string or an integer", f"j.{ident(rk)}"),
         ),
-    ]
-
-
-def feature_columns(schema: DatasetSchema) -> list[str]:
-    """Internal column names of the validated feature table, dense then sparse."""
-    return [f"d{i}" for i in range(len(schema.dense))] + [
-        f"s{i}" for i in range(len(schema.sparse))
     ]
 
 
@@ -184,34 +164,34 @@ def feature_select(
     checks: list[tuple[str, str, str]] = [
         *_line_checks(rk, max_line_bytes),
         (
-            f"j.{_ident(tk)} IS NULL OR json_type(j.{_ident(tk)}) = 'NULL'",
+            f"j.{ident(tk)} IS NULL OR json_type(j.{ident(tk)}) = 'NULL'",
             reasons.MISSING_TS,
             sql_str(f"field `{tk}`: missing"),
         ),
         (
-            f"json_type(j.{_ident(tk)}) NOT IN {_INT_TYPES} "
-            f"OR {_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL",
+            f"json_type(j.{ident(tk)}) NOT IN {_INT_TYPES} "
+            f"OR {_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL",
             reasons.WRONG_TYPE,
-            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
+            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{ident(tk)}"),
         ),
         (
-            f"{_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} NOT BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
+            f"{_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} NOT BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
             reasons.TS_OUT_OF_RANGE,
             _detail(
                 tk,
                 f"expected epoch milliseconds in {TS_RANGE[0]}..{TS_RANGE[1]}",
-                f"j.{_ident(tk)}",
+                f"j.{ident(tk)}",
             ),
         ),
         (
-            f"j.{_ident(sk)} IS NOT NULL AND json_type(j.{_ident(sk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
+            f"j.{ident(sk)} IS NOT NULL AND json_type(j.{ident(sk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
             reasons.WRONG_TYPE,
-            _detail(sk, "expected a string or an integer", f"j.{_ident(sk)}"),
+            _detail(sk, "expected a string or an integer", f"j.{ident(sk)}"),
         ),
         (
-            f"j.{_ident(uk)} IS NOT NULL AND json_type(j.{_ident(uk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
+            f"j.{ident(uk)} IS NOT NULL AND json_type(j.{ident(uk)}) NOT IN ('NULL', 'VARCHAR', 'BIGINT', 'UBIGINT')",
             reasons.WRONG_TYPE,
-            _detail(uk, "expected a string or an integer", f"j.{_ident(uk)}"),
+            _detail(uk, "expected a string or an integer", f"j.{ident(uk)}"),
         ),
         (
             "coalesce(json_type(line, '$.dense'), 'NULL') NOT IN ('NULL', 'OBJECT')",
@@ -237,7 +217,7 @@ def feature_select(
         )
         checks.append(
             (
-                f"NOT isfinite(dv{i}) OR abs(dv{i}) > {_FLOAT32_MAX}",
+                f"NOT isfinite(dv{i}) OR abs(dv{i}) > {FLOAT32_MAX}",
                 reasons.NON_FINITE,
                 _detail(field, "expected a finite float32", v),
             )
@@ -284,9 +264,7 @@ def feature_select(
     typed = [f"TRY_CAST({v}::VARCHAR AS DOUBLE) AS dv{i}" for i, v in enumerate(dense_frag)]
     typed += [f"from_json({v}, '[\"BIGINT\"]') AS sv{i}" for i, v in enumerate(sparse_frag)]
     if fast:
-        return _fast_select(
-            schema, src, guarded=guarded, facts=facts, max_line_bytes=max_line_bytes
-        )
+        return fast_select(schema, src, guarded=guarded, facts=facts, max_line_bytes=max_line_bytes)
 
     def text_of(col: str) -> str:
         return f"CASE WHEN starts_with({col}::VARCHAR, '\"') THEN {col} ->> '$' ELSE {col}::VARCHAR END"
@@ -311,175 +289,16 @@ SELECT
   CASE WHEN bad IS NOT NULL THEN line END AS raw,
   CASE WHEN bad IS NOT NULL THEN source END AS source,
   CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,
-  CASE WHEN bad IS NULL THEN {text_of(f"j.{_ident(rk)}")} END AS request_id,
-  CASE WHEN bad IS NULL AND j.{_ident(sk)}::VARCHAR <> 'null' THEN {text_of(f"j.{_ident(sk)}")} END
+  CASE WHEN bad IS NULL THEN {text_of(f"j.{ident(rk)}")} END AS request_id,
+  CASE WHEN bad IS NULL AND j.{ident(sk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(sk)}")} END
     AS session_key,
-  CASE WHEN bad IS NULL AND j.{_ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{_ident(uk)}")} END
+  CASE WHEN bad IS NULL AND j.{ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(uk)}")} END
     AS user_key,
-  CASE WHEN bad IS NULL THEN TRY_CAST(j.{_ident(tk)}::VARCHAR AS BIGINT) END AS ts,
-{_value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
+  CASE WHEN bad IS NULL THEN TRY_CAST(j.{ident(tk)}::VARCHAR AS BIGINT) END AS ts,
+{value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
   CASE WHEN bad IS NULL THEN {_unknown_top_keys(schema)} END AS unknown_keys
 FROM checked
 """
-
-
-def _fast_select(
-    schema: DatasetSchema, src: str, *, guarded: bool, facts: bool, max_line_bytes: int
-) -> str:
-    """The fast path: one typed (lenient) parse plus cheap, conservative text tests.
-
-    DuckDB's typed JSON extraction is lenient (``"12"`` -> 12, ``1.5`` -> 2 for an integer,
-    ``true`` -> 1) and its JSON-fragment extraction is slow, so a row is accepted here only
-    when plain text tests prove that no leniency was needed:
-
-    - the line is whole (the reader did not cut it: ``too_long`` is NULL; a cut line is
-      quarantined here, as ``line_too_long``),
-    - as many ``"`` in the line as two per known key parsed plus two per string-valued id: no
-      unknown, repeated or null keys, no number written as a string,
-    - no ``true``/``false``, no trailing comma, no list where an object belongs,
-    - ids are integers or strings (a number without ``.`` or exponent), ``ts`` an integer in
-      :data:`TS_RANGE`, sparse ids free of fractions and exponents (no ``.``, ``E`` or digit
-      followed by ``e`` after the ``"sparse"`` key: the full checks quarantine ``1e5``), dense
-      values finite,
-      sparse lists free of NULLs (ids outside int64, strings, nulls) and short enough.
-
-    Values are not masked for rows that fail (they are deleted after their second look).
-    Every other row is returned with the reason :data:`PENDING` and its raw line, to be
-    checked in full (:func:`feature_select` without ``fast``). Lines written in another
-    layout (pretty-printed, ``sparse`` before ``dense``) are still correct, only slower.
-    """
-    rk, sk, uk, tk = schema_keys(schema)
-    ids = (rk, sk, uk, tk)
-    dense_s = ", ".join(f'"{f.name}": "DOUBLE"' for f in schema.dense)
-    sparse_s = ", ".join(f'"{f.name}": "BIGINT[]"' for f in schema.sparse)
-    struct = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in ids)
-    struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
-    struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
-    struct = (struct + "}").replace("'", "''")
-    fields = [f"j.{_ident(k)}" for k in ids]
-    fields += ["j.dense"] if schema.dense else []
-    fields += ["j.sparse"] if schema.sparse else []
-    fields += [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
-    fields += [f"j.sparse[{sql_str(f.name)}]" for f in schema.sparse]
-    n_keys = " + ".join(f"({f} IS NOT NULL)::INTEGER" for f in fields)
-
-    kind_col = dict(zip((rk, sk, uk, tk), ("kind_rk", "kind_sk", "kind_uk", "kind_tk")))
-
-    def is_str(key: str) -> str:
-        if facts:  # computed by etl.build._facts.line_facts
-            return f"(CASE WHEN {kind_col[key]} >= 0 THEN {kind_col[key]} = 1 END)"
-        # the first non-blank character after the first `"key":` (keys sit near the start of
-        # a line, so this reads a few bytes, not the line); NULL (-> not accepted) when the
-        # key is written another way, e.g. `"key" :`
-        pattern = sql_str('"' + key + '":')
-        at = f"instr(line, {pattern})"
-        first = f"left(ltrim(substr(line, {at} + {len(key) + 3}, 8)), 1)"
-        return f"(CASE WHEN {at} > 0 THEN {first} = '\"' END)"
-
-    def str_id(key: str) -> str:
-        return f"(j.{_ident(key)} IS NOT NULL AND {is_str(key)})"
-
-    n_str = " + ".join(f"{str_id(k)}::INTEGER" for k in (rk, sk, uk))
-
-    def id_ok(key: str) -> str:
-        # a number is read as text: DuckDB writes a JSON double with a `.` or an exponent
-        # (`1e5` -> "100000.0", `1e-300` -> "1e-300"), which TRY_CAST may still read
-        col = f"j.{_ident(key)}"
-        as_int = (
-            f"(TRY_CAST({col} AS BIGINT) IS NOT NULL "
-            f"AND NOT (contains({col}, '.') OR contains(lower({col}), 'e')))"
-        )
-        return f"({col} IS NULL OR {is_str(key)} OR {as_int})"
-
-    tests = [
-        "j IS NOT NULL",
-        "too_long IS NULL",
-        f"j.{_ident(rk)} IS NOT NULL",
-        f"TRY_CAST(j.{_ident(tk)} AS BIGINT) BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
-        f"NOT (contains(j.{_ident(tk)}, '.') OR contains(lower(j.{_ident(tk)}), 'e'))",
-        f"NOT {is_str(tk)}",
-        id_ok(rk),
-        id_ok(sk),
-        id_ok(uk),
-    ]
-    if facts:
-        tests += [f"quotes = 2 * ({n_keys}) + 2 * ({n_str})", "text_ok"]
-    else:
-        tests += [
-            f"length(line) - length(replace(line, '\"', '')) = 2 * ({n_keys}) + 2 * ({n_str})",
-            "NOT (contains(line, ',}') OR contains(line, ',]') OR CASE WHEN contains(line, ', ') "
-            f"THEN regexp_matches(line, '{_TRAILING_COMMA_RE}') ELSE FALSE END)",
-            "NOT (contains(line, 'true') OR contains(line, 'false'))",
-        ]
-    # a map written as a list still parses (to a struct of NULLs): the first `"dense":` /
-    # `"sparse":` must open an object, or the key must be absent (in any spelling)
-    for key, present in (("dense", schema.dense), ("sparse", schema.sparse)):
-        if present and not facts:
-            at = f"instr(line, {sql_str(chr(34) + key + chr(34) + ':')})"
-            first = f"left(ltrim(substr(line, {at} + {len(key) + 3}, 8)), 1)"
-            absent = f"NOT contains(line, {sql_str(chr(34) + key + chr(34))})"
-            tests.append(f"(CASE WHEN {at} > 0 THEN {first} = '{{' ELSE {absent} END)")
-    for f in schema.dense:
-        v = f"j.dense[{sql_str(f.name)}]"
-        tests.append(f"({v} IS NULL OR (isfinite({v}) AND abs({v}) <= {_FLOAT32_MAX}))")
-    for f in schema.sparse:
-        v = f"j.sparse[{sql_str(f.name)}]"
-        too_long = "" if f.truncate else f" AND len({v}) <= {int(f.max_len)}"
-        tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
-    if schema.sparse and not facts:
-        tail = "substr(line, strpos(line, '\"sparse\"'))"
-        # no fraction or exponent among the sparse ids (key names may hold an `e`)
-        tests.append(
-            f"NOT (contains({tail}, '.') OR contains({tail}, 'E') "
-            f"OR regexp_matches({tail}, '[0-9]e'))"
-        )
-    fact_cols = (" " + ", ".join(LINE_FACT_COLUMNS) + ",") if facts else ""
-    parse = f"from_json(line, '{struct}')"
-    if guarded:
-        parse = f"CASE WHEN json_valid(line) THEN {parse} END"
-    cond, long_reason, long_detail = _too_long(max_line_bytes)
-    return f"""
-WITH parsed AS (
-  SELECT file_id, line_no, line, source, source_line, too_long,{fact_cols}
-    {parse} AS j
-  FROM {src}
-), checked AS (
-  SELECT *, coalesce({" AND ".join(tests)}, FALSE) AS ok FROM parsed
-)
-SELECT
-  file_id,
-  line_no,
-  CASE WHEN {cond} THEN '{long_reason}' WHEN NOT ok THEN '{PENDING}' END AS reason,
-  CASE WHEN {cond} THEN {long_detail} END AS detail,
-  CASE WHEN NOT ok THEN line END AS raw,
-  CASE WHEN NOT ok THEN source END AS source,
-  CASE WHEN NOT ok THEN source_line END AS source_line,
-  j.{_ident(rk)} AS request_id,
-  j.{_ident(sk)} AS session_key,
-  j.{_ident(uk)} AS user_key,
-  TRY_CAST(j.{_ident(tk)} AS BIGINT) AS ts,
-{_value_columns(schema, "j.dense", "j.sparse")}
-  NULL::VARCHAR[] AS unknown,
-  NULL::VARCHAR[] AS unknown_keys
-FROM checked
-"""
-
-
-def _value_columns(schema: DatasetSchema, dense: str | None, sparse: str | None) -> str:
-    """SQL select-list lines for ``d0..`` / ``s0..``, from typed structs or from ``dv``/``sv``.
-
-    Dense: float32; sparse: BIGINT[], longer than ``max_len`` -> the last ``max_len`` ids;
-    missing (absent or ``null``) -> NULL, filled when the dataset is written (bad rows get
-    meaningless values: they are quarantined and never written).
-    """
-    out = []
-    for i, f in enumerate(schema.dense):
-        v = f"{dense}[{sql_str(f.name)}]" if dense else f"dv{i}"
-        out.append(f"TRY_CAST({v} AS FLOAT)")
-    for i, f in enumerate(schema.sparse):
-        v = f"{sparse}[{sql_str(f.name)}]" if sparse else f"sv{i}"
-        out.append(f"{v}[-{int(f.max_len)}:]" if f.truncate else v)
-    return "".join(f"  {e} AS {n},\n" for e, n in zip(out, feature_columns(schema)))
 
 
 def _unknown_keys(schema: DatasetSchema) -> str:
@@ -520,15 +339,15 @@ def event_select(
     lk = schema.label_key
     struct = "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, tk, lk)) + "}"
     struct = struct.replace("'", "''")
-    lab = f"j.{_ident(lk)}"
+    lab = f"j.{ident(lk)}"
     checks: list[tuple[str, str, str]] = [
         *_line_checks(rk, max_line_bytes),
         (
-            f"j.{_ident(tk)} IS NOT NULL AND json_type(j.{_ident(tk)}) <> 'NULL' "
-            f"AND (json_type(j.{_ident(tk)}) NOT IN {_INT_TYPES} "
-            f"OR {_num(f'j.{_ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL)",
+            f"j.{ident(tk)} IS NOT NULL AND json_type(j.{ident(tk)}) <> 'NULL' "
+            f"AND (json_type(j.{ident(tk)}) NOT IN {_INT_TYPES} "
+            f"OR {_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL)",
             reasons.WRONG_TYPE,
-            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{_ident(tk)}"),
+            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{ident(tk)}"),
         ),
         (
             f"{lab} IS NULL AND json_type(line, {sql_str(_json_path(lk))}) IS NULL",
@@ -551,7 +370,7 @@ def event_select(
             _detail(lk, "expected a finite number", lab),
         ),
         (
-            f"abs({_num(lab, 'DOUBLE', _NUM_TYPES)}) > {_FLOAT32_MAX}",
+            f"abs({_num(lab, 'DOUBLE', _NUM_TYPES)}) > {FLOAT32_MAX}",
             reasons.NON_FINITE,
             _detail(lk, "expected a number within float32", lab),
         ),
@@ -560,7 +379,7 @@ def event_select(
         f"CASE json_type({lab}) WHEN 'BOOLEAN' THEN TRY_CAST({lab} AS BOOLEAN)::DOUBLE "
         f"ELSE {_num(lab, 'DOUBLE', _NUM_TYPES)} END"
     )
-    rid = f"j.{_ident(rk)}"
+    rid = f"j.{ident(rk)}"
     return f"""
 WITH parsed AS (
   SELECT file_id, line_no, line, source, source_line, too_long,
@@ -582,11 +401,6 @@ SELECT
   CASE WHEN bad IS NULL THEN {label} END AS label
 FROM checked
 """
-
-
-def schema_keys(schema: DatasetSchema) -> tuple[str, str, str, str]:
-    """The raw record keys: request id, session id, user id, timestamp."""
-    return "request_id", schema.session_key, schema.user_key, schema.time_key
 
 
 #: the columns every validated row has first (bad rows fill them; good rows leave the rest NULL)
@@ -658,7 +472,9 @@ class Validator:
         """
         with self._cursor() as cur:
             view = self._register(cur, self.with_facts(lines))
-            fast = self._run(cur, lambda g: self.feature_sql(view, fast=True, guarded=g, facts=True))
+            fast = self._run(
+                cur, lambda g: self.feature_sql(view, fast=True, guarded=g, facts=True)
+            )
             is_pending = pc.fill_null(pc.equal(fast.column("reason"), PENDING), False)
             pending = fast.filter(is_pending)
             if not pending.num_rows:

@@ -230,3 +230,46 @@ def test_an_event_without_label_or_with_a_null_label_names_the_field(tmp_path, e
         "field `label`: missing",
         "field `label`: null, expected a number",
     ]
+
+
+# --- one set of line rules, whatever the chunking, in `etl shard` and in `etl build` ---------
+
+
+def _awkward_bytes() -> bytes:
+    parts = [
+        b"\xef\xbb\xbf" + _line("a", 1),  # a byte-order mark opens the file
+        b"",
+        b"   ",
+        _line("b", 2).replace(b", ", b",\r "),  # `\r` as whitespace
+        b"x" * 30 + b"\r",  # `\r\n`
+        b"\r",  # an empty line ended by `\r\n`
+        "\u00e9t\u00e9 \u20ac".encode() * 20,  # 180 bytes: over the limit
+        _line("c", 3),
+    ]
+    return b"\n".join(parts) + b"\r\n" + b"tail\r"  # a last line without `\n` keeps its `\r`
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64])
+def test_the_reader_splits_the_same_lines_whatever_the_chunks(tmp_path, chunk):
+    from etl.build.inputs import InputFile, read_lines
+    from etl.rawio import iter_raw_lines
+
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(_awkward_bytes())
+    f = InputFile(path, "jsonl")
+
+    def lines(size: int) -> list[tuple]:
+        got = pa.concat_tables(read_lines(f, 0, max_line_bytes=150, chunk_bytes=size))
+        return list(zip(*(got.column(c).to_pylist() for c in ("line_no", "line", "too_long"))))
+
+    whole = lines(1 << 20)
+    assert lines(chunk) == whole
+    assert [n for n, _, _ in whole] == list(range(1, 10))
+    assert whole[-1][1:] == ("tail\r", None) and whole[1][1] is None  # an empty line is NULL
+    assert [(n, size) for n, line, size in whole if size] == [(7, 180)]
+    # `etl shard`'s reader numbers the same lines, skipping the blank ones
+    shard_lines = [
+        (n, line.decode(), size if size > 150 else None)
+        for n, line, size in iter_raw_lines(path, max_line_bytes=150)
+    ]
+    assert shard_lines == [(n, line, size) for n, line, size in whole if line and line.strip()]
