@@ -91,7 +91,10 @@ def build(
             work_dir=tmp,
             bar=phases.bar,
         )
-        manifest = _run(engine, job, phases)
+        try:
+            manifest = _run(engine, job, phases)
+        finally:
+            job.validator.close()
         manifest["elapsed_s"] = round(time.perf_counter() - t_start, 3)
         (tmp / "_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _commit(tmp, out_dir)

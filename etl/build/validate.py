@@ -8,7 +8,7 @@ The rules and the wording of every reason live here and nowhere else.
 1. The fast path (:func:`feature_select` with ``fast=True``): one typed, lenient ``from_json``
    per line plus cheap text tests that prove no leniency was needed. Nearly every good line
    is accepted here. Its text tests run either in SQL or, faster, precomputed per line by
-   :func:`etl.build._facts.line_facts` (``facts=True``); both accept exactly the same lines.
+   :func:`etl.build._kernels.line_facts` (``facts=True``); both accept exactly the same lines.
 2. The full checks (``fast=False``), run only on the lines the fast path did not accept: the
    line is parsed into a struct whose leaves are JSON fragments, so types are checked strictly
    (DuckDB's typed extraction would quietly turn ``"12"`` into ``12`` and ``1.5`` into ``2``).
@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from etl import reasons
-from etl.build._facts import LINE_FACT_COLUMNS, line_facts
 from etl.build._fastpath import fast_select
+from etl.build._kernels import LINE_FACT_COLUMNS, line_facts
 from etl.build._sql import (
     FLOAT32_MAX,
     PENDING,
@@ -107,8 +107,9 @@ def _line_checks(rk: str, max_line_bytes: int) -> list[tuple[str, str, str]]:
         too_long_check(max_line_bytes),
         ("line IS NULL OR trim(line) = ''", reasons.MALFORMED_JSON, sql_str("empty line")),
         ("j IS NULL", reasons.MALFORMED_JSON, sql_str("not valid JSON")),
-        (
-            f"regexp_matches({outside}, '{TRAILING_COMMA_RE}')",
+        (  # the cheap test first: the strings are cut out only from the lines it flags
+            f"regexp_matches(line, '{TRAILING_COMMA_RE}') "
+            f"AND regexp_matches({outside}, '{TRAILING_COMMA_RE}')",
             reasons.MALFORMED_JSON,
             sql_str("not valid JSON (trailing comma)"),
         ),
@@ -122,6 +123,64 @@ def _line_checks(rk: str, max_line_bytes: int) -> list[tuple[str, str, str]]:
             reasons.WRONG_TYPE,
             _detail(rk, "expected a string or an integer", f"j.{ident(rk)}"),
         ),
+    ]
+
+
+_NOT_INT_LIST = f"NOT regexp_full_match({{v}}::VARCHAR, '{_INT_LIST_RE}')"
+#: the checks of one feature: (condition over the fragment ``{v}`` and typed column ``dv{i}`` /
+#: ``sv{i}``, reason, what was expected), in reason order
+_DENSE_CHECKS = (
+    (
+        "{v} IS NOT NULL AND json_type({v}) NOT IN ('NULL', 'BIGINT', 'UBIGINT', 'DOUBLE')",
+        reasons.WRONG_TYPE,
+        "expected a number",
+    ),
+    (
+        f"NOT isfinite(dv{{i}}) OR abs(dv{{i}}) > {FLOAT32_MAX}",
+        reasons.NON_FINITE,
+        "expected a finite float32",
+    ),
+)
+_SPARSE_CHECKS = (
+    (
+        f"{{v}} IS NOT NULL AND json_type({{v}}) = 'ARRAY' AND {_NOT_INT_LIST} "
+        "AND regexp_matches({v}::VARCHAR, '[\\[,](-?Infinity|NaN)[,\\]]')",
+        reasons.NON_FINITE,
+        "expected finite integer ids",
+    ),
+    (
+        "{v} IS NOT NULL AND json_type({v}) <> 'NULL' "
+        f"AND (json_type({{v}}) <> 'ARRAY' OR {_NOT_INT_LIST})",
+        reasons.WRONG_TYPE,
+        "expected a list of integer ids",
+    ),
+    ("list_count(sv{i}) < len(sv{i})", reasons.ID_OUT_OF_RANGE, "ids must fit in int64"),
+)
+
+
+#: the select list of the columns every row has (set only for a bad row ``bad``)
+_BAD_ROW = """  file_id,
+  line_no,
+  bad.r AS reason,
+  bad.d AS detail,
+  CASE WHEN bad IS NOT NULL THEN line END AS raw,
+  CASE WHEN bad IS NOT NULL THEN source END AS source,
+  CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,"""
+
+
+def _parsed(src: str, struct: str) -> str:
+    """The CTE ``parsed``: the lines of ``src``, each parsed into ``struct`` (NULL if not JSON)."""
+    return f"""parsed AS (
+  SELECT file_id, line_no, line, source, source_line, too_long,
+    CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
+  FROM {src}
+)"""
+
+
+def _feature_checks(table, field: str, *, v: str, i: int) -> list[tuple[str, str, str]]:
+    """The checks of ``table`` for one feature (fragment ``v``, typed column number ``i``)."""
+    return [
+        (cond.format(v=v, i=i), reason, _detail(field, text, v)) for cond, reason, text in table
     ]
 
 
@@ -143,7 +202,7 @@ def feature_select(
     skips the ``json_valid`` guard: the statement then fails on the first malformed line, and
     the caller retries the file guarded — an optimistic saving of one parse per clean file.
     ``facts`` (fast path only): ``src`` also carries the columns of
-    :func:`etl.build._facts.line_facts`, which replace the text tests done in SQL. A line the
+    :func:`etl.build._kernels.line_facts`, which replace the text tests done in SQL. A line the
     reader cut (``too_long`` set) is quarantined as ``line_too_long`` by both tiers;
     ``max_line_bytes`` is the limit its detail names.
 
@@ -204,59 +263,22 @@ def feature_select(
             "'field `sparse`: expected an object, got ' || json_type(line, '$.sparse')",
         ),
     ]
-    # dense: numbers (null = missing -> fill), finite and within float32
+    # dense: numbers (null = missing -> fill), finite and within float32; sparse: lists of
+    # int64 (null = missing -> empty list)
     for i, feat in enumerate(schema.dense):
         v = f"j.dense[{sql_str(feat.name)}]"
-        field = f"dense.{feat.name}"
-        checks.append(
-            (
-                f"{v} IS NOT NULL AND json_type({v}) NOT IN ('NULL', 'BIGINT', 'UBIGINT', 'DOUBLE')",
-                reasons.WRONG_TYPE,
-                _detail(field, "expected a number", v),
-            )
-        )
-        checks.append(
-            (
-                f"NOT isfinite(dv{i}) OR abs(dv{i}) > {FLOAT32_MAX}",
-                reasons.NON_FINITE,
-                _detail(field, "expected a finite float32", v),
-            )
-        )
-    # sparse: lists of int64 (null = missing -> empty list)
+        checks += _feature_checks(_DENSE_CHECKS, f"dense.{feat.name}", v=v, i=i)
     for i, feat in enumerate(schema.sparse):
         v = f"j.sparse[{sql_str(feat.name)}]"
         field = f"sparse.{feat.name}"
-        not_int_list = f"NOT regexp_full_match({v}::VARCHAR, '{_INT_LIST_RE}')"
-        checks.append(
-            (
-                f"{v} IS NOT NULL AND json_type({v}) = 'ARRAY' AND {not_int_list} "
-                f"AND regexp_matches({v}::VARCHAR, '[\\[,](-?Infinity|NaN)[,\\]]')",
-                reasons.NON_FINITE,
-                _detail(field, "expected finite integer ids", v),
-            )
-        )
-        checks.append(
-            (
-                f"{v} IS NOT NULL AND json_type({v}) <> 'NULL' "
-                f"AND (json_type({v}) <> 'ARRAY' OR {not_int_list})",
-                reasons.WRONG_TYPE,
-                _detail(field, "expected a list of integer ids", v),
-            )
-        )
-        checks.append(
-            (
-                f"list_count(sv{i}) < len(sv{i})",
-                reasons.ID_OUT_OF_RANGE,
-                _detail(field, "ids must fit in int64", v),
-            )
-        )
+        checks += _feature_checks(_SPARSE_CHECKS, field, v=v, i=i)
         if not feat.truncate:
+            too_many = f"{sql_str(f' ids > max_len {feat.max_len} (truncate = false)')}"
             checks.append(
                 (
                     f"len(sv{i}) > {int(feat.max_len)}",
                     reasons.LIST_TOO_LONG,
-                    f"{sql_str(f'field `{field}`: ')} || len(sv{i}) || "
-                    f"{sql_str(f' ids > max_len {feat.max_len} (truncate = false)')}",
+                    f"{sql_str(f'field `{field}`: ')} || len(sv{i}) || {too_many}",
                 )
             )
     dense_frag = [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
@@ -270,11 +292,7 @@ def feature_select(
         return f"CASE WHEN starts_with({col}::VARCHAR, '\"') THEN {col} ->> '$' ELSE {col}::VARCHAR END"
 
     return f"""
-WITH parsed AS (
-  SELECT file_id, line_no, line, source, source_line, too_long,
-    CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
-  FROM {src}
-), typed AS (
+WITH {_parsed(src, struct)}, typed AS (
   SELECT *, {", ".join(typed) if typed else "NULL AS _none"} FROM parsed
 ), checked AS (
   SELECT *,
@@ -282,13 +300,7 @@ WITH parsed AS (
   FROM typed
 )
 SELECT
-  file_id,
-  line_no,
-  bad.r AS reason,
-  bad.d AS detail,
-  CASE WHEN bad IS NOT NULL THEN line END AS raw,
-  CASE WHEN bad IS NOT NULL THEN source END AS source,
-  CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,
+{_BAD_ROW}
   CASE WHEN bad IS NULL THEN {text_of(f"j.{ident(rk)}")} END AS request_id,
   CASE WHEN bad IS NULL AND j.{ident(sk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(sk)}")} END
     AS session_key,
@@ -381,21 +393,11 @@ def event_select(
     )
     rid = f"j.{ident(rk)}"
     return f"""
-WITH parsed AS (
-  SELECT file_id, line_no, line, source, source_line, too_long,
-    CASE WHEN json_valid(line) THEN from_json(line, '{struct}') END AS j
-  FROM {src}
-), checked AS (
+WITH {_parsed(src, struct)}, checked AS (
   SELECT *, {_case(checks)} AS bad FROM parsed
 )
 SELECT
-  file_id,
-  line_no,
-  bad.r AS reason,
-  bad.d AS detail,
-  CASE WHEN bad IS NOT NULL THEN line END AS raw,
-  CASE WHEN bad IS NOT NULL THEN source END AS source,
-  CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,
+{_BAD_ROW}
   CASE WHEN bad IS NULL THEN
     CASE json_type({rid}) WHEN 'VARCHAR' THEN {rid} ->> '$' ELSE {rid}::VARCHAR END END AS request_id,
   CASE WHEN bad IS NULL THEN {label} END AS label
@@ -453,7 +455,7 @@ class Validator:
         return event_select(self.schema, src, max_line_bytes=self.max_line_bytes)
 
     def with_facts(self, lines: pa.Table) -> pa.Table:
-        """``lines`` plus the columns of :func:`etl.build._facts.line_facts` (``facts=True``)."""
+        """``lines`` plus the columns of :func:`etl.build._kernels.line_facts` (``facts=True``)."""
         facts = line_facts(lines.column("line").combine_chunks(), self.keys)
         for name in LINE_FACT_COLUMNS:
             lines = lines.append_column(name, pa.array(facts[name]))
@@ -493,6 +495,13 @@ class Validator:
         with self._cursor() as cur:
             view = self._register(cur, lines)
             return cur.sql(self.event_sql(view)).to_arrow_table()
+
+    def close(self) -> None:
+        """Close the in-memory DuckDB of :meth:`features` and :meth:`events` (if opened)."""
+        with self._lock:
+            if self._con is not None:
+                self._con.close()
+                self._con = None
 
     def _cursor(self) -> Any:
         import duckdb

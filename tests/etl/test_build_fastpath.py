@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from etl.build import BuildConfig, build, engine_duckdb, inputs
-from etl.build._facts import LINE_FACT_COLUMNS, line_facts
+from etl.build._kernels import LINE_FACT_COLUMNS, line_facts
 from etl.build.validate import PENDING, feature_select, schema_keys
 from schemas import default_schema
 
@@ -174,16 +174,17 @@ def test_line_facts_reports_quotes_and_id_kinds():
 def test_fast_path_parallel_files_and_small_batches_give_the_same_dataset(
     synth_logs, tmp_path, monkeypatch
 ):
-    """Compiled text tests, 2 files at a time, batches of ~1000 lines vs SQL tests, 1 file."""
+    """Compiled text tests, 2 files at a time, batches of 1000 lines vs SQL tests, 1 file."""
 
     def run(out, *, facts: bool, threads: int, batch: int):
         monkeypatch.setattr(engine_duckdb, "LINE_FACTS", facts)
-        monkeypatch.setattr(inputs, "CHUNK_BYTES", batch)
+        monkeypatch.setattr(inputs, "CHUNK_BYTES", batch * 1000)
+        monkeypatch.setattr(inputs, "BATCH_LINES", batch)
         cfg = BuildConfig(threads=threads, row_group_size=4_096)
         return build(synth_logs.features, out, events=synth_logs.events, config=cfg)
 
-    a = run(tmp_path / "a", facts=True, threads=2, batch=500_000)
-    b = run(tmp_path / "b", facts=False, threads=1, batch=64 << 20)
+    a = run(tmp_path / "a", facts=True, threads=2, batch=1_000)
+    b = run(tmp_path / "b", facts=False, threads=1, batch=65_536)
     for key in ("rows_in", "rows_out", "quarantine_by_reason", "sessions", "unknown_features"):
         assert a[key] == b[key], key
     assert a["reconciles"] and a["quarantine_by_reason"] == {

@@ -94,7 +94,7 @@ def test_allowed_missing_features_are_counted_in_the_manifest_and_summary(tmp_pa
     table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert table.column("user_age").to_pylist()[:4] == [-1.0] * 4  # filled, and counted
     text = format_summary(m)
-    assert "missing features item_price (10 100%), item_id (4 40%), user_age (4 40%)" in text
+    assert "missing features item_price (10, 100%), item_id (4, 40%), user_age (4, 40%)" in text
     assert "unknown keys     item_id (4), item_price (4), user_age (4)" in text
 
 

@@ -211,6 +211,7 @@ def test_engines_give_the_same_dataset_quarantine_and_counts(tmp_path, corpus):
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_lines_split_across_reads_and_batches_keep_their_numbers(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(inputs, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(inputs, "BATCH_LINES", 3)
     good = [json.dumps(_rec(f"r{i}", i, session="s")).encode() for i in range(6)]
     (tmp_path / "lf.jsonl.zst").write_bytes(
         zstandard.ZstdCompressor().compress(
