@@ -182,8 +182,9 @@ def split_lines(
         only a prefix of ``prefix`` bytes or fewer, cut before a UTF-8 character), else -1.
     """
     ends = np.flatnonzero(data[start:stop] == 10) + start
-    text = np.empty(stop - start, dtype=np.uint8)
-    offsets = np.empty(ends.size + 1, dtype=np.int64)
+    # Arrow's allocator: the engines read these bytes many times over
+    text = np.frombuffer(pa.allocate_buffer(max(stop - start, 1)), dtype=np.uint8)
+    offsets = np.frombuffer(pa.allocate_buffer(8 * (ends.size + 1)), dtype=np.int64)
     sizes = np.empty(ends.size, dtype=np.int64)
     used = _kernels()[1](data, start, ends, limit, prefix, text, offsets, sizes)
     return text[:used], offsets, sizes

@@ -456,9 +456,10 @@ class Validator:
 
     def with_facts(self, lines: pa.Table) -> pa.Table:
         """``lines`` plus the columns of :func:`etl.build._kernels.line_facts` (``facts=True``)."""
-        facts = line_facts(lines.column("line").combine_chunks(), self.keys)
+        chunks = lines.column("line").chunks or [pa.array([], pa.large_string())]
+        facts = [line_facts(chunk, self.keys) for chunk in chunks]  # no copy of the text
         for name in LINE_FACT_COLUMNS:
-            lines = lines.append_column(name, pa.array(facts[name]))
+            lines = lines.append_column(name, pa.chunked_array([f[name] for f in facts]))
         return lines
 
     # -- Arrow in, Arrow out, for any engine --------------------------------------------------
