@@ -45,7 +45,7 @@ VALID = [
 ]
 EVENTS = [{"request_id": "r1", "ts": 2, "label": 1}, {"request_id": 2, "label": 0.5}]
 SETTINGS = settings(
-    max_examples=20,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -129,10 +129,16 @@ def test_random_bytes(lines):
     _check(lines)
 
 
+#: events of a known request with any (or no) label and ts
+_event = st.fixed_dictionaries(
+    {"request_id": st.sampled_from(["r1", 2, "r3"])}, optional={"label": _json, "ts": _json}
+)
+
+
 @SETTINGS
 @given(
     values=st.lists(_json, max_size=12),
-    events=st.lists(_json, max_size=4),
+    events=st.lists(_event | _json, max_size=4),
     max_line_bytes=st.sampled_from([1 << 20, 40]),
 )
 def test_random_json(values, events, max_line_bytes):
