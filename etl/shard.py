@@ -42,6 +42,7 @@ import orjson
 import zstandard
 
 from etl import reasons
+from etl.paths import check_output
 from etl.rawio import (
     DEFAULT_MAX_LINE_BYTES,
     UNROUTABLE_NAME,
@@ -49,7 +50,7 @@ from etl.rawio import (
     iter_raw_lines,
     unroutable_record,
 )
-from recpipe.errors import CorruptInputError, DataError, RecpipeError
+from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
 __all__ = ["ShardConfig", "format_report", "register_cli", "shard", "shard_path"]
@@ -257,8 +258,7 @@ def shard(
     schema = schema or load_schema(None)
     files = expand_inputs(inputs)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DataError(f"`out_dir`: {str(out)!r} exists and is not empty (pass overwrite=True)")
+    check_output(out, kind="shards", inputs=[inputs], overwrite=overwrite, arg="out_dir")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

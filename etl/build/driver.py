@@ -30,6 +30,7 @@ from etl.build.output import (
     write_rows,
 )
 from etl.build.validate import Validator
+from etl.paths import check_output
 from recpipe.errors import DataError
 from schemas import DatasetSchema, default_schema
 
@@ -75,7 +76,7 @@ def build(
     config = config if config is not None else BuildConfig()
     engine = engine_class(config.engine)
     engine.check_config(config)
-    out_dir = _check_out_dir(Path(out_dir), overwrite=overwrite)
+    out_dir = _check_out_dir(Path(out_dir), inputs=[features, events], overwrite=overwrite)
     feat_files = list_inputs(features)
     ev_files = list_inputs(events) if events is not None else []
     tmp = out_dir.parent / f".{out_dir.name}{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
@@ -204,14 +205,10 @@ def check_missing_features(counts: BuildCounts, config: BuildConfig) -> None:
     raise DataError(msg)
 
 
-def _check_out_dir(out_dir: Path, *, overwrite: bool) -> Path:
-    """``out_dir``, once it may be written: absent, empty, or replaced with ``overwrite``."""
-    if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise DataError(
-            f"`out_dir` {str(out_dir)!r} already exists; pass overwrite=True (--overwrite) to "
-            "replace it"
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+def _check_out_dir(out_dir: Path, *, inputs: list[Any], overwrite: bool) -> Path:
+    """``out_dir``, once it may be written (:func:`etl.paths.check_output`: not an input, nor
+    inside or around one; absent, empty, or an earlier dataset replaced with ``overwrite``)."""
+    check_output(out_dir, kind="dataset", inputs=inputs, overwrite=overwrite, arg="out_dir")
     _clean_stale(out_dir)
     return out_dir
 

@@ -124,7 +124,7 @@ def test_no_valid_record_is_not_a_missing_feature(tmp_path):
 
 
 def test_a_build_without_events_warns_that_every_label_is_0(tmp_path, capsys):
-    from recpipe.cli import main
+    from recpipe_cli import main
 
     src = _write(tmp_path / "f.jsonl", [_nested(i) for i in range(3)])
     m = build(src, tmp_path / "out", schema=SCHEMA)
