@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from recpipe.errors import RecpipeError
 from trainer.config import TrainConfig
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
 from trainer.distributed.comm import Comm
+from trainer.distributed.config import DistributedConfig
 from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
@@ -34,46 +35,6 @@ from trainer.metrics import PredictionWindow
 from trainer.train import EvalResult, TrainResult, batch_dedup_factor
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
-
-
-@dataclass
-class DistributedConfig:
-    """How a multi-rank job runs its embedding exchange.
-
-    Args:
-        hot_rows: R, hot rows of all tables together: ``"auto"`` (the cost model's choice) or
-            a number (``0``: no hot set).
-        count_steps: training steps whose accesses are counted before R is chosen.
-        hot_budget_rows: most hot rows the cost model may choose.
-        timeout_s: collective timeout: a rank that hangs makes the others fail after it.
-        probe_repeats: timed calls per size when fitting the cost model at start-up.
-        probe_rows: the largest size probed: hot rows of the all-reduce, ids per rank of the
-            all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it).
-    """
-
-    hot_rows: Literal["auto"] | int = "auto"
-    count_steps: int = 20
-    hot_budget_rows: int = 65536
-    timeout_s: float = 300.0
-    probe_repeats: int = 7
-    probe_rows: int = 65536
-
-    def __post_init__(self) -> None:
-        if self.hot_rows != "auto" and (
-            isinstance(self.hot_rows, bool)
-            or not isinstance(self.hot_rows, int)
-            or self.hot_rows < 0
-        ):
-            msg = f"`hot_rows` must be 'auto' or a non-negative integer, got {self.hot_rows!r}"
-            raise RecpipeError(msg)
-        for name in ("count_steps", "hot_budget_rows", "probe_repeats", "probe_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"`{name}` must be a positive integer, got {value!r}"
-                raise RecpipeError(msg)
-        if not self.timeout_s > 0:
-            msg = f"`timeout_s` must be > 0, got {self.timeout_s!r}"
-            raise RecpipeError(msg)
 
 
 @dataclass
