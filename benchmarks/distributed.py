@@ -300,7 +300,7 @@ def _line(line: Any) -> dict[str, Any]:
 
 
 def _dedup_factor(batch: Any) -> float:
-    from trainer.train import batch_dedup_factor
+    from trainer.runlog import batch_dedup_factor
 
     return batch_dedup_factor(batch)
 

@@ -244,7 +244,7 @@ def measure_memory(
 ) -> dict[str, Any]:
     """Activation bytes of the embedding + attention modules and of the whole forward."""
     from trainer.models import DLRM
-    from trainer.train import batch_dedup_factor
+    from trainer.runlog import batch_dedup_factor
 
     model = DLRM.from_schema(schema, model_config)
     out: dict[str, Any] = {}

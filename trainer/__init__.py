@@ -29,8 +29,9 @@ __all__ = [
 
 _WHERE = {
     "trainer.config": ("ModelConfig", "TableConfig", "TrainConfig"),
+    "trainer.attention": ("AttentionPooling",),
     "trainer.modules": (
-        "AttentionPooling", "JaggedEmbeddings", "ParameterTable", "PooledEmbeddings",
+        "JaggedEmbeddings", "ParameterTable", "PooledEmbeddings",
         "SequenceEmbeddings",
     ),
     "trainer.torchrec": ("EmbeddingBagCollection", "EmbeddingCollection"),

@@ -73,7 +73,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 def run(config: TrainConfig, args: argparse.Namespace) -> int:
     """Train ``config`` (on several ranks when ``args`` asks for it), print the summary and
     write ``--json``; the exit code. A torchrun worker of ``--nproc`` enters here too."""
-    from trainer.train import format_summary, train
+    from trainer.runlog import format_summary
+    from trainer.train import train
 
     summary = None
     if distributed.requested(args):

@@ -23,9 +23,9 @@ from torch import nn
 
 from recpipe.batch import Batch
 from recpipe.errors import RecpipeError
+from trainer.attention import AttentionPooling
 from trainer.config import ModelConfig, TableConfig
 from trainer.modules import (
-    AttentionPooling,
     PooledEmbeddings,
     SequenceEmbeddings,
     TableFactory,

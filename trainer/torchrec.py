@@ -278,7 +278,7 @@ class EmbeddingCollection(_Collection):
     For a feature of an IKJT group the embeddings of the group's U unique rows are looked up and
     expanded to the B batch rows with the jagged index select (RecD O6; its backward is a jagged
     index add). :meth:`unique_embeddings` returns them before the expansion, for compute that
-    runs on unique rows too (e.g. :class:`trainer.modules.AttentionPooling`, O7).
+    runs on unique rows too (e.g. :class:`trainer.attention.AttentionPooling`, O7).
 
     Args:
         tables: TorchRec ``EmbeddingConfig`` s, all of the same ``embedding_dim``.

@@ -16,8 +16,8 @@ from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from schemas import default_schema, parse_schema
 from tests.common.data import session_batch
 from tests.common.schemas import TINY_SCHEMA
+from trainer.attention import AttentionPooling
 from trainer.modules import (
-    AttentionPooling,
     JaggedEmbeddings,
     ParameterTable,
     PooledEmbeddings,

@@ -12,7 +12,8 @@ from recpipe.errors import DataError, RecpipeError
 from tests.common.data import synthetic_dataset
 from trainer.metrics import PredictionWindow, auc
 from trainer.models import ModelConfig
-from trainer.train import TrainConfig, Trainer, format_summary, holdout_splits, train
+from trainer.runlog import format_summary
+from trainer.train import TrainConfig, Trainer, holdout_splits, train
 
 SMALL_MODEL = ModelConfig(
     embedding_dim=8, num_embeddings=2000, bottom_mlp=(16,), top_mlp=(32,), attention_heads=2

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from trainer.config import TrainConfig
     from trainer.distributed.config import DistributedConfig, LaunchConfig
     from trainer.distributed.run import DistributedSummary
-    from trainer.train import TrainResult
+    from trainer.runlog import TrainResult
 
 __all__ = [
     "SPEC_FLAG",

@@ -33,7 +33,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
-from trainer.train import RunLog, TrainResult, batch_dedup_factor, run_targets
+from trainer.runlog import RunLog, TrainResult, batch_dedup_factor, run_targets
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 

@@ -31,7 +31,8 @@ from trainer.distributed.exchange import ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.metrics import auc
 from trainer.modules import TableConfig, TableFactory, table_seed
-from trainer.train import EvalResult, make_optimizers
+from trainer.runlog import EvalResult
+from trainer.train import make_optimizers
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
