@@ -7,6 +7,9 @@ once when missing, exact ``equals``, and ``to(device)``/``pin_memory()``. The ro
 
 The deduplicated forms live in :mod:`recpipe.ikjt`; conversion to and from TorchRec in
 :mod:`recpipe.torchrec_interop`.
+
+One concept, over 600 lines: the two jagged value types (TorchRec keeps them in one file too);
+most of the length is :class:`KeyedJaggedTensor`'s TorchRec-compatible API.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ chosen by the cost model ``R·C_ar + N·(1−ρ(R))·C_a2a`` (:mod:`trainer.dist
 access counts gathered on their owners, and :meth:`ShardedEmbeddings.reshard` changes it at a
 step boundary: leaving rows go back to their owner with their optimizer state, entering rows
 are read from their owner and broadcast, so no update is lost. See ``docs/distributed.md``.
+
+One concept, over 600 lines: the exchange's step (:class:`ShardedEmbeddings`); everything else
+here (the table view, the counters, the hot candidates) exists only for it.
 """
 
 from __future__ import annotations
