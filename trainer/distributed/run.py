@@ -15,6 +15,7 @@ Rank 0 shows progress and writes the checkpoint's dense part, the summary and th
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -36,6 +37,8 @@ from trainer.distributed.trainer import DistributedTrainer, sharded_table_factor
 from trainer.runlog import RunLog, TrainResult, batch_dedup_factor, run_targets
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,6 +125,10 @@ class _RankRun:
         self.hot_chosen = False
         self.fit: CostFit | None = None
         self.summary = DistributedSummary(world_size=comm.world_size)
+        _log.info(
+            "rank %d of %d on %s: %d row groups to train on, %d held out",
+            comm.rank, comm.world_size, self.device, self.train_splits, self.eval_splits,
+        )  # fmt: skip
 
     def _make_trainer(self) -> DistributedTrainer:
         from trainer.models import DLRM

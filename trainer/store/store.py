@@ -45,6 +45,7 @@ cost model's coefficients are measured with collectives when ``torch.distributed
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -78,6 +79,8 @@ __all__ = [
     "init_rows",
     "open_store",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 class EmbeddingStore:
@@ -225,6 +228,9 @@ class EmbeddingStore:
         except BaseException:
             store.close()
             raise
+        _log.info(
+            "opened store %s at step %d (%d rows)", root, state.commit.step, state.commit.num_rows
+        )
         return store
 
     def _restore(self, state: Recovery, *, verify: bool) -> None:
