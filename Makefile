@@ -80,11 +80,11 @@ train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=
 	  --checkpoint $(OUT)/checkpoints
 
 bench: setup  ## run every benchmark (JSON in benchmarks/results/), then write the README's tables from it
-	@for b in $(filter-out benchmarks/report.py,$(wildcard benchmarks/[a-z]*.py)); do \
-	  echo "== $$b"; $(PY) $$b || exit 1; done
-	@echo "== benchmarks/etl.py, out of core (raw logs ~4.7x the memory limit)"
-	$(PY) benchmarks/etl.py --memory-limit 512MB --requests 2200000
-	$(PY) benchmarks/report.py
+	@for b in $(basename $(notdir $(filter-out benchmarks/report.py,$(wildcard benchmarks/[a-z]*.py)))); do \
+	  echo "== benchmarks.$$b"; $(PY) -m benchmarks.$$b || exit 1; done
+	@echo "== benchmarks.etl, out of core (raw logs ~4.7x the memory limit)"
+	$(PY) -m benchmarks.etl --memory-limit 512MB --requests 2200000
+	$(PY) -m benchmarks.report
 
 test: setup  ## the whole suite, slow tests included (what CI runs)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -n 2 --dist loadfile -q

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import alternate, ratio_spread, spread, write_results
+from benchmarks._common import alternate, ratio_spread, spread, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed.json"
 WORLD = 2
@@ -49,7 +49,7 @@ __all__ = ["main", "parse_args", "run"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/distributed.py",
+        prog="python -m benchmarks.distributed",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -408,7 +408,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python benchmarks/distributed.py` puts this folder first on sys.path, where scripts named
-    # like the packages (etl.py, readers.py, trainer.py) shadow them: the repository goes first
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

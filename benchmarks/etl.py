@@ -44,15 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS as RESULTS_DIR
-from _common import Timing, alternate, timing_ratio, write_results
+from benchmarks._common import RESULTS as RESULTS_DIR
+from benchmarks._common import Timing, alternate, timing_ratio, write_results
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    # `python benchmarks/etl.py` puts benchmarks/ on the path, where this file shadows the
-    # `etl` package it measures (wherever benchmarks/ sits in the path, before the editable
-    # install's finder): the repository root goes first, the one path edit this name forces
-    sys.path.insert(0, str(REPO))
 RESULTS = RESULTS_DIR / "etl.json"
 TARGETS = {
     "parquet_ratio_time_vs_clustered": (">=", 3.0),
@@ -183,7 +178,9 @@ def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
     spec = {**spec, "result": str(work / f"_{spec['kind']}_{time.monotonic_ns()}.json")}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.etl", "--child", json.dumps(spec)], cwd=REPO
+    )
     ps = psutil.Process(proc.pid)
     polled = 0
     while True:

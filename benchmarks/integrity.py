@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import alternate, spread, timing_ratio, write_results
+from benchmarks._common import alternate, spread, timing_ratio, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "integrity.json"
 
@@ -174,8 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # the script's folder holds etl.py and readers.py: import the packages, not those scripts
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    sys.path.insert(0, str(here.parent))
     sys.exit(main())

@@ -35,7 +35,7 @@ the repeats, with the CPU-time ratio beside the wall-time one):
   each output element written once) / time, as a share of the device's peak (2 x memory clock x
   bus width, from Numba) and against a ``torch`` device-to-device copy of the select's output size.
 
-Run: ``python benchmarks/kernels.py [--rows 4096] [--batches 20] [--dim 64]``; writes
+Run: ``python -m benchmarks.kernels [--rows 4096] [--batches 20] [--dim 64]``; writes
 ``benchmarks/results/kernels.json`` (``--out``) and prints a table.
 """
 
@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import Timing, alternate, spread, timing_ratio
 
+from benchmarks._common import Timing, alternate, spread, timing_ratio
 from recpipe.kernels import dedup_rows, jagged_index_select
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import alternate, timing_ratio
+from benchmarks._common import alternate, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "readers.json"
 
@@ -355,8 +355,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # this file is named like the `readers` package: import the package, not the script
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    sys.path.insert(0, str(here.parent))
     sys.exit(main())

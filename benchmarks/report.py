@@ -12,7 +12,7 @@ ratio; ``"headline": "cpu"`` in it when the figure itself is per CPU-second) or 
 ``<figure>_repeats`` list. Targets come from the JSON's ``targets`` when it has them, else from
 the defaults below (targets are specifications, not measurements).
 
-Run: ``python benchmarks/report.py`` (rewrite README.md), ``--check`` (exit 1 if it would
+Run: ``python -m benchmarks.report`` (rewrite README.md), ``--check`` (exit 1 if it would
 change), ``--print`` (print the section).
 """
 

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import Timing, alternate, spread, timing_ratio, write_results
+from benchmarks._common import Timing, alternate, spread, timing_ratio, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "service.json"
 TARGET_SERVICE_VS_INPROCESS = 0.8
@@ -438,12 +438,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # the script's folder holds readers.py: the `readers` package must come first; the folder
-    # stays last, for `_common` (reader processes, spawned, import this script again)
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [
-        str(here.parent),
-        *(p for p in sys.path if Path(p or ".").resolve() != here),
-        str(here),
-    ]
     sys.exit(main())

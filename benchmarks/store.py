@@ -12,8 +12,8 @@ Before anything is timed, every code path of the store runs once on a tiny store
 or loads each kernel on its first call in a process: seconds with an empty cache, a new user's
 first run), so no first-call cost lands inside a timed section.
 
-    python benchmarks/store.py            # defaults of the issue: batches of 4096 x 30 ids
-    python benchmarks/store.py --help
+    python -m benchmarks.store            # defaults of the issue: batches of 4096 x 30 ids
+    python -m benchmarks.store --help
 """
 
 from __future__ import annotations
@@ -33,24 +33,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import RESULTS, alternate, ratio_spread, spread, timing_ratio, write_results
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__" and str(ROOT) not in sys.path[:1]:
-    # `python benchmarks/store.py` puts benchmarks/ first on sys.path, where the script
-    # benchmarks/trainer.py hides the trainer package; the packages must come first (this goes
-    # once no script here is named like a package)
-    sys.path.insert(0, str(ROOT))
-
-from trainer.store import (  # noqa: E402
+from benchmarks._common import RESULTS, alternate, ratio_spread, spread, timing_ratio, write_results
+from trainer.store import (
     EmbeddingStore,
     IdIndex,
     StoreConfig,
     StoreEmbeddingBag,
     open_store,
 )
-from trainer.store.persist import write_row_block  # noqa: E402
+from trainer.store.persist import write_row_block
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = RESULTS / "store.json"
 

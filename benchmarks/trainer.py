@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import Timing, timed, timing_ratio
+from benchmarks._common import Timing, timed, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "trainer.json"
 
@@ -58,7 +58,7 @@ __all__ = ["main", "parse_args", "run"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/trainer.py",
+        prog="python -m benchmarks.trainer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -497,5 +497,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _bench import BENCHMARKS, load_benchmark
+from _bench import load_benchmark
+
+REPO = Path(__file__).resolve().parents[2]
 
 FIGURES = ("best_r_vs_r0", "chosen_vs_best_measured", "vs_torchrec_dmp", "scaling_2_ranks")
 
@@ -34,14 +36,14 @@ def test_tiny_run_writes_results(tmp_path):
     pytest.importorskip("torchrec")
     out = tmp_path / "distributed.json"
     argv = [
-        sys.executable, str(BENCHMARKS / "distributed.py"), "--requests", "2000",
+        sys.executable, "-m", "benchmarks.distributed", "--requests", "2000",
         "--batch-size", "32", "--batches", "2", "--steps", "1", "--repeats", "1",
         "--num-embeddings", "1000", "--probe-rows", "1024", "--work", str(tmp_path / "work"),
         "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("NUMBA_CACHE_DIR", str(Path(BENCHMARKS).parent / ".numba_cache"))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env)
+    env.setdefault("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(out.read_text())
     for key in FIGURES:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_readme_tables_are_what_report_renders_from_the_committed_json():
     readme = (ROOT / "README.md").read_text()
     expected = report.replace_section(readme, report.render(report.load_results()))
-    assert readme == expected, "run `python benchmarks/report.py` (or `make bench`)"
+    assert readme == expected, "run `python -m benchmarks.report` (or `make bench`)"
 
 
 def test_benchmark_prose_outside_the_tables_holds_no_measured_number():
