@@ -3,14 +3,14 @@
 Each rank caches embedding rows; a sample costs little on a rank that already holds the latest
 versions of its rows and much on one that must pull them (or make another rank push them first)
 over a slow link. The dispatcher keeps an exact shadow of every rank's cache, prices each
-session pack on each rank with ESD's cost model and assigns packs with HybridDis (exact for the
+session on each rank with ESD's cost model and places sessions with HybridDis (exact for the
 hardest share, greedy for the rest), every rank getting exactly its share of samples.
 
-* :mod:`readers.dispatch.packs`: session packs, the unit of dispatch.
-* :mod:`readers.dispatch.keys`: the (table, id) rows each pack reads, numbered densely.
+* :mod:`readers.dispatch.pieces`: session pieces, the unit of dispatch.
+* :mod:`readers.dispatch.keys`: the (table, id) rows each piece reads, numbered densely.
 * :mod:`readers.dispatch.shadow`: the ranks' caches and the rows' latest versions, step by step.
 * :mod:`readers.dispatch.cost`: the cost model.
-* :mod:`readers.dispatch.assign`: the exact assignment, the greedy pass, HybridDis.
+* :mod:`readers.dispatch.assign`: the exact placement, the greedy pass, HybridDis.
 * :mod:`readers.dispatch.dispatcher`: :class:`Dispatcher`, its config and the policies.
 
 See ``docs/dispatch.md``. Importing this package imports neither torch nor Numba.
@@ -26,29 +26,30 @@ __all__ = [
     "Dispatch",
     "DispatchConfig",
     "Dispatcher",
-    "PackRows",
-    "PackedBatch",
+    "PieceRows",
+    "PiecedBatch",
+    "Pieces",
     "RowIndex",
     "StepTransfers",
     "TableMap",
-    "exact_assign",
-    "greedy_assign",
-    "hybrid_assign",
-    "pack_costs",
-    "pack_rows",
-    "session_packs",
+    "exact_flow",
+    "greedy_flow",
+    "hybrid_flow",
+    "piece_costs",
+    "piece_rows",
+    "session_pieces",
 ]
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "readers.dispatch.assign": ("exact_assign", "greedy_assign", "hybrid_assign"),
-        "readers.dispatch.cost": ("pack_costs",),
+        "readers.dispatch.assign": ("exact_flow", "greedy_flow", "hybrid_flow"),
+        "readers.dispatch.cost": ("piece_costs",),
         "readers.dispatch.dispatcher": (
-            "POLICIES", "Dispatch", "DispatchConfig", "Dispatcher", "PackedBatch",
+            "POLICIES", "Dispatch", "DispatchConfig", "Dispatcher", "PiecedBatch",
         ),
-        "readers.dispatch.keys": ("PackRows", "RowIndex", "TableMap", "pack_rows"),
-        "readers.dispatch.packs": ("session_packs",),
+        "readers.dispatch.keys": ("PieceRows", "RowIndex", "TableMap", "piece_rows"),
+        "readers.dispatch.pieces": ("Pieces", "session_pieces"),
         "readers.dispatch.shadow": ("CacheShadow", "StepTransfers"),
     },
 )  # fmt: skip

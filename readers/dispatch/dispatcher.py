@@ -1,27 +1,30 @@
 """The dispatcher: which rank trains which samples of a global batch, and what each moves.
 
-A global batch of ``W * m`` rows is cut into session packs of ``P`` rows
-(:func:`~readers.dispatch.packs.session_packs`); a *policy* gives every pack a rank, each rank
-taking exactly ``m / P`` packs; the chosen split is replayed on the cache shadow, which says
-which rows each rank pulls and pushes (:class:`~readers.dispatch.shadow.StepTransfers`).
+A global batch of ``W * m`` rows is cut into session pieces
+(:func:`~readers.dispatch.pieces.session_pieces`); a *policy* places the pieces on the ranks,
+every rank taking exactly ``m`` rows and every piece whole except a few split at the edges of
+the ranks' shares (:mod:`readers.dispatch.assign`); the placement is replayed on the cache
+shadow, which says which rows each rank reads, pulls and pushes
+(:class:`~readers.dispatch.shadow.StepTransfers`).
 
 Policies (one function each, in :data:`POLICIES`):
 
-============  ==================================================================================
-``esd``       HybridDis on ESD's cost model: the top ``alpha`` share of packs by regret assigned
-              exactly, the rest greedily (:func:`~readers.dispatch.assign.hybrid_assign`)
-``laia``      locality only: packs in batch order, each to the rank holding most of its rows'
-              latest versions, with room (bandwidths and pushes ignored)
-``random``    a seeded random split
-``round-robin``  pack ``p`` to rank ``p mod W``
-============  ==================================================================================
+===============  ===============================================================================
+``esd``          HybridDis on ESD's cost model: the pieces of largest regret holding an ``alpha``
+                 share of the rows placed exactly, the rest greedily
+                 (:func:`~readers.dispatch.assign.hybrid_flow`)
+``laia``         locality only: pieces in batch order, each to the rank holding the latest
+                 versions of most of its rows, with room (bandwidths and pushes ignored)
+``random``       the pieces in a seeded random order, dealt to rank 0 until it is full, then 1...
+``round-robin``  piece ``k`` to rank ``k mod W`` (the next rank with room when that one is full)
+===============  ===============================================================================
 
 >>> import torch
 >>> from recpipe.batch import Batch
 >>> from recpipe.jagged import KeyedJaggedTensor
 >>> kjt = KeyedJaggedTensor(["item"], torch.tensor([5, 6, 5, 7]), torch.tensor([1, 1, 1, 1]))
 >>> batch = Batch(torch.zeros(4, 1), torch.zeros(4), kjt, session_ids=torch.tensor([0, 0, 1, 1]))
->>> d = Dispatcher(DispatchConfig(pack_size=2, cache_rows=(8,)), world_size=2, micro_batch=2,
+>>> d = Dispatcher(DispatchConfig(cache_rows=(8,)), world_size=2, micro_batch=2,
 ...                tables=TableMap.per_feature(["item"]))
 >>> first = d.dispatch(batch)
 >>> [r.tolist() for r in first.rows], [r.tolist() for r in first.transfers.pulls]
@@ -39,19 +42,20 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from readers.dispatch.assign import assignment_cost, greedy_assign, hybrid_assign
-from readers.dispatch.cost import pack_costs, pack_hits
-from readers.dispatch.keys import PackRows, RowIndex, TableMap, pack_rows
-from readers.dispatch.packs import session_packs
+from readers.dispatch.assign import flow_cost, greedy_flow, hybrid_flow
+from readers.dispatch.cost import piece_costs, piece_hits
+from readers.dispatch.keys import PieceRows, RowIndex, TableMap, piece_rows
+from readers.dispatch.pieces import Pieces, session_pieces
 from readers.dispatch.shadow import CacheShadow, StepTransfers
 from recpipe.errors import DataError
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
 
-__all__ = ["POLICIES", "Dispatch", "DispatchConfig", "Dispatcher", "PackedBatch", "Policy"]
+__all__ = ["POLICIES", "Dispatch", "DispatchConfig", "Dispatcher", "PiecedBatch", "Policy"]
 
 Policy = Literal["esd", "laia", "random", "round-robin"]
+_SHIFT = 40  # (rank << 40) | row
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,10 @@ class DispatchConfig:
     Attributes:
         policy: ``esd`` (HybridDis on the cost model), ``laia`` (locality only), ``random``, or
             ``round-robin``.
-        alpha: share of packs (largest regret first) ``esd`` assigns exactly; the rest are
-            assigned greedily. 1: the exact optimum of the cost model; 0: pure greedy.
-        pack_size: rows per session pack (the unit of dispatch); must divide the rows per rank.
-            1 dispatches single samples.
+        alpha: share of the rows (pieces of largest regret first) ``esd`` places exactly; the
+            rest are placed greedily. 1: the exact optimum of the cost model; 0: pure greedy.
+        max_piece_rows: a session longer than this is cut into pieces of this many rows; 1
+            dispatches single samples.
         bandwidths: bytes/s of each rank's link to the rows' home, comma-separated (one value:
             every rank).
         row_bytes: bytes one row transfer moves (the embedding and its optimizer state).
@@ -74,7 +78,7 @@ class DispatchConfig:
 
     policy: Policy = "esd"
     alpha: float = 1.0
-    pack_size: int = 16
+    max_piece_rows: int = 32
     bandwidths: tuple[float, ...] = (1e9,)
     row_bytes: int = 68
     cache_rows: tuple[int, ...] = (65536,)
@@ -88,7 +92,7 @@ class DispatchConfig:
         if isinstance(a, bool) or not (isinstance(a, int | float) and 0.0 <= a <= 1.0):
             msg = f"`alpha` must be in [0, 1], got {a!r}"
             raise DataError(msg)
-        for name in ("pack_size", "row_bytes"):
+        for name in ("max_piece_rows", "row_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"`{name}` must be a positive integer, got {value!r}"
@@ -118,16 +122,18 @@ class DispatchConfig:
 
 
 @dataclass(frozen=True)
-class PackedBatch:
-    """A global batch cut into packs, and the rows each pack reads.
+class PiecedBatch:
+    """A global batch cut into pieces, and the rows each piece reads.
 
     Attributes:
-        pack_of_row: int64 [B] the pack of each row.
-        rows: the distinct rows each pack reads.
+        batch: the global batch.
+        pieces: its pieces.
+        rows: the distinct rows each piece reads (hot rows included).
     """
 
-    pack_of_row: np.ndarray
-    rows: PackRows
+    batch: Batch
+    pieces: Pieces
+    rows: PieceRows
 
 
 @dataclass(frozen=True)
@@ -137,18 +143,24 @@ class Dispatch:
     Attributes:
         step: the step (0, 1, ... over the dispatcher's life).
         rows: per rank, the batch rows it trains on (ascending): its micro-batch.
-        pack_rank: int64 [packs] the rank of each pack.
-        model_cost: the cost model's total for the chosen split (seconds).
-        transfers: what the step reads and moves, per rank (rows of the dispatcher's index).
+        flow: int64 [pieces, W] rows of each piece on each rank.
+        model_cost: the cost model's total for the placement (seconds).
+        transfers: what the step reads and moves, per rank (rows of the dispatcher's index;
+            hot rows left out).
         seconds: time the policy and the shadow replay took.
     """
 
     step: int
     rows: tuple[np.ndarray, ...]
-    pack_rank: np.ndarray
+    flow: np.ndarray
     model_cost: float
     transfers: StepTransfers
     seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def split_pieces(self) -> int:
+        """Pieces placed on more than one rank."""
+        return int(((self.flow > 0).sum(1) > 1).sum())
 
 
 @dataclass
@@ -156,39 +168,40 @@ class _View:
     """What a policy may look at (costs are computed on first use)."""
 
     dispatcher: Dispatcher
-    packed: PackedBatch
+    rows: PieceRows  # without the hot rows
+    sizes: np.ndarray
     capacity: np.ndarray
     _costs: np.ndarray | None = None
-
-    @property
-    def num_packs(self) -> int:
-        return self.packed.rows.num_packs
 
     def costs(self) -> np.ndarray:
         if self._costs is None:
             d = self.dispatcher
-            self._costs = pack_costs(d.shadow, self.packed.rows, d.seconds_per_row)
+            self._costs = piece_costs(d.shadow, self.rows, d.seconds_per_row)
         return self._costs
 
     def hits(self) -> np.ndarray:
-        return pack_hits(self.dispatcher.shadow, self.packed.rows)
+        return piece_hits(self.dispatcher.shadow, self.rows)
 
 
 def _esd(view: _View) -> np.ndarray:
-    return hybrid_assign(view.costs(), view.capacity, alpha=view.dispatcher.config.alpha)
+    alpha = view.dispatcher.config.alpha
+    return hybrid_flow(view.costs(), view.sizes, capacity=view.capacity, alpha=alpha)
 
 
 def _laia(view: _View) -> np.ndarray:
-    return greedy_assign(-view.hits(), view.capacity)
+    return greedy_flow(-view.hits(), view.sizes, capacity=view.capacity)
 
 
 def _random(view: _View) -> np.ndarray:
-    deal = np.repeat(np.arange(view.capacity.size), view.capacity)
-    return deal[view.dispatcher.rng.permutation(view.num_packs)]
+    n, w = view.sizes.size, view.capacity.size
+    order = view.dispatcher.rng.permutation(n)
+    return greedy_flow(np.zeros((n, w)), view.sizes, capacity=view.capacity, order=order)
 
 
 def _round_robin(view: _View) -> np.ndarray:
-    return np.arange(view.num_packs) % view.capacity.size  # every rank has the same room
+    n, w = view.sizes.size, view.capacity.size
+    turn = (np.arange(w)[None, :] - np.arange(n)[:, None]) % w  # piece k prefers rank k mod W
+    return greedy_flow(turn.astype(np.float64), view.sizes, capacity=view.capacity)
 
 
 POLICIES: dict[str, Callable[[_View], np.ndarray]] = {
@@ -197,7 +210,7 @@ POLICIES: dict[str, Callable[[_View], np.ndarray]] = {
     "random": _random,
     "round-robin": _round_robin,
 }
-"""Policy name -> the function giving every pack of a batch its rank."""
+"""Policy name -> the function placing the pieces of a batch (a flow [pieces, W])."""
 
 
 class Dispatcher:
@@ -208,34 +221,63 @@ class Dispatcher:
         world_size: ranks W.
         micro_batch: rows per rank m; global batches have ``W * m`` rows.
         tables: which table each sparse feature reads.
+        index: the row numbering to use (default: a new one); dispatchers sharing one can
+            replay the same :class:`PiecedBatch` es.
     """
 
     def __init__(
-        self, config: DispatchConfig, *, world_size: int, micro_batch: int, tables: TableMap
+        self,
+        config: DispatchConfig,
+        *,
+        world_size: int,
+        micro_batch: int,
+        tables: TableMap,
+        index: RowIndex | None = None,
     ) -> None:
         if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
             msg = f"`micro_batch` must be a positive integer, got {micro_batch!r}"
             raise DataError(msg)
-        if micro_batch % config.pack_size:
-            msg = f"`pack_size` {config.pack_size} must divide the {micro_batch} rows per rank"
+        if index is not None and index.tables != tables.tables:
+            msg = f"`index` numbers the rows of tables {index.tables!r}, not {tables.tables!r}"
             raise DataError(msg)
         self.config = config
         self.world_size = world_size
         self.micro_batch = micro_batch
         self.tables = tables
-        self.index = RowIndex(tables.tables)
+        self.index = RowIndex(tables.tables) if index is None else index
         self.shadow = CacheShadow(
             world_size=world_size,
             capacity=config.per_rank("cache_rows", world_size),
             index=self.index,
         )
         self.seconds_per_row = config.row_bytes / config.per_rank("bandwidths", world_size)
-        self.capacity = np.full(world_size, micro_batch // config.pack_size, dtype=np.int64)
+        self.capacity = np.full(world_size, micro_batch, dtype=np.int64)
         self.rng = np.random.default_rng(config.seed)
         self.policy = POLICIES[config.policy]
+        self.hot = np.zeros(0, dtype=np.bool_)  # by row: replicated on every rank
 
-    def pack(self, batch: Batch) -> PackedBatch:
-        """Cut ``batch`` into session packs and list the rows each reads (numbering new rows).
+    def set_hot(self, tables: np.ndarray, ids: np.ndarray) -> StepTransfers:
+        """Make the rows ``(tables[k], ids[k])`` the hot set (every other row leaves it).
+
+        Hot rows are replicated on every rank and kept equal by an all-reduce of their
+        gradients (the trainer's hot set), so they cost the same wherever a sample goes: the
+        dispatcher leaves them out of costs and caches. Rows entering the hot set leave the
+        caches; a dirty copy is written home first.
+
+        Returns:
+            the rows each rank drops (``evictions``) and writes home (``evict_pushes``).
+        """
+        tables = np.asarray(tables, dtype=np.int64)
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = [self.index.rows(int(t), ids[tables == t]) for t in np.unique(tables)]
+        rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        hot = np.zeros(self.index.num_rows, dtype=np.bool_)
+        hot[rows] = True
+        self.hot = hot
+        return self.shadow.drop(rows)
+
+    def prepare(self, batch: Batch) -> PiecedBatch:
+        """Cut ``batch`` into session pieces and list the rows each reads (numbering new rows).
 
         Raises:
             DataError: the batch does not have ``W * m`` rows.
@@ -248,36 +290,69 @@ class Dispatcher:
             )
             raise DataError(msg)
         sessions = None if batch.session_ids is None else batch.session_ids.numpy()
-        pack_of_row = session_packs(sessions, pack_size=self.config.pack_size, rows=b)
-        rows = pack_rows(batch, tables=self.tables, index=self.index, pack_of_row=pack_of_row)
-        return PackedBatch(pack_of_row, rows)
+        pieces = session_pieces(sessions, max_rows=self.config.max_piece_rows, rows=b)
+        rows = piece_rows(
+            batch,
+            tables=self.tables,
+            index=self.index,
+            piece_of_row=pieces.piece_of_row,
+            num_pieces=pieces.num_pieces,
+        )
+        return PiecedBatch(batch, pieces, rows)
 
-    def decide(self, packed: PackedBatch) -> tuple[np.ndarray, float]:
-        """The rank of every pack (the policy's choice) and its cost-model total."""
-        view = _View(self, packed, self.capacity)
-        pack_rank = np.asarray(self.policy(view), dtype=np.int64)
-        return pack_rank, assignment_cost(view.costs(), pack_rank)
+    def decide(self, prepared: PiecedBatch) -> tuple[np.ndarray, float]:
+        """The policy's placement (a flow [pieces, W]) and its cost-model total (hot rows left
+        out: see :meth:`set_hot`)."""
+        view = _View(self, prepared.rows.without(self.hot), prepared.pieces.sizes, self.capacity)
+        flow = np.asarray(self.policy(view), dtype=np.int64)
+        return flow, flow_cost(view.costs(), prepared.pieces.sizes, flow)
 
-    def commit(self, packed: PackedBatch, pack_rank: np.ndarray) -> StepTransfers:
-        """Replay the step on the shadow: what every rank reads and moves."""
-        reads = [
-            packed.rows.rows_of(np.flatnonzero(pack_rank == j)) for j in range(self.world_size)
-        ]
-        return self.shadow.step(reads)
+    def place(self, prepared: PiecedBatch, flow: np.ndarray) -> np.ndarray:
+        """int64 [B]: the rank of every row. A split piece gives its first rows to its lowest
+        rank, and so on."""
+        pieces = prepared.pieces
+        rank_of_piece = flow.argmax(1)
+        row_rank = rank_of_piece[pieces.piece_of_row]
+        for i in np.flatnonzero((flow > 0).sum(1) > 1):
+            start = int(pieces.starts[i])
+            row_rank[start : start + int(pieces.sizes[i])] = np.repeat(
+                np.arange(flow.shape[1]), flow[i]
+            )
+        return row_rank
 
-    def dispatch(self, batch: Batch | PackedBatch) -> Dispatch:
-        """Dispatch one global batch (a :class:`~recpipe.batch.Batch` or one already packed)."""
+    def reads(
+        self, prepared: PiecedBatch, flow: np.ndarray, row_rank: np.ndarray
+    ) -> list[np.ndarray]:
+        """The distinct cold rows each rank reads: its whole pieces' rows, and the rows of the
+        parts of split pieces it trains on (read off the batch)."""
+        rows = prepared.rows.without(self.hot)
+        split = (flow > 0).sum(1) > 1
+        whole = ~split[rows.piece]
+        keys = [(flow.argmax(1)[rows.piece[whole]] << _SHIFT) | rows.row[whole]]
+        if split.any():
+            parts = np.where(split[prepared.pieces.piece_of_row], row_rank, -1)
+            extra = piece_rows(prepared.batch, tables=self.tables, index=self.index,
+                               piece_of_row=parts, num_pieces=self.world_size)  # fmt: skip
+            extra = extra.without(self.hot)
+            keys.append((extra.piece << _SHIFT) | extra.row)
+        keys = np.unique(np.concatenate(keys))
+        ranks, rows_read = keys >> _SHIFT, keys & ((1 << _SHIFT) - 1)
+        cuts = np.searchsorted(ranks, np.arange(self.world_size + 1))
+        return [rows_read[cuts[j] : cuts[j + 1]] for j in range(self.world_size)]
+
+    def dispatch(self, batch: Batch | PiecedBatch) -> Dispatch:
+        """Dispatch one global batch (a :class:`~recpipe.batch.Batch`, or one prepared)."""
         start = time.perf_counter()
-        packed = batch if isinstance(batch, PackedBatch) else self.pack(batch)
+        prepared = batch if isinstance(batch, PiecedBatch) else self.prepare(batch)
         step = self.shadow.steps
-        pack_rank, model_cost = self.decide(packed)
-        transfers = self.commit(packed, pack_rank)
-        row_rank = pack_rank[packed.pack_of_row]
+        flow, model_cost = self.decide(prepared)
+        row_rank = self.place(prepared, flow)
+        transfers = self.shadow.step(self.reads(prepared, flow, row_rank))
         rows = tuple(np.flatnonzero(row_rank == j) for j in range(self.world_size))
         return Dispatch(
             step=step,
             rows=rows,
-            pack_rank=pack_rank,
+            flow=flow,
             model_cost=model_cost,
             transfers=transfers,
             seconds=time.perf_counter() - start,

@@ -1,13 +1,13 @@
-"""Embedding rows of a batch: which (table, id) rows each pack of samples reads.
+"""Embedding rows of a batch: which (table, id) rows each piece of samples reads.
 
 A model reads one embedding row per (table, id). :class:`TableMap` says which table each sparse
 feature reads (by default one table per feature, as the trainer's DLRM builds them);
 :class:`RowIndex` numbers the (table, id) pairs densely as they are first seen (the dispatcher's
-state is kept in arrays over these numbers); :func:`pack_rows` lists the distinct rows each
-pack reads, counting a row once per pack however many of its samples read it (a deduplicated
-group's unique rows are expanded once per pack, not once per sample)::
+state is kept in arrays over these numbers); :func:`piece_rows` lists the distinct rows each
+piece reads, counting a row once per piece however many of its samples read it (a deduplicated
+group's unique rows are expanded once per piece, not once per sample)::
 
-    pack 0: samples 0-3 (one session)     user_follows [7, 9] in all four  -> rows (follows, 7), (follows, 9)
+    piece 0: samples 0-3 (one session)     user_follows [7, 9] in all four  -> rows (follows, 7), (follows, 9)
                                           item_id 11, 12, 11, 40          -> (item, 11), (item, 12), (item, 40)
 
 >>> import numpy as np
@@ -31,9 +31,9 @@ from recpipe.errors import DataError
 if TYPE_CHECKING:
     from recpipe.batch import Batch
 
-__all__ = ["PackRows", "RowIndex", "TableMap", "pack_rows"]
+__all__ = ["PieceRows", "RowIndex", "TableMap", "piece_rows"]
 
-_PACK_SHIFT = 40  # (pack << 40) | row: rows below 2**40, packs below 2**23
+_SHIFT = 40  # (piece << 40) | row: rows below 2**40, pieces below 2**23
 
 
 @dataclass(frozen=True)
@@ -167,24 +167,35 @@ class RowIndex:
 
 
 @dataclass(frozen=True)
-class PackRows:
-    """The distinct rows each pack of a batch reads.
+class PieceRows:
+    """The distinct rows each piece of a batch reads.
 
     Attributes:
-        pack: int64 [pairs] the pack, ascending.
-        row: int64 [pairs] a row it reads (ascending within a pack; each once per pack).
-        num_packs: packs in the batch.
+        piece: int64 [pairs] the piece, ascending.
+        row: int64 [pairs] a row it reads (ascending within a piece; each once per piece).
+        num_pieces: pieces in the batch.
     """
 
-    pack: np.ndarray
+    piece: np.ndarray
     row: np.ndarray
-    num_packs: int
+    num_pieces: int
 
-    def rows_of(self, packs: np.ndarray) -> np.ndarray:
-        """The distinct rows read by the packs ``packs`` (sorted)."""
-        mask = np.zeros(self.num_packs, dtype=np.bool_)
-        mask[packs] = True
-        return np.unique(self.row[mask[self.pack]])
+    def without(self, rows: np.ndarray) -> PieceRows:
+        """The pairs whose row is not flagged in ``rows`` (bool, indexed by row)."""
+        if not rows.size:
+            return self
+        flagged = np.zeros(self.row.size, dtype=np.bool_)
+        inside = self.row < rows.size
+        flagged[inside] = rows[self.row[inside]]
+        if not flagged.any():
+            return self
+        return PieceRows(self.piece[~flagged], self.row[~flagged], self.num_pieces)
+
+    def select(self, pieces: np.ndarray) -> np.ndarray:
+        """bool [pairs]: the pairs of the pieces ``pieces``."""
+        mask = np.zeros(self.num_pieces, dtype=np.bool_)
+        mask[pieces] = True
+        return mask[self.piece]
 
 
 def _expand_rows(offsets: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -195,32 +206,40 @@ def _expand_rows(offsets: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.n
     return offsets[sel][which] + inside, which
 
 
-def pack_rows(
-    batch: Batch, *, tables: TableMap, index: RowIndex, pack_of_row: np.ndarray
-) -> PackRows:
-    """The distinct (table, id) rows each pack of ``batch`` reads (see the module docstring).
+def piece_rows(
+    batch: Batch,
+    *,
+    tables: TableMap,
+    index: RowIndex,
+    piece_of_row: np.ndarray,
+    num_pieces: int | None = None,
+) -> PieceRows:
+    """The distinct (table, id) rows each piece of ``batch`` reads (see the module docstring).
 
     Args:
         batch: the global batch.
         tables: which table each feature reads.
         index: numbers the rows (new ones are added).
-        pack_of_row: [B] the pack of each batch row.
+        piece_of_row: [B] the piece of each batch row; rows of piece -1 are left out.
+        num_pieces: pieces (default: the largest piece number + 1).
 
     Raises:
         DataError: a feature of ``tables`` is not in the batch.
     """
-    pack_of_row = np.asarray(pack_of_row, dtype=np.int64)
-    num_packs = int(pack_of_row.max()) + 1 if pack_of_row.size else 0
+    piece_of_row = np.asarray(piece_of_row, dtype=np.int64)
+    if num_pieces is None:
+        num_pieces = int(piece_of_row.max()) + 1 if piece_of_row.size else 0
     parts: list[np.ndarray] = []
     found: set[str] = set()
 
-    def add(key: str, values: np.ndarray, packs: np.ndarray) -> None:
+    def add(key: str, values: np.ndarray, pieces: np.ndarray) -> None:
         found.add(key)
         t = tables.features.get(key)
-        if t is None or not values.size:
+        keep = pieces >= 0
+        if t is None or not keep.any():
             return
-        rows = index.rows(t, values)
-        parts.append((packs << _PACK_SHIFT) | rows)
+        rows = index.rows(t, values[keep])
+        parts.append((pieces[keep] << _SHIFT) | rows)
 
     kjt = batch.kjt
     groups = {}
@@ -232,18 +251,19 @@ def pack_rows(
     for key in kjt.keys:
         jt = kjt[key]
         lengths = jt.lengths.numpy()
-        add(key, jt.values.numpy(), pack_of_row[np.repeat(np.arange(lengths.size), lengths)])
+        add(key, jt.values.numpy(), piece_of_row[np.repeat(np.arange(lengths.size), lengths)])
     for group in groups.values():
         inverse = group.inverse_lookup.numpy()
-        pairs = np.unique((pack_of_row << _PACK_SHIFT) | inverse)
-        packs, uniq = pairs >> _PACK_SHIFT, pairs & ((1 << _PACK_SHIFT) - 1)
+        wanted = piece_of_row >= 0
+        pairs = np.unique((piece_of_row[wanted] << _SHIFT) | inverse[wanted])
+        pieces, uniq = pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1)
         for key in group.keys:
             jt = group[key]
             pos, which = _expand_rows(jt.offsets.numpy(), uniq)
-            add(key, jt.values.numpy()[pos], packs[which])
+            add(key, jt.values.numpy()[pos], pieces[which])
     missing = sorted(set(tables.features) - found)
     if missing:
         msg = f"the batch has no feature(s) {missing!r} that the tables read"
         raise DataError(msg)
     pairs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
-    return PackRows(pairs >> _PACK_SHIFT, pairs & ((1 << _PACK_SHIFT) - 1), num_packs)
+    return PieceRows(pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1), num_pieces)

@@ -167,6 +167,25 @@ class CacheShadow:
         self.ensure()
         return self.state[:, rows] == FRESH
 
+    def drop(self, rows: np.ndarray) -> StepTransfers:
+        """Take ``rows`` out of every cache (between steps); a dirty copy is written home.
+
+        Returns:
+            only ``evictions`` (the rows each rank held) and ``evict_pushes`` (the dirty ones).
+        """
+        self.ensure()
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        evictions, pushes = [], []
+        for j in range(self.world_size):
+            held = rows[self.state[j, rows] != ABSENT]
+            self.state[j, held] = ABSENT
+            self.cached[j] -= held.size
+            evictions.append(held)
+            pushes.append(held[self.dirty_on[held] == j])
+        self.dirty_on[rows] = -1
+        none = tuple(np.zeros(0, dtype=np.int64) for _ in range(self.world_size))
+        return StepTransfers(none, none, none, none, tuple(evictions), tuple(pushes))
+
     def step(self, reads: Sequence[np.ndarray]) -> StepTransfers:
         """Replay one step in which rank ``j`` reads the rows ``reads[j]``; returns what it
         moves (see the module docstring)."""

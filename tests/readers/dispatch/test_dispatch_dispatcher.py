@@ -1,5 +1,5 @@
-"""The dispatcher: exact shares, the optimum at alpha = 1, the cost model against the transfers
-it predicts, every policy."""
+"""The dispatcher: exact shares, whole sessions, the optimum at alpha = 1, the rows each rank
+reads against the expanded batch, the cost model against what moves, every policy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from readers.dispatch import DispatchConfig, Dispatcher, TableMap, pack_costs
+from readers.dispatch import DispatchConfig, Dispatcher, TableMap, piece_costs
+from readers.dispatch.assign import flow_cost
 from readers.dispatch.dispatcher import POLICIES
 from recpipe.errors import DataError
 from tests.common.data import session_batch
@@ -16,9 +17,9 @@ from tests.common.data import session_batch
 WORLD, MICRO = 3, 4
 
 
-def _dispatcher(schema, **config) -> Dispatcher:
+def _dispatcher(schema, *, micro_batch: int = MICRO, **config) -> Dispatcher:
     config = {
-        "pack_size": 2,
+        "max_piece_rows": 2,
         "bandwidths": (1.0, 3.0, 10.0),
         "row_bytes": 1,
         "cache_rows": (12,),
@@ -27,93 +28,148 @@ def _dispatcher(schema, **config) -> Dispatcher:
     return Dispatcher(
         DispatchConfig(**config),
         world_size=WORLD,
-        micro_batch=MICRO,
+        micro_batch=micro_batch,
         tables=TableMap.per_feature(schema.sparse_names),
     )
 
 
-def _batches(schema, n: int):
-    return [
-        session_batch(schema, WORLD * MICRO, seed=s, vocab=12, mean_session_len=3.0)
-        for s in range(n)
-    ]
+def _batches(schema, n: int, *, rows: int = WORLD * MICRO, mean: float = 3.0):
+    return [session_batch(schema, rows, seed=s, vocab=12, mean_session_len=mean) for s in range(n)]
+
+
+CONFIGS = [{"policy": p} for p in POLICIES] + [
+    {"alpha": 0.0},
+    {"alpha": 0.5},
+    {"max_piece_rows": 1},
+    {"max_piece_rows": 5},
+]
 
 
 @pytest.mark.parametrize(
-    "config",
-    [{"policy": p} for p in POLICIES]
-    + [{"alpha": 0.0}, {"alpha": 0.5}, {"pack_size": 1}, {"pack_size": 4}],
-    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+    "config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
 )
-def test_every_rank_gets_exactly_its_share_and_every_row_goes_once(tiny_schema, config):
+def test_every_rank_gets_exactly_its_share_and_sessions_stay_whole(tiny_schema, config):
     d = _dispatcher(tiny_schema, **config)
-    for step, batch in enumerate(_batches(tiny_schema, 6)):
-        out = d.dispatch(batch)
+    for step, batch in enumerate(_batches(tiny_schema, 6, mean=4.0)):
+        prepared = d.prepare(batch)
+        out = d.dispatch(prepared)
         assert out.step == step
         assert [r.size for r in out.rows] == [MICRO] * WORLD
         assert np.sort(np.concatenate(out.rows)).tolist() == list(range(WORLD * MICRO))
-        for r in out.rows:  # whole packs, ascending rows
-            assert (np.diff(r) > 0).all()
+        assert out.flow.sum(1).tolist() == prepared.pieces.sizes.tolist()
+        assert out.split_pieces <= 2 * (WORLD - 1)
+        rank_of_row = np.empty(WORLD * MICRO, dtype=np.int64)
+        for j, rows in enumerate(out.rows):
+            rank_of_row[rows] = j
+        for i, (start, size) in enumerate(
+            zip(prepared.pieces.starts, prepared.pieces.sizes, strict=True)
+        ):
+            ranks = np.unique(rank_of_row[start : start + size])
+            assert ranks.tolist() == np.flatnonzero(out.flow[i]).tolist()
+
+
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+)
+def test_each_rank_reads_the_rows_of_its_samples(tiny_schema, config):
+    """Against the expanded batch read row by row: the rows of the samples a rank trains on,
+    split pieces included, hot rows left out."""
+    d = _dispatcher(tiny_schema, **config)
+    d.set_hot(np.array([0, 2]), np.array([3, 5]))  # user_items 3, user_segment 5
+    for batch in _batches(tiny_schema, 4, mean=4.0):
+        out = d.dispatch(batch)
+        plain = batch.to_plain().kjt
+        for j, rows in enumerate(out.rows):
+            want = set()
+            for t, feature in enumerate(d.tables.tables):
+                lists = plain[feature].to_dense_list()
+                want |= {(t, int(x)) for r in rows for x in lists[r]}
+            want -= {(0, 3), (2, 5)}
+            tables, ids = d.index.keys(out.transfers.reads[j])
+            assert set(zip(tables.tolist(), ids.tolist(), strict=True)) == want
+
+
+def _brute_force(costs: np.ndarray, sizes: np.ndarray, capacity: np.ndarray) -> float:
+    unit = costs / sizes[:, None]
+    w = costs.shape[1]
+    choices = [[c for c in itertools.product(range(s + 1), repeat=w) if sum(c) == s] for s in sizes]
+    best = np.inf
+    for flows in itertools.product(*choices):
+        flow = np.array(flows)
+        if (flow.sum(0) == capacity).all():
+            best = min(best, float((unit * flow).sum()))
+    return best
 
 
 def test_alpha_1_is_the_brute_force_optimum_of_the_cost_model(tiny_schema):
-    d = _dispatcher(tiny_schema, alpha=1.0)
+    d = _dispatcher(tiny_schema, alpha=1.0, micro_batch=2)
     checked = 0
-    for batch in _batches(tiny_schema, 8):
-        packed = d.pack(batch)
-        costs = pack_costs(d.shadow, packed.rows, d.seconds_per_row)
-        best = min(
-            costs[np.arange(6), list(a)].sum()
-            for a in itertools.product(range(WORLD), repeat=6)
-            if np.bincount(a, minlength=WORLD).tolist() == [2, 2, 2]
-        )
-        out = d.dispatch(packed)
+    for batch in _batches(tiny_schema, 10, rows=WORLD * 2, mean=2.0):
+        prepared = d.prepare(batch)
+        costs = piece_costs(d.shadow, prepared.rows, d.seconds_per_row)
+        best = _brute_force(costs, prepared.pieces.sizes, d.capacity)
+        out = d.dispatch(prepared)
         assert out.model_cost == pytest.approx(best, rel=1e-12)
+        assert flow_cost(costs, prepared.pieces.sizes, out.flow) == pytest.approx(best, rel=1e-12)
         checked += best > 0
-    assert checked >= 4  # the caches made the choices matter
+    assert checked >= 5  # the caches made the choices matter
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_the_cost_model_bounds_what_the_step_moves(tiny_schema, policy):
-    """The linear model charges a row once per pack that misses it; the step pulls it once per
-    rank and pushes it once: what moves never costs more than the model says."""
+    """The linear model charges a row once per piece that misses it; the step pulls it once per
+    rank and pushes it once: what moves never costs more than the pieces' costs on the ranks
+    they went to (a split piece counted whole on each of its ranks)."""
     d = _dispatcher(tiny_schema, policy=policy)
     t = d.seconds_per_row
     for batch in _batches(tiny_schema, 8):
-        out = d.dispatch(batch)
+        prepared = d.prepare(batch)
+        costs = piece_costs(d.shadow, prepared.rows, t)
+        out = d.dispatch(prepared)
         moved = out.transfers.seconds(t)
-        assert moved["pulls"].sum() + moved["pushes"].sum() <= out.model_cost + 1e-9
+        assert moved["pulls"].sum() + moved["pushes"].sum() <= costs[out.flow > 0].sum() + 1e-9
 
 
-def test_reads_are_the_rows_of_each_ranks_packs(tiny_schema):
-    d = _dispatcher(tiny_schema, policy="random", seed=3)
-    for batch in _batches(tiny_schema, 3):
-        packed = d.pack(batch)
-        out = d.dispatch(packed)
-        for j in range(WORLD):
-            mine = np.isin(packed.rows.pack, np.flatnonzero(out.pack_rank == j))
-            assert out.transfers.reads[j].tolist() == np.unique(packed.rows.row[mine]).tolist()
+def test_hot_rows_cost_nothing_and_leave_the_caches(tiny_schema):
+    d = _dispatcher(tiny_schema, cache_rows=(1000,))
+    batches = _batches(tiny_schema, 3)
+    for batch in batches:
+        d.dispatch(batch)
+    held = d.shadow.state.copy()
+    dirty = d.shadow.dirty_on.copy()
+    rows = np.flatnonzero((held > 0).any(0))[:5]
+    tables, ids = d.index.keys(rows)
+    dropped = d.set_hot(tables, ids)
+    for j in range(WORLD):
+        assert dropped.evictions[j].tolist() == np.sort(rows[held[j, rows] > 0]).tolist()
+        assert dropped.evict_pushes[j].tolist() == np.sort(rows[dirty[rows] == j]).tolist()
+    assert (d.shadow.state[:, rows] == 0).all()
+    prepared = d.prepare(batches[0])
+    out = d.dispatch(prepared)
+    for reads in out.transfers.reads:
+        assert not np.isin(reads, rows).any()
 
 
 def test_random_policy_is_seeded(tiny_schema):
     runs = []
     for _ in range(2):
         d = _dispatcher(tiny_schema, policy="random", seed=5)
-        runs.append([d.dispatch(b).pack_rank.tolist() for b in _batches(tiny_schema, 4)])
+        runs.append([d.dispatch(b).flow.tolist() for b in _batches(tiny_schema, 4)])
     assert runs[0] == runs[1]
-    assert len({tuple(r) for r in runs[0]}) > 1
+    other = _dispatcher(tiny_schema, policy="random", seed=6)
+    assert [other.dispatch(b).flow.tolist() for b in _batches(tiny_schema, 4)] != runs[0]
 
 
-def test_bandwidth_pulls_misses_to_the_fast_rank(tiny_schema):
-    """Cold caches: every pack misses everything, so ESD puts the packs reading most rows on
-    the fastest rank; round-robin does not look."""
-    d = _dispatcher(tiny_schema, bandwidths=(1.0, 1.0, 100.0))
+def test_bandwidth_sends_the_heaviest_sessions_to_the_fast_rank(tiny_schema):
+    """Cold caches: every piece misses everything, so ESD puts the pieces reading most rows
+    per sample on the fastest rank."""
+    d = _dispatcher(tiny_schema, bandwidths=(1.0, 1.0, 100.0), max_piece_rows=1)
     batch = _batches(tiny_schema, 1)[0]
-    packed = d.pack(batch)
-    rows_per_pack = np.bincount(packed.rows.pack, minlength=6)
-    out = d.dispatch(packed)
-    fast = rows_per_pack[out.pack_rank == 2].sum()
-    assert fast == np.sort(rows_per_pack)[-2:].sum()
+    prepared = d.prepare(batch)
+    rows_per_piece = np.bincount(prepared.rows.piece, minlength=prepared.pieces.num_pieces)
+    out = d.dispatch(prepared)
+    fast = rows_per_piece[out.flow[:, 2] > 0].sum()
+    assert fast == np.sort(rows_per_piece)[-MICRO:].sum()
 
 
 @pytest.mark.parametrize(
@@ -121,7 +177,7 @@ def test_bandwidth_pulls_misses_to_the_fast_rank(tiny_schema):
     [
         ({"policy": "fastest"}, "`policy`"),
         ({"alpha": -0.1}, "`alpha`"),
-        ({"pack_size": 0}, "`pack_size`"),
+        ({"max_piece_rows": 0}, "`max_piece_rows`"),
         ({"bandwidths": (1.0, 0.0, 2.0)}, "`bandwidths`"),
         ({"cache_rows": (-1,)}, "`cache_rows`"),
     ],
@@ -137,8 +193,12 @@ def test_bad_shapes(tiny_schema):
         Dispatcher(
             DispatchConfig(bandwidths=(1.0, 2.0)), world_size=3, micro_batch=16, tables=tables
         )
-    with pytest.raises(DataError, match="must divide the 6 rows per rank"):
-        Dispatcher(DispatchConfig(pack_size=4), world_size=3, micro_batch=6, tables=tables)
+    with pytest.raises(DataError, match="`index` numbers"):
+        from readers.dispatch import RowIndex
+
+        Dispatcher(
+            DispatchConfig(), world_size=3, micro_batch=4, tables=tables, index=RowIndex(["x"])
+        )
     d = _dispatcher(tiny_schema)
     with pytest.raises(DataError, match="W \\* m = 3 \\* 4 = 12"):
         d.dispatch(session_batch(tiny_schema, 10))

@@ -1,4 +1,4 @@
-"""Rows of a batch: the id index, and each pack's distinct (table, id) rows against the
+"""Rows of a batch: the id index, and each piece's distinct (table, id) rows against the
 expanded batch read row by row."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from readers.dispatch.keys import RowIndex, TableMap, pack_rows
+from readers.dispatch.keys import RowIndex, TableMap, piece_rows
 from recpipe.errors import DataError
 from tests.common.data import session_batch
 
@@ -44,9 +44,9 @@ def test_row_index_grows_past_its_merge_threshold():
     assert index.rows(0, ids).tolist() == list(range(50_000))
 
 
-@pytest.mark.parametrize("pack_size", [1, 3, 6])
-def test_pack_rows_equal_the_rows_of_the_expanded_batch(tiny_schema, pack_size):
-    batch = session_batch(tiny_schema, 24, seed=pack_size, vocab=30)
+@pytest.mark.parametrize("piece_size", [1, 3, 6])
+def test_piece_rows_equal_the_rows_of_the_expanded_batch(tiny_schema, piece_size):
+    batch = session_batch(tiny_schema, 24, seed=piece_size, vocab=30)
     tables = TableMap.from_tables(
         {
             "users": ["user_items", "user_sellers"],
@@ -55,38 +55,40 @@ def test_pack_rows_equal_the_rows_of_the_expanded_batch(tiny_schema, pack_size):
         }
     )
     index = RowIndex(tables.tables)
-    pack_of_row = np.arange(24) // pack_size
-    got = pack_rows(batch, tables=tables, index=index, pack_of_row=pack_of_row)
+    piece_of_row = np.arange(24) // piece_size
+    piece_of_row[5] = -1  # left out
+    got = piece_rows(batch, tables=tables, index=index, piece_of_row=piece_of_row)
     plain = batch.to_plain().kjt
     want: set[tuple[int, int, int]] = set()
     for feature, t in tables.features.items():
         jt = plain[feature]
         for r, ids in enumerate(jt.to_dense_list()):
-            want |= {(int(pack_of_row[r]), t, int(x)) for x in ids}
+            if piece_of_row[r] >= 0:
+                want |= {(int(piece_of_row[r]), t, int(x)) for x in ids}
     keys = index.keys(got.row)
-    assert {(int(p), int(t), int(x)) for p, t, x in zip(got.pack, *keys, strict=True)} == want
-    assert got.pack.size == len(want)  # each row once per pack
-    assert (np.diff(got.pack) >= 0).all()
-    assert got.num_packs == 24 // pack_size
+    assert {(int(p), int(t), int(x)) for p, t, x in zip(got.piece, *keys, strict=True)} == want
+    assert got.piece.size == len(want)  # each row once per piece
+    assert (np.diff(got.piece) >= 0).all()
+    assert got.num_pieces == 24 // piece_size
 
 
 def test_features_no_table_reads_cost_nothing_and_missing_ones_are_refused(tiny_schema):
     batch = session_batch(tiny_schema, 8, seed=1)
     index = RowIndex(["items"])
-    got = pack_rows(
+    got = piece_rows(
         batch,
         tables=TableMap(("items",), {"item_id": 0}),
         index=index,
-        pack_of_row=np.zeros(8, np.int64),
+        piece_of_row=np.zeros(8, np.int64),
     )
     assert set(index.table_of_row[got.row].tolist()) == {0}
     assert got.row.size == np.unique(batch.kjt["item_id"].values.numpy()).size
     with pytest.raises(DataError, match="no feature"):
-        pack_rows(
+        piece_rows(
             batch,
             tables=TableMap(("x",), {"nope": 0}),
             index=index,
-            pack_of_row=np.zeros(8, np.int64),
+            piece_of_row=np.zeros(8, np.int64),
         )
 
 
