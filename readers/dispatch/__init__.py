@@ -12,6 +12,8 @@ hardest share, greedy for the rest), every rank getting exactly its share of sam
 * :mod:`readers.dispatch.cost`: the cost model.
 * :mod:`readers.dispatch.assign`: the exact placement, the greedy pass, HybridDis.
 * :mod:`readers.dispatch.dispatcher`: :class:`Dispatcher`, its config and the policies.
+* :mod:`readers.dispatch.cut`: :class:`DispatchCut`, the dispatcher as a
+  :class:`readers.ranks.RankCut` (``recpipe train --dispatch``, ``recpipe serve --dispatch``).
 
 See ``docs/dispatch.md``. Importing this package imports neither torch nor Numba.
 """
@@ -21,10 +23,12 @@ from __future__ import annotations
 from recpipe._lazy import lazy_exports
 
 __all__ = [
+    "DISPATCH_CHOICES",
     "POLICIES",
     "CacheShadow",
     "Dispatch",
     "DispatchConfig",
+    "DispatchCut",
     "Dispatcher",
     "PieceRows",
     "PiecedBatch",
@@ -37,6 +41,7 @@ __all__ = [
     "hybrid_flow",
     "piece_costs",
     "piece_rows",
+    "rank_cut",
     "session_pieces",
 ]
 
@@ -45,6 +50,7 @@ __getattr__, __dir__ = lazy_exports(
     {
         "readers.dispatch.assign": ("exact_flow", "greedy_flow", "hybrid_flow"),
         "readers.dispatch.cost": ("piece_costs",),
+        "readers.dispatch.cut": ("DISPATCH_CHOICES", "DispatchCut", "rank_cut"),
         "readers.dispatch.dispatcher": (
             "POLICIES", "Dispatch", "DispatchConfig", "Dispatcher", "PiecedBatch",
         ),

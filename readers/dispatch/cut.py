@@ -118,9 +118,7 @@ class DispatchCut:
         return batch.table.take(np.asarray(rows, dtype=np.int64))
 
 
-def rank_cut(
-    dispatch: str, *, schema: DatasetSchema, alpha: float = 1.0, **options: Any
-) -> Any:
+def rank_cut(dispatch: str, *, schema: DatasetSchema, alpha: float = 1.0, **options: Any) -> Any:
     """The cut ``--dispatch`` names: ``contiguous`` (:class:`readers.ranks.ContiguousCut`) or a
     :class:`DispatchCut` with that policy.
 
