@@ -46,8 +46,8 @@ def test_each_rank_gets_its_share_and_the_global_batch_is_kept(make_dataset, tin
     assert len(plain[0]) == STEPS
     for step in range(STEPS):
         assert [len(s[step].labels) for s in dispatched] == [BATCH] * WORLD
-        got = sum((_rows(s[step]) for s in dispatched), [])
-        want = sum((_rows(s[step]) for s in plain), [])
+        got = [row for s in dispatched for row in _rows(s[step])]
+        want = [row for s in plain for row in _rows(s[step])]
         assert sorted(got) == sorted(want)
 
 
