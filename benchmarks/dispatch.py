@@ -12,6 +12,7 @@ Figures (written to benchmarks/results/dispatch.json):
                          pulls and update pushes (the cost model's terms; their sum is `cost`),
                          evict pushes, and gradients of rows several ranks read in one step
                          (`shared`, sent home by each reader); `all` sums every kind
+  cost                   cost_s[policy]["cost"] of the headline order (the first of --orders)
   cost_vs_laia_alpha1    cost(esd, alpha = 1) / cost(laia). Target <= 0.70 (ESD: -36.8%)
   cost_vs_laia_alpha0    cost(esd, alpha = 0) / cost(laia) (ESD: -7%)
   cost_order_holds       cost(alpha=1) <= cost(0.5) <= cost(0) <= laia <= random
@@ -20,6 +21,8 @@ Figures (written to benchmarks/results/dispatch.json):
   dispatch_ms            per policy: the policy and the shadow replay per global batch (spread
                          over alternated repeats; CPU time beside it); `prepare_ms`: cutting a
                          batch into pieces and listing their rows, once per batch
+  dispatch_ms_alpha1     dispatch_ms of esd (alpha = 1) in the headline order, wall (its
+                         spread: dispatch_ms_alpha1_spread) and CPU (dispatch_cpu_ms_alpha1)
   dispatch_vs_saved      dispatch time of esd (alpha = 1) / the step transfer time it saves
                          against random. Target < 1
   piece_rows_sweep       cost of esd (alpha = 1), laia and random at other piece sizes
@@ -286,6 +289,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "headline_order": next(iter(per_order)),
         },
         **{k: head[k] for k in figures},
+        "cost": {name: r["cost"] for name, r in head["cost_s"].items()},
+        "dispatch_ms_alpha1": head["dispatch_ms"]["esd_alpha1"]["wall"]["median"],
+        "dispatch_ms_alpha1_spread": head["dispatch_ms"]["esd_alpha1"]["wall"],
+        "dispatch_cpu_ms_alpha1": head["dispatch_ms"]["esd_alpha1"]["cpu"]["median"],
         "orders": per_order,
     }
 

@@ -49,3 +49,15 @@ def test_tiny_run_writes_results(tmp_path):
     assert math.isfinite(results["cost_vs_laia_alpha1"]) and results["cost_vs_laia_alpha1"] > 0
     assert res["cost_vs_laia_alpha1"] == results["cost_vs_laia_alpha1"]
     assert set(res["piece_rows_sweep"]["1"]) == {"esd_alpha1", "laia", "random"}
+    assert results["cost"] == {name: res["cost_s"][name]["cost"] for name in CASES}
+    assert results["dispatch_ms_alpha1_spread"]["repeats"] == 2
+    # the README table renders every row from this JSON
+    table = load_benchmark("report").render({"dispatch": results})
+    for label in (
+        "cost_vs_laia_alpha1",
+        "cost_vs_laia_alpha0",
+        "order holds",
+        "dispatch_ms_alpha1",
+        "dispatch_vs_saved",
+    ):
+        assert label in table, label
