@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-from functools import cache
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,28 +9,7 @@ from hypothesis import strategies as st
 
 from readers.dispatch.assign import exact_flow, flow_cost, greedy_flow, hybrid_flow, regret
 from recpipe.errors import DataError
-
-
-@cache
-def _compositions(total: int, parts: int) -> tuple[tuple[int, ...], ...]:
-    """Every way to write ``total`` as ``parts`` non-negative integers."""
-    if parts == 1:
-        return ((total,),)
-    return tuple(
-        (k, *rest) for k in range(total + 1) for rest in _compositions(total - k, parts - 1)
-    )
-
-
-def brute_force(costs: np.ndarray, sizes: np.ndarray, capacity: np.ndarray) -> float:
-    """The least cost over every placement (pieces may split) that respects ``capacity``."""
-    n, w = costs.shape
-    unit = costs / sizes[:, None]
-    best = np.inf
-    for flows in itertools.product(*(_compositions(int(s), w) for s in sizes)):
-        flow = np.array(flows, dtype=np.int64).reshape(n, w)
-        if (flow.sum(0) <= capacity).all():
-            best = min(best, float((unit * flow).sum()))
-    return best
+from tests.readers.dispatch.brute import brute_force
 
 
 def split(flow: np.ndarray) -> int:

@@ -3,8 +3,6 @@ reads against the expanded batch, the cost model against what moves, every polic
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -13,6 +11,7 @@ from readers.dispatch.assign import flow_cost
 from readers.dispatch.dispatcher import POLICIES
 from recpipe.errors import DataError
 from tests.common.data import session_batch
+from tests.readers.dispatch.brute import brute_force
 
 WORLD, MICRO = 3, 4
 
@@ -89,25 +88,13 @@ def test_each_rank_reads_the_rows_of_its_samples(tiny_schema, config):
             assert set(zip(tables.tolist(), ids.tolist(), strict=True)) == want
 
 
-def _brute_force(costs: np.ndarray, sizes: np.ndarray, capacity: np.ndarray) -> float:
-    unit = costs / sizes[:, None]
-    w = costs.shape[1]
-    choices = [[c for c in itertools.product(range(s + 1), repeat=w) if sum(c) == s] for s in sizes]
-    best = np.inf
-    for flows in itertools.product(*choices):
-        flow = np.array(flows)
-        if (flow.sum(0) == capacity).all():
-            best = min(best, float((unit * flow).sum()))
-    return best
-
-
 def test_alpha_1_is_the_brute_force_optimum_of_the_cost_model(tiny_schema):
     d = _dispatcher(tiny_schema, alpha=1.0, micro_batch=2)
     checked = 0
     for batch in _batches(tiny_schema, 10, rows=WORLD * 2, mean=2.0):
         prepared = d.prepare(batch)
         costs = piece_costs(d.shadow, prepared.rows, d.seconds_per_row)
-        best = _brute_force(costs, prepared.pieces.sizes, d.capacity)
+        best = brute_force(costs, prepared.pieces.sizes, d.capacity)
         out = d.dispatch(prepared)
         assert out.model_cost == pytest.approx(best, rel=1e-12)
         assert flow_cost(costs, prepared.pieces.sizes, out.flow) == pytest.approx(best, rel=1e-12)
