@@ -25,6 +25,11 @@ Figures (written to benchmarks/results/dispatch.json):
                          spread: dispatch_ms_alpha1_spread) and CPU (dispatch_cpu_ms_alpha1)
   dispatch_vs_saved      dispatch time of esd (alpha = 1) / the step transfer time it saves
                          against random. Target < 1
+  training               a real --train-ranks run of `recpipe train --dispatch esd` and
+                         `--dispatch random` (in-process readers, gloo): samples/s of each
+                         (spread over alternated runs) and esd_vs_random. The trainer keeps no
+                         per-rank cache, so this measures what dispatching costs, not the
+                         transfers it saves
   piece_rows_sweep       cost of esd (alpha = 1), laia and random at other piece sizes
                          (1 = single samples)
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import sys
 import tempfile
 import time
@@ -77,6 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
     parser.add_argument("--batches", type=int, default=0, help="global batches (0: all)")
     parser.add_argument("--repeats", type=int, default=3, help="alternated repeats per policy")
+    parser.add_argument(
+        "--train-steps", type=int, default=200,
+        help="steps of the real 2-rank `recpipe train` runs, esd vs random (0: none)",
+    )  # fmt: skip
+    parser.add_argument("--train-ranks", type=int, default=2, help="ranks of those runs")
+    parser.add_argument("--train-repeats", type=int, default=3, help="alternated runs per policy")
+    parser.add_argument(
+        "--train-hot-rows", type=str, default="auto", help="--hot-rows of those runs"
+    )
     parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
     parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
@@ -263,6 +278,45 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
     }
 
 
+def train_rates(dataset: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Samples/s of real multi-rank ``recpipe train`` runs (gloo, in-process readers) with
+    ``--dispatch esd`` and ``--dispatch random``, alternated."""
+    import json
+    import os
+    import subprocess
+
+    rates: dict[str, list[float]] = {"esd": [], "random": []}
+
+    def case(policy: str) -> Any:
+        def call() -> None:
+            out = work / f"train-{policy}-{len(rates[policy])}.json"
+            argv = [
+                sys.executable, "-m", "recpipe_cli", "train", str(dataset), "--quiet",
+                "--nproc", str(args.train_ranks), "--batch-size", str(args.micro_batch),
+                "--steps", str(args.train_steps), "--eval-fraction", "0",
+                "--hot-rows", args.train_hot_rows, "--dispatch", policy, "--alpha", "1",
+                "--embedding-dim", str(args.dim), "--seed", str(args.seed), "--json", str(out),
+            ]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
+            if done.returncode != 0:
+                sys.exit(f"recpipe train --dispatch {policy} failed:\n{done.stderr[-4000:]}")
+            rates[policy].append(float(json.loads(out.read_text())["samples_per_s"]))
+
+        return call
+
+    alternate({p: case(p) for p in rates}, repeats=args.train_repeats, warmup=False)
+    return {
+        "ranks": args.train_ranks,
+        "steps": args.train_steps,
+        "samples_per_s": {p: spread(v) for p, v in rates.items()},
+        "esd_vs_random": statistics.median(rates["esd"]) / statistics.median(rates["random"]),
+        "esd_vs_random_repeats": [
+            a / b for a, b in zip(rates["esd"], rates["random"], strict=True)
+        ],
+    }
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     orders = [o.strip() for o in args.orders.split(",") if o.strip()]
     if args.data:
@@ -271,6 +325,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         datasets = build_datasets(work, requests=args.requests, seed=args.seed, orders=orders)
     per_order = {label: replay_order(path, args, label=label) for label, path in datasets.items()}
     head = per_order[next(iter(per_order))]
+    training = None
+    if args.train_steps:
+        training = train_rates(next(iter(datasets.values())), args, work)
     figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
                "dispatch_vs_saved")  # fmt: skip
     return {
@@ -294,6 +351,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "dispatch_ms_alpha1_spread": head["dispatch_ms"]["esd_alpha1"]["wall"],
         "dispatch_cpu_ms_alpha1": head["dispatch_ms"]["esd_alpha1"]["cpu"]["median"],
         "orders": per_order,
+        "training": training,
+        **(
+            {}
+            if training is None
+            else {
+                "train_esd_vs_random": training["esd_vs_random"],
+                "train_esd_vs_random_repeats": training["esd_vs_random_repeats"],
+            }
+        ),
     }
 
 
@@ -316,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
               f"cost_vs_laia_alpha0 {res['cost_vs_laia_alpha0']:.3f}, "
               f"order holds: {res['cost_order_holds']}, "
               f"dispatch_vs_saved {res['dispatch_vs_saved']:.3f} (target < 1)")  # fmt: skip
+    training = results["training"]
+    if training is not None:
+        rates = training["samples_per_s"]
+        print(f"recpipe train, {training['ranks']} ranks: esd {rates['esd']['median']:.0f}, "
+              f"random {rates['random']['median']:.0f} samples/s "
+              f"(esd_vs_random {training['esd_vs_random']:.3f})")  # fmt: skip
     print(f"wrote {out}")
     return 0
 

@@ -722,6 +722,17 @@ DISPATCH = Table(
             target=Target("<=", 1.0),
             target_text="< 1",
         ),
+        Row(
+            "`train_esd_vs_random` (samples/s of a real `recpipe train --nproc 2`, "
+            "`--dispatch esd` / `random`; no per-rank cache: what dispatching costs)",
+            "train_esd_vs_random",
+            lambda d: (
+                f"{{v}} ({num(d['training']['samples_per_s']['esd']['median'])} vs "
+                f"{num(d['training']['samples_per_s']['random']['median'])} samples/s)"
+            ),
+            fmt=lambda v: f"{v:.2f}",
+            reference="report",
+        ),
     ],
 )
 

@@ -1,5 +1,6 @@
-"""Smoke test of `benchmarks/dispatch.py` at a tiny size: every policy replays, the JSON has every
-figure (costs per policy, the ratios to LAIA, dispatch times with their spread)."""
+"""Smoke test of `benchmarks/dispatch.py` at a tiny size: every policy replays, a 2-rank `recpipe
+train` runs with esd and random dispatch, the JSON has every figure (costs per policy, the ratios
+to LAIA, dispatch times with their spread, samples/s) and the README table renders them."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_tiny_run_writes_results(tmp_path):
     argv = [
         "--requests", "1500", "--ranks", "4", "--fast-ranks", "2", "--micro-batch", "16",
         "--batches", "3", "--repeats", "2", "--sweep-piece-rows", "1", "--orders", "session",
+        "--train-steps", "2", "--train-repeats", "1", "--train-hot-rows", "0",
         "--work", str(tmp_path / "work"), "--out", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
@@ -51,6 +53,10 @@ def test_tiny_run_writes_results(tmp_path):
     assert set(res["piece_rows_sweep"]["1"]) == {"esd_alpha1", "laia", "random"}
     assert results["cost"] == {name: res["cost_s"][name]["cost"] for name in CASES}
     assert results["dispatch_ms_alpha1_spread"]["repeats"] == 2
+    training = results["training"]
+    assert (training["ranks"], training["steps"]) == (2, 2)
+    assert all(training["samples_per_s"][p]["median"] > 0 for p in ("esd", "random"))
+    assert results["train_esd_vs_random"] == training["esd_vs_random"] > 0
     # the README table renders every row from this JSON
     table = load_benchmark("report").render({"dispatch": results})
     for label in (
