@@ -26,6 +26,7 @@ row the ranks read.
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -68,10 +69,9 @@ class DispatchCut:
 
     def _reset(self) -> None:
         self._dispatcher: Dispatcher | None = None
-        self._last: tuple[int, tuple[int, ...]] | None = None
-        self._memo: collections.OrderedDict[tuple[int, tuple[int, ...]], Dispatch] = (
-            collections.OrderedDict()
-        )
+        self._converter: Any = None
+        self._last_step: int | None = None
+        self._memo: collections.OrderedDict[tuple[Any, ...], Dispatch] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # a copy starts afresh (and without its lock)
@@ -83,25 +83,30 @@ class DispatchCut:
 
     def dispatch(self, batch: GlobalBatch) -> Dispatch:
         """The placement of ``batch`` (dispatched once; later calls for it reuse it)."""
-        key = (batch.step, tuple(batch.indices))
+        table = batch.table
+        sessions = table.column(self.schema.session_key).to_numpy()
+        # the stream's batch numbers repeat every epoch: the content tells epochs apart
+        content = hashlib.blake2b(np.ascontiguousarray(sessions).tobytes(), digest_size=16)
+        key = (batch.step, tuple(batch.indices), content.digest())
         with self._lock:
             if key in self._memo:
                 return self._memo[key]
-            table = batch.table
             w = len(batch.parts)
             m, rest = divmod(table.num_rows, w)
             if rest:
                 msg = f"global batch {batch.step} has {table.num_rows} rows for {w} ranks"
                 raise DataError(msg)
             d = self._dispatcher
-            continues = self._last is not None and batch.step == self._last[0] + 1
+            continues = self._last_step is not None and batch.step == self._last_step + 1
             if d is None or not continues or d.world_size != w or d.micro_batch != m:
                 d = self._dispatcher = self._new_dispatcher(world_size=w, micro_batch=m)
                 self._memo.clear()
-            from readers.convert import BatchConverter
+            if self._converter is None:
+                from readers.convert import BatchConverter
 
-            out = d.dispatch(BatchConverter(self.schema, dedup=True)(table))
-            self._last = key
+                self._converter = BatchConverter(self.schema, dedup=True)
+            out = d.dispatch(self._converter(table))
+            self._last_step = batch.step
             self._memo[key] = out
             while len(self._memo) > _MEMO_STEPS:
                 self._memo.popitem(last=False)

@@ -76,8 +76,12 @@ def test_the_shadow_continues_only_over_consecutive_steps(make_dataset, tiny_sch
     assert first.step == 0 and second.step == 1
     assert sum(p.size for p in second.transfers.pulls) < sum(p.size for p in first.transfers.pulls)
     assert cut.dispatch(GlobalBatch(0, (0, 1, 2), parts)) is first  # the memo
+    # the same step and stream batch numbers in another epoch (other rows): dispatched anew
+    later = tuple(table.slice((WORLD + r) * BATCH, BATCH) for r in range(WORLD))
+    again = cut.dispatch(GlobalBatch(0, (0, 1, 2), later))
+    assert again is not first and again.step == 0
     restart = cut.dispatch(GlobalBatch(7, (9, 10, 11), parts))  # a jump: empty caches
-    assert restart.step == 0
+    assert restart.step == 0 and restart is not first
     assert [r.tolist() for r in restart.rows] == [r.tolist() for r in first.rows]
 
 
