@@ -332,8 +332,10 @@ class RankCut(Protocol):
     ``cut(batch, rank)`` returns rank ``rank``'s micro-batch as an Arrow table. For every step,
     the tables of ranks ``0 .. W-1`` must together hold every row of the global batch exactly
     once and hold ``batch_size`` rows each (the trainer divides each rank's loss sum by
-    ``W * batch_size``). The cut must be a pure function of the global batch and the rank: each
-    rank (each reader process of the service) calls it on its own and they must agree.
+    ``W * batch_size``). Each rank (each reader process of the service) calls its own copy of
+    the cut and the copies must agree: a pure function of the global batch and the rank does,
+    and so does a cut whose state follows only the steps it is called for, which every rank
+    sees in the same order (:class:`readers.dispatch.cut.DispatchCut`).
 
     Attributes:
         whole_batch: the cut reads every part of the global batch (``False``: only

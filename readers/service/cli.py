@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from readers.service.config import DEFAULT_MAX_READERS, TOKEN_ENV, ServiceConfig
 from recpipe.errors import DataError
@@ -152,6 +153,22 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (the epoch is mixed in)")
     parser.add_argument(
+        "--dispatch",
+        choices=["contiguous", "esd", "laia", "random", "round-robin"],
+        default="contiguous",
+        help="which rows of each global batch a rank client trains on: contiguous (its own part "
+        "of the stream), or a dispatch policy: esd (embedding-aware, least transfer cost), laia "
+        "(cache locality), random, round-robin (see docs/dispatch.md)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=1.0,
+        metavar="A",
+        help="esd: share of each global batch placed exactly (1: optimum of the cost model, "
+        "0: greedy by regret; default 1)",
+    )
+    parser.add_argument(
         "--report-every",
         type=float,
         default=10.0,
@@ -165,6 +182,18 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="serve N synthetic batches instead of a dataset (checks the network path)",
     )
+
+
+def _dispatch_cut(args: argparse.Namespace) -> Any:
+    """The rank cut ``--dispatch`` names (``None``: the contiguous default)."""
+    if args.dispatch == "contiguous":
+        return None
+    from readers.dataset import dataset_schema
+    from readers.dispatch.cut import rank_cut
+    from schemas import load_schema
+
+    schema = dataset_schema(args.dataset) if args.schema is None else load_schema(args.schema)
+    return rank_cut(args.dispatch, schema=schema, alpha=args.alpha)
 
 
 def read_token(*, token: str | None, token_file: Path | None) -> str | None:
@@ -195,6 +224,9 @@ def _cli_serve(args: argparse.Namespace) -> int:
     from readers.service.server import serve
 
     dedup = args.dedup == "on"
+    if args.synthetic is not None and args.dispatch != "contiguous":
+        msg = f"`--dispatch {args.dispatch}` needs a dataset, not --synthetic"
+        raise DataError(msg)
     if args.synthetic is not None:
         producer: BatchProducer = SyntheticProducer(
             args.synthetic, batch_size=args.batch_size, dedup=dedup
@@ -208,6 +240,7 @@ def _cli_serve(args: argparse.Namespace) -> int:
     else:
         producer = DatasetProducer(
             args.dataset,
+            cut=_dispatch_cut(args),
             batch_size=args.batch_size,
             dedup=dedup,
             preprocess=args.preprocess,

@@ -16,6 +16,7 @@ session relays them in step order).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -185,10 +186,11 @@ class DatasetProducer:
         splits = DatasetSource(self.dataset, schema=schema).splits
         if holdout is not None:
             splits = holdout.select(splits, session_key=schema.session_key)
+        cut = copy.copy(self.cut)  # a fresh copy per client: a stateful cut starts with it
         return RankBatchDataset(
             self.dataset, schema=schema, config=self._reader_config(),
             transforms=self.preprocess, dedup=self.dedup, rank=ranks.rank,
-            world_size=ranks.world_size, splits=splits, cut=self.cut,
+            world_size=ranks.world_size, splits=splits, cut=cut,
         )  # fmt: skip
 
     def rank_state(

@@ -64,6 +64,13 @@ class DistributedConfig:
             median is kept).
         probe_rows: the largest size probed: hot rows of the all-reduce, ids per rank of the
             all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it).
+        dispatch: which rows of each global batch each rank trains on: ``contiguous`` (rank r
+            its own part of the stream), or a dispatch policy of ``readers.dispatch``: ``esd``
+            (embedding-aware: the least transfer cost), ``laia`` (cache locality), ``random``,
+            ``round-robin`` (see docs/dispatch.md). With ``--service`` the server's
+            ``--dispatch`` decides.
+        alpha: ``esd``'s share of each global batch placed exactly (1: the cost model's
+            optimum; 0: greedy by regret).
     """
 
     hot_rows: Literal["auto"] | int = "auto"
@@ -72,8 +79,19 @@ class DistributedConfig:
     timeout_s: float = 300.0
     probe_repeats: int = 7
     probe_rows: int = 65536
+    dispatch: Literal["contiguous", "esd", "laia", "random", "round-robin"] = "contiguous"
+    alpha: float = 1.0
 
     def __post_init__(self) -> None:
+        choices = ("contiguous", "esd", "laia", "random", "round-robin")
+        if self.dispatch not in choices:
+            msg = f"`dispatch` must be one of {list(choices)}, got {self.dispatch!r}"
+            raise RecpipeError(msg)
+        if isinstance(self.alpha, bool) or not (
+            isinstance(self.alpha, int | float) and 0.0 <= self.alpha <= 1.0
+        ):
+            msg = f"`alpha` must be in [0, 1], got {self.alpha!r}"
+            raise RecpipeError(msg)
         if self.hot_rows != "auto" and (
             isinstance(self.hot_rows, bool)
             or not isinstance(self.hot_rows, int)

@@ -61,7 +61,7 @@ def _hot_rows(text: str) -> str | int:
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the multi-rank options to the ``recpipe train`` parser: the fields of
-    :class:`~trainer.distributed.config.LaunchConfig` and three of
+    :class:`~trainer.distributed.config.LaunchConfig` and five of
     :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`)."""
     from recpipe.config_cli import Option, add_config_options
     from trainer.distributed.config import DistributedConfig, LaunchConfig
@@ -86,9 +86,10 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     exchange = add_config_options(
         group,
         DistributedConfig,
-        include=("hot_rows", "count_steps", "timeout_s"),
+        include=("hot_rows", "count_steps", "timeout_s", "dispatch", "alpha"),
         overrides={
             "hot_rows": Option(metavar="R", type=_hot_rows),
+            "alpha": Option(metavar="A"),
             "count_steps": Option(metavar="S"),
             "timeout_s": Option(flag="--dist-timeout", metavar="SEC"),
         },

@@ -160,15 +160,25 @@ class _RankRun:
         )
         self.train_splits, self.eval_splits = len(train), len(held)
         if cfg.service is not None:
+            if self.options.dispatch != "contiguous":
+                msg = (
+                    f"`dispatch` {self.options.dispatch!r} with --service: the reader service "
+                    "dispatches (`recpipe serve --dispatch`)"
+                )
+                raise RecpipeError(msg)
             self._make_service_loaders(train, held)
             return
+        from readers.dispatch.cut import rank_cut
         from readers.ranks import RankBatchDataset, RankLoader
         from readers.source import ReaderConfig
 
         common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup,
                   "rank": self.comm.rank, "world_size": self.comm.world_size}  # fmt: skip
         reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
-        self.train_ds = RankBatchDataset(cfg.dataset, config=reader, splits=train, **common)
+        opts = self.options
+        cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha)
+        self.train_ds = RankBatchDataset(cfg.dataset, config=reader, splits=train, cut=cut,
+                                         **common)  # fmt: skip
         self.eval_ds = RankBatchDataset(
             cfg.dataset, config=ReaderConfig(batch_size=cfg.batch_size), splits=held, **common
         )

@@ -1,0 +1,399 @@
+"""ESD's sample dispatch, simulated: the synthetic dataset's global batches replayed through each
+dispatch policy with per-rank caches and bandwidths, without training.
+
+The paper's setting by default: 8 ranks, 4 of them at 10x the bandwidth of the other 4, 128
+samples per rank (global batches of 1024), each rank's cache 8% of the rows the replay reads,
+session pieces of at most 32 rows. Every policy replays the same cut batches from empty caches
+(`readers.dispatch`); the cache shadow says what each step moves. A row transfer moves the
+embedding and its row-wise Adagrad state (4 * (dim + 1) bytes) over the rank's link.
+
+Figures (written to benchmarks/results/dispatch.json):
+  cost_s                 per policy: seconds of links busy over the replay, per kind: miss
+                         pulls and update pushes (the cost model's terms; their sum is `cost`),
+                         evict pushes, and gradients of rows several ranks read in one step
+                         (`shared`, sent home by each reader); `all` sums every kind
+  cost                   cost_s[policy]["cost"] of the headline order (the first of --orders)
+  cost_vs_laia_alpha1    cost(esd, alpha = 1) / cost(laia). Target <= 0.70 (ESD: -36.8%)
+  cost_vs_laia_alpha0    cost(esd, alpha = 0) / cost(laia) (ESD: -7%)
+  cost_order_holds       cost(alpha=1) <= cost(0.5) <= cost(0) <= laia <= random
+  step_transfer_s        per policy: the slowest rank's link time per step (transfers of one
+                         rank run in parallel with the other ranks'), mean over steps
+  dispatch_ms            per policy: the policy and the shadow replay per global batch (spread
+                         over alternated repeats; CPU time beside it); `prepare_ms`: cutting a
+                         batch into pieces and listing their rows, once per batch
+  dispatch_ms_alpha1     dispatch_ms of esd (alpha = 1) in the headline order, wall (its
+                         spread: dispatch_ms_alpha1_spread) and CPU (dispatch_cpu_ms_alpha1)
+  dispatch_vs_saved      dispatch time of esd (alpha = 1) / the step transfer time it saves
+                         against random. Target < 1
+  training               a real --train-ranks run of `recpipe train --dispatch esd` and
+                         `--dispatch random` (in-process readers, gloo): samples/s of each
+                         (spread over alternated runs) and esd_vs_random. The trainer keeps no
+                         per-rank cache, so this measures what dispatching costs, not the
+                         transfers it saves
+  piece_rows_sweep       cost of esd (alpha = 1), laia and random at other piece sizes
+                         (1 = single samples)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import alternate, spread, write_results
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "dispatch.json"
+KINDS = ("pulls", "pushes", "evict_pushes", "shared")
+
+__all__ = ["main", "parse_args", "run"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/dispatch.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--requests", type=int, default=200_000, help="synthetic requests")
+    parser.add_argument("--ranks", type=int, default=8, help="ranks W")
+    parser.add_argument("--fast-ranks", type=int, default=4, help="ranks with the fast link")
+    parser.add_argument("--fast-factor", type=float, default=10.0, help="fast / slow bandwidth")
+    parser.add_argument("--bandwidth", type=float, default=12.5e6, help="slow link, bytes/s")
+    parser.add_argument("--micro-batch", type=int, default=128, help="samples per rank m")
+    parser.add_argument("--cache-share", type=float, default=0.08, help="cache / cold rows read")
+    parser.add_argument(
+        "--hot-share", type=float, default=0.5,
+        help="rows read in at least this share of the steps are the hot set (1: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--orders", type=str, default="time,session",
+        help="dataset row orders to replay: time (rows by ts), session (clustered, RecD)",
+    )  # fmt: skip
+    parser.add_argument("--shuffle", action="store_true", help="shuffle the reader (seeded)")
+    parser.add_argument("--piece-rows", type=int, default=32, help="rows per session piece at most")
+    parser.add_argument(
+        "--sweep-piece-rows", type=str, default="1,8", help="other piece sizes (comma-separated)"
+    )
+    parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    parser.add_argument("--batches", type=int, default=0, help="global batches (0: all)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repeats per policy")
+    parser.add_argument(
+        "--train-steps", type=int, default=200,
+        help="steps of the real 2-rank `recpipe train` runs, esd vs random (0: none)",
+    )  # fmt: skip
+    parser.add_argument("--train-ranks", type=int, default=2, help="ranks of those runs")
+    parser.add_argument("--train-repeats", type=int, default=3, help="alternated runs per policy")
+    parser.add_argument(
+        "--train-hot-rows", type=str, default="auto", help="--hot-rows of those runs"
+    )
+    parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
+    parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    return parser.parse_args(argv)
+
+
+def build_datasets(work: Path, *, requests: int, seed: int, orders: list[str]) -> dict[str, Path]:
+    """Synthetic logs -> one dataset per row order (``session``: clustered; ``time``: by ts)."""
+    from etl.build import BuildConfig, build
+    from etl.synth import SynthConfig, generate
+    from schemas import default_schema
+
+    logs = generate(work / "raw", SynthConfig(num_requests=requests, seed=seed), progress=True)
+    out = {}
+    for order in orders:
+        out[order] = work / order
+        build(logs.features, out[order], events=logs.events, schema=default_schema(),
+              config=BuildConfig(order=order), overwrite=True, progress=True)  # fmt: skip
+    return out
+
+
+def read_batches(dataset: Path, *, rows: int, limit: int, shuffle: bool, seed: int) -> list[Any]:
+    """The first ``limit`` (0: all) full global batches of one epoch."""
+    from readers.dataset import iter_batches
+    from readers.source import ReaderConfig
+
+    config = ReaderConfig(batch_size=rows, shuffle=shuffle, seed=seed, last_batch="drop")
+    out = []
+    for batch in iter_batches(dataset, config=config, dedup=True):
+        out.append(batch)
+        if limit and len(out) == limit:
+            break
+    return out
+
+
+class Replay:
+    """The prepared batches of one piece size, and replays of them through a policy."""
+
+    def __init__(self, batches: list[Any], *, args: argparse.Namespace, piece_rows: int) -> None:
+        from readers.dispatch import DispatchConfig, Dispatcher, TableMap
+
+        self.args = args
+        self.tables = TableMap.per_feature(batches[0].sparse_keys)
+        self.world = args.ranks
+        bandwidth = [args.bandwidth * args.fast_factor] * args.fast_ranks
+        bandwidth += [args.bandwidth] * (args.ranks - args.fast_ranks)
+        self.base = DispatchConfig(
+            max_piece_rows=piece_rows, bandwidths=tuple(bandwidth), row_bytes=4 * (args.dim + 1)
+        )
+        preparer = Dispatcher(self.base, world_size=self.world, micro_batch=args.micro_batch,
+                            tables=self.tables)  # fmt: skip
+        self.index = preparer.index
+        self.prepare_s = []
+        self.prepared = []
+        for batch in batches:
+            start = time.perf_counter()
+            self.prepared.append(preparer.prepare(batch))
+            self.prepare_s.append(time.perf_counter() - start)
+        self.seconds_per_row = preparer.seconds_per_row
+        # the hot set: rows read in at least `hot_share` of the steps (counted over the replay)
+        steps = np.zeros(self.index.num_rows, dtype=np.int64)
+        for prepared in self.prepared:
+            steps[np.unique(prepared.rows.row)] += 1
+        hot = np.flatnonzero(steps >= args.hot_share * len(self.prepared))
+        self.hot_keys = self.index.keys(hot)
+        self.hot_rows = int(hot.size)
+        self.hot_access_share = float(steps[hot].sum() / max(steps.sum(), 1))
+        self.cold_rows = self.index.num_rows - self.hot_rows
+        self.cache_rows = max(1, round(args.cache_share * self.cold_rows))
+
+    def config(self, policy: str, alpha: float) -> Any:
+        from dataclasses import replace
+
+        return replace(self.base, policy=policy, alpha=alpha, cache_rows=(self.cache_rows,),
+                       seed=self.args.seed)  # fmt: skip
+
+    def run(self, policy: str, alpha: float = 1.0) -> dict[str, Any]:
+        """Replay every batch from empty caches: link seconds per kind, step times, hits."""
+        from readers.dispatch import Dispatcher
+
+        d = Dispatcher(self.config(policy, alpha), world_size=self.world,
+                       micro_batch=self.args.micro_batch, tables=self.tables,
+                       index=self.index)  # fmt: skip
+        d.set_hot(*self.hot_keys)
+        per_kind = dict.fromkeys(KINDS, 0.0)
+        step_all, model = [], 0.0
+        reads = pulls = split = 0
+        for prepared in self.prepared:
+            out = d.dispatch(prepared)
+            split += out.split_pieces
+            sec = out.transfers.seconds(self.seconds_per_row)
+            for kind in KINDS:
+                per_kind[kind] += float(sec[kind].sum())
+            step_all.append(float(sum(sec[k] for k in KINDS).max()))
+            model += out.model_cost
+            counts = out.transfers.counts()
+            reads += int(counts["reads"].sum())
+            pulls += int(counts["pulls"].sum())
+        return {
+            "cost": per_kind["pulls"] + per_kind["pushes"],
+            "all": sum(per_kind.values()),
+            **per_kind,
+            "model_cost": model,
+            "step_transfer_s": float(np.mean(step_all)),
+            "hit_rate": 1.0 - pulls / max(reads, 1),
+            "split_pieces_per_step": split / len(self.prepared),
+        }
+
+
+CASES = {
+    "esd_alpha1": ("esd", 1.0),
+    "esd_alpha0.5": ("esd", 0.5),
+    "esd_alpha0": ("esd", 0.0),
+    "laia": ("laia", 1.0),
+    "round_robin": ("round-robin", 1.0),
+    "random": ("random", 1.0),
+}
+ORDER = ["esd_alpha1", "esd_alpha0.5", "esd_alpha0", "laia", "random"]
+
+
+def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict[str, Any]:
+    """Every policy over one dataset's global batches: costs, ratios, dispatch times."""
+    from tqdm import tqdm
+
+    rows = args.ranks * args.micro_batch
+    batches = read_batches(dataset, rows=rows, limit=args.batches, shuffle=args.shuffle,
+                           seed=args.seed)  # fmt: skip
+    if not batches:
+        sys.exit(f"no global batch of {rows} rows in {dataset}: use more --requests")
+    replay = Replay(batches, args=args, piece_rows=args.piece_rows)
+    results: dict[str, dict[str, Any]] = {}
+
+    def case(name: str) -> Any:
+        def call() -> None:
+            results[name] = replay.run(*CASES[name])
+
+        return call
+
+    with tqdm(total=len(CASES) * args.repeats, desc=f"{label}: policies", file=sys.stderr) as bar:
+        runs = alternate({n: case(n) for n in CASES}, repeats=args.repeats, progress=bar.update)
+    steps = len(batches)
+    cost = {name: r["cost"] for name, r in results.items()}
+    holds = all(cost[a] <= cost[b] * (1 + 1e-12) for a, b in itertools.pairwise(ORDER))
+    dispatch_ms = {
+        name: {
+            "wall": spread([t.wall_s * 1e3 / steps for t in timings]),
+            "cpu": spread([t.cpu_s * 1e3 / steps for t in timings]),
+        }
+        for name, timings in runs.items()
+    }
+    saved = results["random"]["step_transfer_s"] - results["esd_alpha1"]["step_transfer_s"]
+    esd_ms = dispatch_ms["esd_alpha1"]["wall"]["median"]
+    sweep = {}
+    for size in [int(s) for s in args.sweep_piece_rows.split(",") if s.strip()]:
+        if size == args.piece_rows:
+            continue
+        other = Replay(batches, args=args, piece_rows=size)
+        sweep[str(size)] = {
+            p: other.run(*CASES[p])["cost"] for p in ("esd_alpha1", "laia", "random")
+        }
+    return {
+        "dataset": {
+            "global_batches": steps,
+            "rows_read": replay.index.num_rows,
+            "hot_rows": replay.hot_rows,
+            "hot_access_share": replay.hot_access_share,
+            "cache_rows": replay.cache_rows,
+            "pieces_per_batch": float(np.mean([p.pieces.num_pieces for p in replay.prepared])),
+            "pairs_per_batch": float(np.mean([p.rows.row.size for p in replay.prepared])),
+        },
+        "cost_s": results,
+        "cost_vs_laia_alpha1": cost["esd_alpha1"] / cost["laia"],
+        "cost_vs_laia_alpha0": cost["esd_alpha0"] / cost["laia"],
+        "cost_vs_random_alpha1": cost["esd_alpha1"] / cost["random"],
+        "all_vs_laia_alpha1": results["esd_alpha1"]["all"] / results["laia"]["all"],
+        "cost_order_holds": holds,
+        "step_transfer_s": {name: r["step_transfer_s"] for name, r in results.items()},
+        "dispatch_ms": dispatch_ms,
+        "prepare_ms": spread([s * 1e3 for s in replay.prepare_s]),
+        "saved_step_transfer_s": saved,
+        "dispatch_vs_saved": esd_ms / 1e3 / saved if saved > 0 else float("inf"),
+        "piece_rows_sweep": sweep,
+    }
+
+
+def train_rates(dataset: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Samples/s of real multi-rank ``recpipe train`` runs (gloo, in-process readers) with
+    ``--dispatch esd`` and ``--dispatch random``, alternated."""
+    import json
+    import os
+    import subprocess
+
+    rates: dict[str, list[float]] = {"esd": [], "random": []}
+
+    def case(policy: str) -> Any:
+        def call() -> None:
+            out = work / f"train-{policy}-{len(rates[policy])}.json"
+            argv = [
+                sys.executable, "-m", "recpipe_cli", "train", str(dataset), "--quiet",
+                "--nproc", str(args.train_ranks), "--batch-size", str(args.micro_batch),
+                "--steps", str(args.train_steps), "--eval-fraction", "0",
+                "--hot-rows", args.train_hot_rows, "--dispatch", policy, "--alpha", "1",
+                "--embedding-dim", str(args.dim), "--seed", str(args.seed), "--json", str(out),
+            ]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
+            if done.returncode != 0:
+                sys.exit(f"recpipe train --dispatch {policy} failed:\n{done.stderr[-4000:]}")
+            rates[policy].append(float(json.loads(out.read_text())["samples_per_s"]))
+
+        return call
+
+    alternate({p: case(p) for p in rates}, repeats=args.train_repeats, warmup=False)
+    return {
+        "ranks": args.train_ranks,
+        "steps": args.train_steps,
+        "samples_per_s": {p: spread(v) for p, v in rates.items()},
+        "esd_vs_random": statistics.median(rates["esd"]) / statistics.median(rates["random"]),
+        "esd_vs_random_repeats": [
+            a / b for a, b in zip(rates["esd"], rates["random"], strict=True)
+        ],
+    }
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    orders = [o.strip() for o in args.orders.split(",") if o.strip()]
+    if args.data:
+        datasets = {"data": args.data}
+    else:
+        datasets = build_datasets(work, requests=args.requests, seed=args.seed, orders=orders)
+    per_order = {label: replay_order(path, args, label=label) for label, path in datasets.items()}
+    head = per_order[next(iter(per_order))]
+    training = None
+    if args.train_steps:
+        training = train_rates(next(iter(datasets.values())), args, work)
+    figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
+               "dispatch_vs_saved")  # fmt: skip
+    return {
+        "setting": {
+            "ranks": args.ranks,
+            "fast_ranks": args.fast_ranks,
+            "fast_factor": args.fast_factor,
+            "slow_bandwidth_bytes_s": args.bandwidth,
+            "micro_batch": args.micro_batch,
+            "max_piece_rows": args.piece_rows,
+            "row_bytes": 4 * (args.dim + 1),
+            "cache_share": args.cache_share,
+            "hot_share": args.hot_share,
+            "shuffle": args.shuffle,
+            "requests": None if args.data else args.requests,
+            "headline_order": next(iter(per_order)),
+        },
+        **{k: head[k] for k in figures},
+        "cost": {name: r["cost"] for name, r in head["cost_s"].items()},
+        "dispatch_ms_alpha1": head["dispatch_ms"]["esd_alpha1"]["wall"]["median"],
+        "dispatch_ms_alpha1_spread": head["dispatch_ms"]["esd_alpha1"]["wall"],
+        "dispatch_cpu_ms_alpha1": head["dispatch_ms"]["esd_alpha1"]["cpu"]["median"],
+        "orders": per_order,
+        "training": training,
+        **(
+            {}
+            if training is None
+            else {
+                "train_esd_vs_random": training["esd_vs_random"],
+                "train_esd_vs_random_repeats": training["esd_vs_random_repeats"],
+            }
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="recpipe-dispatch-") as tmp:
+        work = args.work or Path(tmp)
+        results = run(args, work)
+    out = write_results(results, args.out)
+    for label, res in results["orders"].items():
+        print(f"{label} order: {res['dataset']}")
+        print(
+            f"  {'policy':<14}{'cost s':>10}{'all s':>10}{'hits':>7}{'step s':>9}{'ms/batch':>10}"
+        )
+        for name, r in res["cost_s"].items():
+            ms = res["dispatch_ms"][name]["wall"]["median"]
+            print(f"  {name:<14}{r['cost']:>10.3f}{r['all']:>10.3f}{r['hit_rate']:>7.3f}"
+                  f"{r['step_transfer_s']:>9.4f}{ms:>10.2f}")  # fmt: skip
+        print(f"  cost_vs_laia_alpha1 {res['cost_vs_laia_alpha1']:.3f} (target <= 0.70), "
+              f"cost_vs_laia_alpha0 {res['cost_vs_laia_alpha0']:.3f}, "
+              f"order holds: {res['cost_order_holds']}, "
+              f"dispatch_vs_saved {res['dispatch_vs_saved']:.3f} (target < 1)")  # fmt: skip
+    training = results["training"]
+    if training is not None:
+        rates = training["samples_per_s"]
+        print(f"recpipe train, {training['ranks']} ranks: esd {rates['esd']['median']:.0f}, "
+              f"random {rates['random']['median']:.0f} samples/s "
+              f"(esd_vs_random {training['esd_vs_random']:.3f})")  # fmt: skip
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    # `python benchmarks/dispatch.py` puts this folder first on sys.path, where scripts named
+    # like the packages (etl.py, readers.py) shadow them: the repository goes first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Embedding rows of a batch: which (table, id) rows each piece of samples reads.
+
+A model reads one embedding row per (table, id). :class:`TableMap` says which table each sparse
+feature reads (by default one table per feature, as the trainer's DLRM builds them);
+:class:`RowIndex` numbers the (table, id) pairs densely as they are first seen (the dispatcher's
+state is kept in arrays over these numbers); :func:`piece_rows` lists the distinct rows each
+piece reads, counting a row once per piece however many of its samples read it (a deduplicated
+group's unique rows are expanded once per piece, not once per sample)::
+
+    piece 0: samples 0-3 (one session)     user_follows [7, 9] in all four  -> rows (follows, 7), (follows, 9)
+                                          item_id 11, 12, 11, 40          -> (item, 11), (item, 12), (item, 40)
+
+>>> import numpy as np
+>>> index = RowIndex(["item", "user"])
+>>> index.rows(0, np.array([11, 12, 11])).tolist(), index.rows(1, np.array([11])).tolist()
+([0, 1, 0], [2])
+>>> index.keys(np.array([2, 1]))
+(array([1, 0]), array([11, 12]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from recpipe.errors import DataError
+
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+
+__all__ = ["PieceRows", "RowIndex", "TableMap", "piece_rows"]
+
+_SHIFT = 40  # (piece << 40) | row: rows below 2**40, pieces below 2**23
+
+
+@dataclass(frozen=True)
+class TableMap:
+    """Which table each sparse feature reads.
+
+    Attributes:
+        tables: table names, in order (a row's table is its index here).
+        features: ``{feature: table index}``; features not listed are read by no table (they
+            cost nothing).
+    """
+
+    tables: tuple[str, ...]
+    features: Mapping[str, int]
+
+    def __post_init__(self) -> None:
+        if len(set(self.tables)) != len(self.tables) or not self.tables:
+            msg = f"`tables` must be distinct names, at least one, got {list(self.tables)!r}"
+            raise DataError(msg)
+        bad = {f: t for f, t in self.features.items() if not 0 <= t < len(self.tables)}
+        if bad:
+            msg = f"`features` map to tables that do not exist: {bad!r}"
+            raise DataError(msg)
+
+    @classmethod
+    def per_feature(cls, features: Sequence[str]) -> TableMap:
+        """One table per feature, named after it (the trainer's default tables)."""
+        return cls(tuple(features), {f: t for t, f in enumerate(features)})
+
+    @classmethod
+    def from_tables(cls, tables: Mapping[str, Sequence[str]]) -> TableMap:
+        """``{table: [features]}``, tables that several features share."""
+        names = tuple(tables)
+        features: dict[str, int] = {}
+        for t, name in enumerate(names):
+            for f in tables[name]:
+                if f in features:
+                    msg = f"feature {f!r} is read by tables {names[features[f]]!r} and {name!r}"
+                    raise DataError(msg)
+                features[f] = t
+        return cls(names, features)
+
+
+class RowIndex:
+    """(table, id) -> a dense row number, in order of first appearance; it only grows.
+
+    Lookups are binary searches in a sorted array per table; new ids go to a small sorted
+    delta array that is merged into the main one when it reaches 1/8 of it, so inserting N ids
+    costs O(N log N) over all.
+
+    Args:
+        tables: the table names.
+    """
+
+    def __init__(self, tables: Sequence[str]) -> None:
+        self.tables = tuple(tables)
+        empty = np.zeros(0, dtype=np.int64)
+        self._ids = [[empty, empty] for _ in self.tables]  # per table: main, delta (sorted)
+        self._rows = [[empty, empty] for _ in self.tables]  # their row numbers
+        self._table_of_row = np.zeros(1024, dtype=np.int64)
+        self._id_of_row = np.zeros(1024, dtype=np.int64)
+        self.num_rows = 0
+
+    @property
+    def table_of_row(self) -> np.ndarray:
+        """int64 [num_rows]: the table of each row."""
+        return self._table_of_row[: self.num_rows]
+
+    @property
+    def id_of_row(self) -> np.ndarray:
+        """int64 [num_rows]: the id of each row."""
+        return self._id_of_row[: self.num_rows]
+
+    def keys(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(tables, ids)`` of ``rows``."""
+        return self._table_of_row[rows], self._id_of_row[rows]
+
+    def _find(self, table: int, ids: np.ndarray) -> np.ndarray:
+        out = np.full(ids.size, -1, dtype=np.int64)
+        for keys, rows in zip(self._ids[table], self._rows[table], strict=True):
+            if not keys.size:
+                continue
+            pos = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+            hit = keys[pos] == ids
+            out[hit] = rows[pos[hit]]
+        return out
+
+    def lookup(self, table: int, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` in table ``table``, -1 for ids never seen."""
+        return self._find(table, np.ascontiguousarray(ids, dtype=np.int64))
+
+    def rows(self, table: int, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` in table ``table``, numbering the new ones (in order of appearance)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = self._find(table, ids)
+        new = out < 0
+        if not new.any():
+            return out
+        fresh, first = np.unique(ids[new], return_index=True)
+        fresh = fresh[np.argsort(first, kind="stable")]  # in order of appearance
+        rows = self.num_rows + np.arange(fresh.size, dtype=np.int64)
+        self._grow(self.num_rows + fresh.size)
+        self._table_of_row[rows] = table
+        self._id_of_row[rows] = fresh
+        self.num_rows += fresh.size
+        main, delta = self._ids[table]
+        main_rows, delta_rows = self._rows[table]
+        keys = np.concatenate([delta, fresh])
+        vals = np.concatenate([delta_rows, rows])
+        order = np.argsort(keys, kind="stable")
+        keys, vals = keys[order], vals[order]
+        if keys.size * 8 >= main.size:
+            keys, vals = np.concatenate([main, keys]), np.concatenate([main_rows, vals])
+            order = np.argsort(keys, kind="stable")
+            self._ids[table] = [keys[order], np.zeros(0, dtype=np.int64)]
+            self._rows[table] = [vals[order], np.zeros(0, dtype=np.int64)]
+        else:
+            self._ids[table][1], self._rows[table][1] = keys, vals
+        out[new] = self._find(table, ids[new])
+        return out
+
+    def _grow(self, rows: int) -> None:
+        if rows <= self._table_of_row.size:
+            return
+        size = max(rows, 2 * self._table_of_row.size)
+        for name in ("_table_of_row", "_id_of_row"):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype=np.int64)
+            new[: old.size] = old
+            setattr(self, name, new)
+
+
+@dataclass(frozen=True)
+class PieceRows:
+    """The distinct rows each piece of a batch reads.
+
+    Attributes:
+        piece: int64 [pairs] the piece, ascending.
+        row: int64 [pairs] a row it reads (ascending within a piece; each once per piece).
+        num_pieces: pieces in the batch.
+    """
+
+    piece: np.ndarray
+    row: np.ndarray
+    num_pieces: int
+
+    def without(self, rows: np.ndarray) -> PieceRows:
+        """The pairs whose row is not flagged in ``rows`` (bool, indexed by row)."""
+        if not rows.size:
+            return self
+        flagged = np.zeros(self.row.size, dtype=np.bool_)
+        inside = self.row < rows.size
+        flagged[inside] = rows[self.row[inside]]
+        if not flagged.any():
+            return self
+        return PieceRows(self.piece[~flagged], self.row[~flagged], self.num_pieces)
+
+    def select(self, pieces: np.ndarray) -> np.ndarray:
+        """bool [pairs]: the pairs of the pieces ``pieces``."""
+        mask = np.zeros(self.num_pieces, dtype=np.bool_)
+        mask[pieces] = True
+        return mask[self.piece]
+
+
+def _expand_rows(offsets: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Value positions of the jagged rows ``sel`` (and which entry of ``sel`` each one is)."""
+    lengths = offsets[sel + 1] - offsets[sel]
+    which = np.repeat(np.arange(sel.size), lengths)
+    inside = np.arange(which.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return offsets[sel][which] + inside, which
+
+
+def piece_rows(
+    batch: Batch,
+    *,
+    tables: TableMap,
+    index: RowIndex,
+    piece_of_row: np.ndarray,
+    num_pieces: int | None = None,
+) -> PieceRows:
+    """The distinct (table, id) rows each piece of ``batch`` reads (see the module docstring).
+
+    Args:
+        batch: the global batch.
+        tables: which table each feature reads.
+        index: numbers the rows (new ones are added).
+        piece_of_row: [B] the piece of each batch row; rows of piece -1 are left out.
+        num_pieces: pieces (default: the largest piece number + 1).
+
+    Raises:
+        DataError: a feature of ``tables`` is not in the batch.
+    """
+    piece_of_row = np.asarray(piece_of_row, dtype=np.int64)
+    if num_pieces is None:
+        num_pieces = int(piece_of_row.max()) + 1 if piece_of_row.size else 0
+    parts: list[np.ndarray] = []
+    found: set[str] = set()
+
+    def add(key: str, values: np.ndarray, pieces: np.ndarray) -> None:
+        found.add(key)
+        t = tables.features.get(key)
+        keep = pieces >= 0
+        if t is None or not keep.any():
+            return
+        rows = index.rows(t, values[keep])
+        parts.append((pieces[keep] << _SHIFT) | rows)
+
+    kjt = batch.kjt
+    groups = {}
+    for name, group in batch.ikjts.items():
+        if hasattr(group, "inverse_lookup"):
+            groups[name] = group
+        else:  # a partial IKJT: its rows expanded
+            kjt = type(kjt).concat([kjt, group.to_kjt()]) if kjt.keys else group.to_kjt()
+    for key in kjt.keys:
+        jt = kjt[key]
+        lengths = jt.lengths.numpy()
+        add(key, jt.values.numpy(), piece_of_row[np.repeat(np.arange(lengths.size), lengths)])
+    for group in groups.values():
+        inverse = group.inverse_lookup.numpy()
+        wanted = piece_of_row >= 0
+        pairs = np.unique((piece_of_row[wanted] << _SHIFT) | inverse[wanted])
+        pieces, uniq = pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1)
+        for key in group.keys:
+            jt = group[key]
+            pos, which = _expand_rows(jt.offsets.numpy(), uniq)
+            add(key, jt.values.numpy()[pos], pieces[which])
+    missing = sorted(set(tables.features) - found)
+    if missing:
+        msg = f"the batch has no feature(s) {missing!r} that the tables read"
+        raise DataError(msg)
+    pairs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+    return PieceRows(pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1), num_pieces)

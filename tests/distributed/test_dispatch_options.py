@@ -1,0 +1,41 @@
+"""``recpipe train --dispatch/--alpha``: parsed into the multi-rank options and checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from recpipe.errors import RecpipeError
+from recpipe_cli import build_parser
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.launch import distributed_config
+
+
+def _parse(*options: str):
+    return build_parser("train").parse_args(["train", "data", "--nproc", "2", *options])
+
+
+def test_dispatch_and_alpha_reach_the_distributed_config():
+    assert (distributed_config(_parse()).dispatch, distributed_config(_parse()).alpha) == (
+        "contiguous",
+        1.0,
+    )
+    options = distributed_config(_parse("--dispatch", "esd", "--alpha", "0.25"))
+    assert (options.dispatch, options.alpha) == ("esd", 0.25)
+    assert distributed_config(_parse("--dispatch", "round-robin")).dispatch == "round-robin"
+
+
+@pytest.mark.parametrize(
+    "options", [("--dispatch", "nearest"), ("--alpha", "1.5"), ("--alpha", "x")]
+)
+def test_bad_values_are_usage_errors(options, capsys):
+    with pytest.raises(SystemExit) as exc:
+        distributed_config(_parse(*options))
+    assert exc.value.code == 2
+    assert options[0] in capsys.readouterr().err
+
+
+def test_the_config_checks_itself():
+    with pytest.raises(RecpipeError, match="`alpha` must be in"):
+        DistributedConfig(alpha=-0.1)
+    with pytest.raises(RecpipeError, match="`dispatch` must be one of"):
+        DistributedConfig(dispatch="nearest")
