@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import alternate, spread, write_results
+
+from benchmarks._common import alternate, spread, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "dispatch.json"
 KINDS = ("pulls", "pushes", "evict_pushes", "shared")
@@ -56,7 +57,7 @@ __all__ = ["main", "parse_args", "run"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/dispatch.py",
+        prog="python -m benchmarks.dispatch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -393,7 +394,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python benchmarks/dispatch.py` puts this folder first on sys.path, where scripts named
-    # like the packages (etl.py, readers.py) shadow them: the repository goes first
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())
