@@ -47,6 +47,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         exclude=("model",),
         overrides={
             "dedup": Option(choices={"on": True, "off": False}),
+            "dedup_groups": Option(metavar="auto|FILE"),
             "checkpoint": Option(metavar="DIR"),
             "service": Option(metavar="HOST:PORT"),
             "preprocess": Option(metavar="FILE"),

@@ -164,6 +164,10 @@ class TrainConfig:
         dedup: deduplicate: read one IKJT per dedup group and run the embedding lookups and the
             attention on its unique rows (RecD O5-O7); off reads one plain KJT and runs the
             same model to the same losses.
+        dedup_groups: the dedup groups to read with, whatever the dataset was built with:
+            ``auto`` (the groups ``recpipe stats`` proposes at ``batch_size``) or a TOML file
+            with a ``[dedup]`` table like the schema's (default: the schema's groups). The
+            model is built for the groups chosen; a ``service`` must serve the same ones.
         steps: total optimizer steps, a resumed run's earlier steps included (default: one
             epoch).
         epochs: passes over the training data (instead of ``steps``).
@@ -197,6 +201,7 @@ class TrainConfig:
 
     dataset: str
     dedup: bool = True
+    dedup_groups: str | None = None
     steps: int | None = None
     epochs: int | None = None
     batch_size: int = 4096

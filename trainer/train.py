@@ -71,6 +71,7 @@ __all__ = [
     "batch_dedup_factor",
     "format_summary",
     "make_optimizers",
+    "read_schema",
     "run_targets",
     "train",
 ]
@@ -282,6 +283,18 @@ def _model_config(config: TrainConfig) -> ModelConfig:
     return replace(config.model, seed=config.seed)
 
 
+def read_schema(config: TrainConfig) -> DatasetSchema:
+    """The schema a run reads and builds its model with: the dataset's, with the dedup groups
+    ``config.dedup_groups`` chooses (:func:`readers.groups.resolve_dedup_groups`)."""
+    from readers.dataset import dataset_schema
+    from readers.groups import resolve_dedup_groups
+
+    return resolve_dedup_groups(
+        config.dedup_groups, schema=dataset_schema(config.dataset), dataset=config.dataset,
+        batch_size=config.batch_size,
+    )  # fmt: skip
+
+
 def run_targets(config: TrainConfig) -> tuple[int | None, int | None]:
     """``(steps, epochs)`` a run trains for: ``steps``, else ``epochs``, else one epoch."""
     if config.steps is not None:
@@ -403,10 +416,9 @@ class _Run:
     """The state of one ``train`` call (kept out of the public API)."""
 
     def __init__(self, config: TrainConfig, *, progress: bool, log: TextIO) -> None:
-        from readers.dataset import dataset_schema
 
         self.config, self.progress, self.log = config, progress, log
-        self.schema: DatasetSchema = dataset_schema(config.dataset)
+        self.schema: DatasetSchema = read_schema(config)
         self.device = torch.device(config.device)
         # read before the stores open: they reopen at the step of the dense checkpoint
         self.resume_state = self._read_checkpoint() if config.resume else None

@@ -33,7 +33,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
-from trainer.train import RunLog, TrainResult, batch_dedup_factor, run_targets
+from trainer.train import RunLog, TrainResult, batch_dedup_factor, read_schema, run_targets
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 
@@ -103,11 +103,10 @@ class _RankRun:
     def __init__(
         self, config: TrainConfig, options: DistributedConfig, comm: Comm, *, progress: bool
     ) -> None:
-        from readers.dataset import dataset_schema
 
         self.config, self.options, self.comm = config, options, comm
         self.progress = progress and comm.rank == 0
-        self.schema = dataset_schema(config.dataset)
+        self.schema = read_schema(config)
         # on CUDA each rank trains on the device its group was set up on (cuda:LOCAL_RANK)
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
         check_config(config)
