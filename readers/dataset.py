@@ -113,9 +113,15 @@ def dataset_schema(source: str | os.PathLike[str] | Sequence[Any]) -> DatasetSch
 
 
 def make_pipeline(
-    transforms: Pipeline | PipelineSource | Sequence[Transform], schema: DatasetSchema
+    transforms: Pipeline | PipelineSource | Sequence[Transform],
+    schema: DatasetSchema,
+    *,
+    dataset: str | os.PathLike[str] | Sequence[Any] | None = None,
 ) -> Pipeline | None:
-    """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file)."""
+    """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file).
+
+    A config's ``fit`` entries take their fitted state from ``dataset`` when it is a dataset
+    directory (``recpipe fit``, see :mod:`readers.fitted`)."""
     if transforms is None:
         return None
     if isinstance(transforms, Pipeline):
@@ -123,7 +129,8 @@ def make_pipeline(
     is_list = isinstance(transforms, Sequence) and not isinstance(transforms, str)
     if is_list and transforms and all(isinstance(t, Transform) for t in transforms):
         return Pipeline(list(transforms), schema=schema)
-    return Pipeline.from_config(transforms, schema=schema)
+    root = dataset if isinstance(dataset, str | os.PathLike) and Path(dataset).is_dir() else None
+    return Pipeline.from_config(transforms, schema=schema, dataset=root)
 
 
 def _start_position(
@@ -257,7 +264,7 @@ def iter_batches(
         world_size=world_size,
     )  # fmt: skip
     stream = _produce(
-        source, BatchConverter(schema, dedup=dedup), make_pipeline(transforms, schema),
+        source, BatchConverter(schema, dedup=dedup), make_pipeline(transforms, schema, dataset=dataset_dir),
         epoch=epoch if state_epoch is None else state_epoch, rank=rank, world_size=world_size,
         worker_id=worker_id, num_workers=num_workers, start=start,
     )  # fmt: skip
@@ -320,7 +327,7 @@ class ParquetBatchDataset(IterableDataset):
         )  # fmt: skip
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
         self.converter = BatchConverter(self.schema, dedup=dedup)
-        self.pipeline = make_pipeline(transforms, self.schema)
+        self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
         self.rank, self.world_size = rank, world_size
         self.num_workers = num_workers
         self.epoch = 0

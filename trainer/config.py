@@ -159,7 +159,7 @@ class TrainConfig:
 
     Attributes:
         dataset: clustered dataset directory; with ``service``, the one the server serves (its
-            schema, and its row groups divided into training and held-out ones as the server
+            schema, and its sessions divided into training and held-out ones as the server
             divides them; the server reads both parts).
         dedup: deduplicate: read one IKJT per dedup group and run the embedding lookups and the
             attention on its unique rows (RecD O5-O7); off reads one plain KJT and runs the
@@ -174,7 +174,8 @@ class TrainConfig:
         batch_size: rows per batch.
         lr: learning rate (default: adagrad 0.05, sgd 0.1, adam 0.001).
         optimizer: optimizer of the tables (sparse rows) and of the dense parameters.
-        eval_fraction: share of row groups (whole sessions) held out for evaluation.
+        eval_fraction: share of rows held out for evaluation: whole sessions, chosen by a hash
+            of the session id (within one session of the fraction at any dataset size).
         eval_every: also evaluate every N steps (0: only at the end).
         eval_batches: most held-out batches per evaluation (default: all of them).
         device: cpu, cuda or cuda:N.

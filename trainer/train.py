@@ -2,7 +2,7 @@
 
 ::
 
-    clustered dataset --(row groups)--> train splits | held-out splits (whole sessions)
+    clustered dataset --(session hash)--> train rows | held-out rows (whole sessions)
     train splits -> ParquetBatchDataset (shuffled, IKJTs when dedup) -> StatefulLoader
                  -> DLRM -> BCE loss -> optimizers (sparse rows + dense)   [--steps | --epochs]
     every --checkpoint-every steps and at the end: model, optimizers, reader position, RNG
@@ -254,7 +254,7 @@ class TrainResult:
         wall_s: wall time of this process.
         checkpoint: the checkpoint file written last (``None`` without checkpoints).
         resumed_from: the step resumed from (``None`` for a fresh run).
-        train_splits, eval_splits: row groups trained on and held out.
+        train_splits, eval_splits: row groups holding training rows and held-out rows.
     """
 
     steps: int
@@ -453,7 +453,7 @@ class _Run:
             fraction=cfg.eval_fraction,
             seed=cfg.seed,
         )
-        # the readers read `source.splits`; restrict each dataset to its share of row groups
+        # the readers read `source.splits`; restrict each dataset to its part's rows
         train_ds.source.splits = train
         self.eval_ds.source.splits = held
         self.train_splits, self.eval_splits = len(train), len(held)
@@ -464,7 +464,7 @@ class _Run:
     def _make_service_streams(self) -> None:
         """Train on the server's training part and evaluate on its held-out part, divided as
         :func:`holdout_splits` divides this dataset in-process (the streams check that the
-        server's parts hold as many row groups; the server checks the batch size)."""
+        server's parts span as many row groups; the server checks the batch size)."""
         cfg = self.config
         train, held = holdout_splits(
             self.eval_ds.source.splits,
@@ -603,7 +603,7 @@ class _Run:
         target_steps, target_epochs = run_targets(cfg)
         start_step = self.trainer.step
         _log.info(
-            "training on %s: %d row groups, %d held out; dedup %s",
+            "training on %s: %d row groups with training rows, %d with held-out rows; dedup %s",
             cfg.dataset if cfg.service is None else cfg.service,
             self.train_splits,
             self.eval_splits,
@@ -724,7 +724,10 @@ def format_summary(config: TrainConfig, result: TrainResult) -> str:
         ("dedup", "on" if config.dedup else "off"),
         ("device", config.device),
         ("optimizer", f"{config.optimizer} lr={config.lr or DEFAULT_LR[config.optimizer]}"),
-        ("row groups", f"{result.train_splits} train, {result.eval_splits} held out"),
+        (
+            "row groups",
+            f"{result.train_splits} with training rows, {result.eval_splits} with held-out",
+        ),
         (
             "steps",
             f"{result.steps:,}"

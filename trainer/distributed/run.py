@@ -2,7 +2,7 @@
 
 ::
 
-    row groups -> train | held out (whole sessions, as in one process)
+    sessions -> train | held out (by session hash, as in one process)
     train -> RankBatchDataset, or ServiceRankDataset (one client of `recpipe serve` per rank):
              one global stream, an equal range per rank -> DistributedTrainer
     start-up: fit the cost model on the job's group (collectives timed at several sizes)
@@ -141,7 +141,7 @@ class _RankRun:
 
     def _make_loaders(self) -> None:
         """Training and held-out batches of this rank, in-process or through the service (the
-        row groups divided by :func:`holdout_splits` either way)."""
+        sessions divided by :func:`holdout_splits` either way)."""
         from readers.holdout import holdout_splits
         from readers.source import DatasetSource
 

@@ -81,9 +81,9 @@ def test_the_parts_are_disjoint_and_make_up_the_dataset(served, tiny_schema) -> 
     held_sessions = {
         int(s)
         for split in held_splits
-        for s in pq.ParquetFile(split.path)
-        .read_row_group(split.row_group)["session_id"]
-        .to_pylist()
+        for s in split.kept(
+            pq.ParquetFile(split.path).read_row_group(split.row_group), session_key="session_id"
+        )["session_id"].to_pylist()
     }
     assert set(rows_held) == held_sessions
     assert _read(server, holdout=held)[1]["splits"] == len(held_splits)
