@@ -211,11 +211,22 @@ def _fit_one(
         ).fetchall()
         return {"vocab": [int(v) for v, _ in rows]}
     if transform == "Normalize":
-        mean, std = con.execute(f"SELECT avg(v), stddev_pop(v) FROM ({values})").fetchone()
-        if mean is None:
-            msg = f"Normalize: feature {feature!r} has no value in the training rows to fit on"
-            raise DataError(msg)
-        std = float(std) if std is not None and float(std) > 0 and math.isfinite(std) else 1.0
+        # floating-point sums depend on their order: one thread sums in file order, so the
+        # fitted figures are the same on every run
+        threads = con.execute("SELECT current_setting('threads')").fetchone()[0]
+        con.execute("SET threads = 1")
+        try:
+            total, n = con.execute(f"SELECT fsum(v), count(v) FROM ({values})").fetchone()
+            if not n:
+                msg = f"Normalize: feature {feature!r} has no value in the training rows to fit on"
+                raise DataError(msg)
+            mean = float(total) / n
+            deviation = f"(v - {mean!r}) * (v - {mean!r})"
+            (squares,) = con.execute(f"SELECT fsum({deviation}) FROM ({values})").fetchone()
+        finally:
+            con.execute(f"SET threads = {int(threads)}")
+        std = math.sqrt(float(squares) / n)
+        std = std if std > 0 and math.isfinite(std) else 1.0
         return {"mean": float(mean), "std": std}
     n = int(options["num_buckets"])
     qs = [i / n for i in range(1, n)]

@@ -136,3 +136,15 @@ def test_fit_errors(fitted, tmp_path, tiny_schema):
     clash.write_text(CONFIG.replace("num_oov_buckets = 2", "vocab = [1]"))
     with pytest.raises(SchemaError, match=r"`params\.vocab` is what `fit` computes"):
         fit_preprocess(root, clash)
+
+
+def test_recpipe_fit_command(fitted, capsys):
+    from recpipe_cli import main
+
+    root, config, state = fitted
+    (root / "_preprocess_fitted.json").unlink()
+    argv = ["fit", str(root), "--preprocess", str(config), "--eval-fraction", str(FRACTION)]
+    assert main([*argv, "--seed", str(SEED)]) == 0
+    written = json.loads((root / "_preprocess_fitted.json").read_text())
+    assert written["steps"] == state["steps"]
+    assert "VocabLookup" in capsys.readouterr().out

@@ -126,3 +126,21 @@ def test_groups_errors(tmp_path):
     with pytest.raises(DataError, match="cannot read it as TOML"):
         resolve_dedup_groups(tmp_path / "missing.toml", schema=schema)
     assert resolve_dedup_groups(None, schema=schema) is schema
+
+
+def test_train_and_serve_take_dedup_groups(regrouped, monkeypatch):
+    import readers.service.server
+    import trainer.cli
+    from recpipe_cli import main
+
+    bare, _, proposed = regrouped
+    built = []
+    monkeypatch.setattr(trainer.cli, "run", lambda config, args: built.append(config) or 0)
+    assert main(["train", str(bare), "--dedup-groups", "auto"]) == 0
+    assert built[0].dedup_groups == "auto"
+    served = []
+    monkeypatch.setattr(readers.service.server, "serve", lambda p, config: served.append(p) or 0)
+    argv = ["serve", str(bare), "--dedup-groups", "auto", "--batch-size", "256"]
+    assert main(argv) == 0
+    assert served[0].read_schema().dedup_groups == proposed  # resolved once, in the command
+    assert served[0].dedup_groups == [list(g) for g in proposed]
