@@ -60,6 +60,7 @@ __all__ = [
     "apply_fitted",
     "fit_entries",
     "fit_options",
+    "fitted_holdout_mismatch",
     "fitted_path",
     "fitted_signature",
     "read_fitted",
@@ -238,3 +239,21 @@ def apply_fitted(
             )
             where.append(f"{labels[i]} (fitted, {feature})")
     return out, where
+
+
+def fitted_holdout_mismatch(
+    dataset: str | os.PathLike[str], *, eval_fraction: float, seed: int
+) -> str | None:
+    """Why the dataset's fitted state does not match a run's holdout (``None``: it matches, or
+    there is no fitted state). Fitted on another holdout, the statistics saw held-out rows."""
+    path = fitted_path(dataset)
+    if not path.is_file():
+        return None
+    state = read_fitted(path)
+    if state.get("eval_fraction") == eval_fraction and state.get("seed") == seed:
+        return None
+    return (
+        f"{path} was fitted with --eval-fraction {state.get('eval_fraction')} --seed "
+        f"{state.get('seed')}, this run holds out with {eval_fraction} and {seed}: the fitted "
+        "statistics may include held-out rows; run `recpipe fit` with the run's options"
+    )

@@ -443,6 +443,14 @@ class _Run:
         common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup}
         self.eval_ds = ParquetBatchDataset(cfg.dataset, config=eval_reader, **common)
         self.eval_stream: ServiceStream | None = None
+        if cfg.preprocess is not None:
+            from readers.fitted import fitted_holdout_mismatch
+
+            why = fitted_holdout_mismatch(
+                cfg.dataset, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+            )
+            if why is not None:
+                _log.warning("%s", why)
         if cfg.service is not None:
             self._make_service_streams()
             return

@@ -148,3 +148,12 @@ def test_recpipe_fit_command(fitted, capsys):
     written = json.loads((root / "_preprocess_fitted.json").read_text())
     assert written["steps"] == state["steps"]
     assert "VocabLookup" in capsys.readouterr().out
+
+
+def test_a_fitted_state_of_another_holdout_is_reported(fitted):
+    from readers.fitted import fitted_holdout_mismatch
+
+    root, _, _ = fitted
+    assert fitted_holdout_mismatch(root, eval_fraction=FRACTION, seed=SEED) is None
+    why = fitted_holdout_mismatch(root, eval_fraction=0.1, seed=SEED)
+    assert why is not None and "--eval-fraction 0.2" in why and "recpipe fit" in why
