@@ -21,6 +21,12 @@ Figures (written to benchmarks/results/readers.json):
   convert_overhead             per-batch time of read + IKJT conversion / read + KJT conversion
                                (no preprocessing), clustered data. Target <= 1.3.
   read_bytes_per_sample        compressed Parquet bytes read per sample, clustered vs time-ordered.
+  reader_speedup_fitted        reader_speedup_vs_baseline with fitted preprocessing on: the same
+                               pipeline with the liked-items vocabulary and the dense mean/std
+                               fitted by `recpipe fit` (readers.fit, DuckDB, training rows only)
+                               and loaded from the dataset's fitted state. Target >= 1.8.
+  len_matches_delivered        len() of a make_dataloader over the clustered data with the fitted
+                               pipeline, and the batches one epoch delivered (must be equal).
 
 `measure_inprocess(...)` is the in-process measurement the service benchmark compares against.
 """
@@ -42,7 +48,15 @@ from benchmarks._common import alternate, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "readers.json"
 
-__all__ = ["build_datasets", "main", "measure_inprocess", "parse_args", "preprocess_config", "run"]
+__all__ = [
+    "build_datasets",
+    "fitted_config",
+    "main",
+    "measure_inprocess",
+    "parse_args",
+    "preprocess_config",
+    "run",
+]
 
 
 def _limit_threads(threads: int) -> None:
@@ -113,6 +127,36 @@ def preprocess_config(dataset: Path, vocab_path: Path, *, vocab_size: int) -> li
          "params": {"mean": [float(x.mean()) for x in logged],
                     "std": [float(max(x.std(), 1e-6)) for x in logged]}},
     ]  # fmt: skip
+
+
+def fitted_config(config: list[dict[str, Any]], *, vocab_size: int) -> list[dict[str, Any]]:
+    """``config`` with fitted steps: the liked-items vocabulary (the ``vocab_size`` most frequent
+    ids of the training rows) and the dense mean/std (after the missing-value fill, instead of
+    log1p + fixed statistics) come from ``recpipe fit``."""
+    out = []
+    for entry in config:
+        name = entry["transform"]
+        if name == "VocabLookup":
+            params = {k: v for k, v in entry["params"].items() if k != "path"}
+            out.append({**entry, "params": params, "fit": {"max_size": vocab_size}})
+        elif name == "Normalize":
+            out.append({"transform": "Normalize", "features": entry["features"], "fit": True})
+        elif name != "Log1p":
+            out.append(entry)
+    return out
+
+
+def _len_check(dataset: Path, *, batch_size: int, transforms: Any) -> dict[str, Any]:
+    """``len(loader)`` of a fitted-preprocessing loader and the batches its epoch delivered."""
+    from readers.dataset import make_dataloader
+    from readers.source import ReaderConfig
+
+    loader = make_dataloader(
+        dataset, config=ReaderConfig(batch_size=batch_size), transforms=transforms
+    )
+    expected = len(loader)
+    delivered = sum(1 for _ in loader)
+    return {"len": expected, "delivered": delivered, "equal": expected == delivered}
 
 
 def _timed(stream: Iterator[Any], count: Callable[[Any], int], max_batches: int | None) -> dict:
@@ -207,6 +251,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = preprocess_config(clustered, work / "liked_items.vocab", vocab_size=args.vocab_size)
     pipeline = Pipeline.from_config(config, schema=schema)
     bsz, cap = args.batch_size, args.max_batches
+    from readers.fit import fit_preprocess
+
+    fitted = fitted_config(config, vocab_size=args.vocab_size)
+    for dataset in (clustered, timed):  # the same sessions: the same training rows and state
+        fit_preprocess(dataset, fitted, schema=schema)
+    fitted_pipeline = Pipeline.from_config(fitted, schema=schema, dataset=clustered)
 
     cases: dict[str, Callable[[], dict]] = {
         "recd": lambda: measure_inprocess(clustered, batch_size=bsz, transforms=pipeline, dedup=True, max_batches=cap, schema=schema),
@@ -214,6 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "clustered_kjt": lambda: measure_inprocess(clustered, batch_size=bsz, transforms=pipeline, dedup=False, max_batches=cap, schema=schema),
         "convert_ikjt": lambda: _measure_convert(clustered, batch_size=bsz, dedup=True, max_batches=cap),
         "convert_kjt": lambda: _measure_convert(clustered, batch_size=bsz, dedup=False, max_batches=cap),
+        "recd_fitted": lambda: measure_inprocess(clustered, batch_size=bsz, transforms=fitted_pipeline, dedup=True, max_batches=cap, schema=schema),
+        "baseline_fitted": lambda: measure_inprocess(timed, batch_size=bsz, transforms=fitted_pipeline, dedup=False, max_batches=cap, schema=schema),
     }  # fmt: skip
     with tqdm(total=args.repeats * len(cases), desc="reader timings", file=sys.stderr) as bar:
         # every case warmed up once, untimed (Numba, page cache, vocabulary), then alternated
@@ -235,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reader_speedup_vs_baseline": ratio("recd", "baseline", per="rate"),
         "ikjt_vs_kjt_samples_per_s": ratio("recd", "clustered_kjt", per="rate"),
         "convert_overhead": ratio("convert_ikjt", "convert_kjt", per="time"),
+        "reader_speedup_fitted": ratio("recd_fitted", "baseline_fitted", per="rate"),
     }
     results = {
         **{name: spread["cpu"]["median"] for name, spread in spreads.items()},
@@ -250,7 +303,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "clustered": _dedup_factors(clustered, schema, batch_size=bsz, batches=4),
             "time_ordered": _dedup_factors(timed, schema, batch_size=bsz, batches=4),
         },
-        "targets": {"reader_speedup_vs_baseline": 1.8, "convert_overhead": 1.3},
+        "len_matches_delivered": _len_check(clustered, batch_size=bsz, transforms=fitted),
+        "targets": {
+            "reader_speedup_vs_baseline": 1.8,
+            "convert_overhead": 1.3,
+            "reader_speedup_fitted": 1.8,
+        },
         "settings": {
             "requests": args.requests,
             "rows": bytes_clustered["rows"],
@@ -265,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "warmed up once, then the cases alternated with the order rotating each repeat"
             ),
             "preprocess": config,
+            "preprocess_fitted": fitted,
         },
         "raw": runs,
     }
@@ -282,6 +341,8 @@ def format_table(results: dict[str, Any]) -> str:
         f"{'reader_speedup_vs_baseline':<34}{results['reader_speedup_vs_baseline']:>12.2f}  target >= 1.8 (RecD 1.79x)",
         f"{'ikjt_vs_kjt_samples_per_s':<34}{results['ikjt_vs_kjt_samples_per_s']:>12.2f}  clustered data, IKJT / KJT",
         f"{'convert_overhead':<34}{results['convert_overhead']:>12.2f}  target <= 1.3",
+        f"{'reader_speedup_fitted':<34}{results['reader_speedup_fitted']:>12.2f}  target >= 1.8, fitted preprocessing",
+        f"{'len(loader) / delivered':<34}{results['len_matches_delivered']['len']:>12}  {results['len_matches_delivered']['delivered']} delivered",
         f"{'read_bytes_per_sample clustered':<34}{rb['clustered']:>12.1f}",
         f"{'read_bytes_per_sample time-ordered':<34}{rb['time_ordered']:>12.1f}  {rb['ratio_time_vs_clustered']:.2f}x clustered",
         "-" * 78,

@@ -151,6 +151,9 @@ class StatsReport:
         factor_threshold, group_jaccard: the thresholds used for the proposals.
         elapsed_s: wall time of the statistics.
         schema: the dataset schema the report was computed with.
+        group_unique_values: ids a reader stores per batch for each dedup group of the
+            schema and of the proposal (keyed by the group's features joined by ``+``); see
+            :meth:`groups_factor`.
     """
 
     dataset: Path
@@ -169,6 +172,35 @@ class StatsReport:
     group_jaccard: float
     elapsed_s: float
     schema: DatasetSchema | None = field(default=None, repr=False)
+    group_unique_values: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def schema_groups(self) -> list[tuple[str, ...]]:
+        """The dedup groups of the schema the report was computed with."""
+        return [] if self.schema is None else [tuple(g) for g in self.schema.dedup_groups]
+
+    def groups_factor(self, groups: Sequence[Sequence[str]]) -> float:
+        """Measured DedupeFactor of all sparse features read with these dedup groups.
+
+        Sparse ids in all rows / ids the reader stores: a group's ids in its distinct rows per
+        batch (a row is merged only when all of the group's lists repeat), every feature in no
+        group in full. This is the factor ``recpipe train`` reports for the groups.
+
+        Raises:
+            KeyError: a group of several features the report did not measure.
+        """
+        if not self.rows:
+            return 1.0
+        sparse = {f.name: f for f in self.features if f.kind != "dense"}
+        grouped = {n for g in groups for n in g}
+        stored = sum(f.values for n, f in sparse.items() if n not in grouped)
+        for g in groups:
+            if len(g) == 1:
+                stored += sparse[g[0]].unique_values
+            else:
+                stored += self.group_unique_values["+".join(g)]
+        total = sum(f.values for f in sparse.values())
+        return total / stored if stored else 1.0
 
     def feature(self, name: str) -> FeatureStats:
         """Return the statistics of feature ``name``."""
@@ -239,6 +271,9 @@ class StatsReport:
             "features": features,
             "proposed_features": list(self.proposed_features),
             "proposed_groups": [list(g) for g in self.proposed_groups],
+            "schema_groups": [list(g) for g in self.schema_groups],
+            "schema_groups_factor": self.groups_factor(self.schema_groups),
+            "proposed_groups_factor": self.groups_factor(self.proposed_groups),
             "dedup_toml": self.dedup_toml(),
             "jaccard": self.jaccard,
             "factor_threshold": self.factor_threshold,
@@ -329,6 +364,7 @@ class StatsReport:
             f"all sparse features together: measured {self.sparse_factor:.2f}x, "
             f"model {self.sparse_model_factor:.2f}x"
         )
+        lines += self._groups_lines()
         if self.samples_per_batch_session < 2.0:
             lines.append(
                 f"!! S = {self.samples_per_batch_session:.2f}: a batch holds about one sample per "
@@ -346,6 +382,27 @@ class StatsReport:
         else:
             lines.append(f"proposed: none (no measured factor > {self.factor_threshold:g}x)")
         return "\n".join(lines)
+
+    def _groups_lines(self) -> list[str]:
+        def named(groups: Sequence[Sequence[str]]) -> str:
+            return (
+                "[" + ", ".join("[" + ", ".join(g) + "]" for g in groups) + "]"
+                if groups
+                else "none"
+            )
+
+        return [
+            f"sparse DedupeFactor a reader gets at B={self.batch_size:,} (--batch-size):",
+            f"  schema's groups  {named(self.schema_groups)}: "
+            f"{self.groups_factor(self.schema_groups):.2f}x",
+            f"  proposed groups  {named(self.proposed_groups)}: "
+            f"{self.groups_factor(self.proposed_groups):.2f}x "
+            "(`recpipe train --dedup-groups auto` reads with them, no rebuild)",
+            f"  the 'all sparse features together' {self.sparse_factor:.2f}x above counts every "
+            "sparse feature deduplicated on its own (each its own group, grouped or not), so it "
+            "is an upper bound: a group merges a row only when all its lists repeat, and a "
+            "feature in no group is stored whole",
+        ]
 
 
 def dedupe_factor_model(d: float, s: float) -> float:
@@ -457,6 +514,7 @@ def compute_stats(
     bar = tqdm(total=steps, desc="stats", unit="query", file=sys.stderr, disable=not progress)
     sessions, rows, batches, s_batch = _NO_SESSIONS, 0, 0, 0.0
     features, proposed, jaccard, groups = _no_features(schema), [], {}, []
+    group_unique: dict[str, int] = {}
     keys = {"session": _ident(schema.session_key), "time": _ident(schema.time_key)}
     try:
         if files:  # else an empty build: every figure stays zero
@@ -479,6 +537,11 @@ def compute_stats(
             changes = {name: _change_rows(con, keys, name, rows) for name in proposed}
             jaccard = _jaccard_matrix(changes)
             groups = _greedy_groups(proposed, jaccard, group_jaccard)
+            group_unique = {
+                "+".join(g): _group_unique_values(con, g, batch_size)
+                for g in {*map(tuple, schema.dedup_groups), *groups}
+                if len(g) > 1
+            }
             bar.update(1)
     except (duckdb.InvalidInputException, duckdb.IOException) as exc:
         reason = str(exc).splitlines()[0]
@@ -505,6 +568,21 @@ def compute_stats(
         group_jaccard=group_jaccard,
         elapsed_s=time.perf_counter() - start,
         schema=schema,
+        group_unique_values=group_unique,
+    )
+
+
+def _group_unique_values(
+    con: duckdb.DuckDBPyConnection, group: Sequence[str], batch_size: int
+) -> int:
+    """Ids a reader stores for a dedup group of several features, summed over the batches."""
+    columns = [_ident(n) for n in group]
+    fill = {
+        "features": ", ".join(columns),
+        "lengths": " + ".join(f"coalesce(len({c}), 0)" for c in columns),
+    }
+    return int(
+        _fetch_one(con, "group_batch_unique.sql", fill, {"batch_size": batch_size})["unique_values"]
     )
 
 

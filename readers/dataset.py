@@ -48,6 +48,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from readers.convert import BatchConverter
+from readers.groups import DedupGroups, resolve_dedup_groups
 from readers.source import DatasetSource, ReaderConfig, SourcePosition, plan_splits
 from readers.transforms import Pipeline, PipelineSource, Transform
 from recpipe.errors import DataError
@@ -112,9 +113,15 @@ def dataset_schema(source: str | os.PathLike[str] | Sequence[Any]) -> DatasetSch
 
 
 def make_pipeline(
-    transforms: Pipeline | PipelineSource | Sequence[Transform], schema: DatasetSchema
+    transforms: Pipeline | PipelineSource | Sequence[Transform],
+    schema: DatasetSchema,
+    *,
+    dataset: str | os.PathLike[str] | Sequence[Any] | None = None,
 ) -> Pipeline | None:
-    """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file)."""
+    """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file).
+
+    A config's ``fit`` entries take their fitted state from ``dataset`` when it is a dataset
+    directory (``recpipe fit``, see :mod:`readers.fitted`)."""
     if transforms is None:
         return None
     if isinstance(transforms, Pipeline):
@@ -122,7 +129,8 @@ def make_pipeline(
     is_list = isinstance(transforms, Sequence) and not isinstance(transforms, str)
     if is_list and transforms and all(isinstance(t, Transform) for t in transforms):
         return Pipeline(list(transforms), schema=schema)
-    return Pipeline.from_config(transforms, schema=schema)
+    root = dataset if isinstance(dataset, str | os.PathLike) and Path(dataset).is_dir() else None
+    return Pipeline.from_config(transforms, schema=schema, dataset=root)
 
 
 def _start_position(
@@ -217,6 +225,7 @@ def iter_batches(
     epoch: int = 0,
     with_positions: bool = False,
     holdout: Holdout | None = None,
+    dedup_groups: DedupGroups = None,
 ) -> Iterator[Batch] | Iterator[tuple[Batch, ReaderPosition]]:
     """Produce the preprocessed batches of one reader: worker ``worker_id`` of ``rank``.
 
@@ -237,8 +246,16 @@ def iter_batches(
         with_positions: yield ``(batch, ReaderPosition)`` pairs instead of batches.
         holdout: read only this part of the dataset (its training or held-out splits, see
             :mod:`readers.holdout`); ``None``: every split.
+        dedup_groups: the dedup groups to read with (see :mod:`readers.groups`; ``None``: the
+            schema's).
     """
     schema = schema or dataset_schema(dataset_dir)
+    schema = resolve_dedup_groups(
+        dedup_groups,
+        schema=schema,
+        dataset=dataset_dir,
+        batch_size=(config or ReaderConfig()).batch_size,
+    )
     source = DatasetSource(dataset_dir, schema=schema, config=config)
     if holdout is not None:
         source.splits = holdout.select(source.splits, session_key=schema.session_key)
@@ -247,7 +264,7 @@ def iter_batches(
         world_size=world_size,
     )  # fmt: skip
     stream = _produce(
-        source, BatchConverter(schema, dedup=dedup), make_pipeline(transforms, schema),
+        source, BatchConverter(schema, dedup=dedup), make_pipeline(transforms, schema, dataset=dataset_dir),
         epoch=epoch if state_epoch is None else state_epoch, rank=rank, world_size=world_size,
         worker_id=worker_id, num_workers=num_workers, start=start,
     )  # fmt: skip
@@ -267,8 +284,11 @@ class ParquetBatchDataset(IterableDataset):
         schema: the dataset schema (default: the manifest's).
         config: batch size, shuffling, error policy.
         transforms: a :class:`Pipeline` or its config.
-        dedup: IKJTs for the schema's dedup groups (``False``: one plain KJT).
+        dedup: IKJTs for the dedup groups (``False``: one plain KJT).
         rank, world_size: the trainer rank and how many there are.
+        dedup_groups: the dedup groups (see :mod:`readers.groups`: ``None`` the schema's,
+            ``"auto"`` the ``recpipe stats`` proposal at ``config.batch_size``, a TOML file, or
+            a list of lists of names); ``self.schema`` carries them.
         num_workers: the DataLoader workers that will read the dataset (0: the consumer's own
             process). Only ``len()`` needs it (each worker ends with its own short batch);
             :func:`make_dataloader` sets it.
@@ -293,17 +313,21 @@ class ParquetBatchDataset(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         num_workers: int = 0,
+        dedup_groups: DedupGroups = None,
     ) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
             msg = f"`rank` must be in [0, world_size={world_size}), got {rank!r}"
             raise DataError(msg)
         _check_num_workers(num_workers)
-        self.schema = schema or dataset_schema(source)
         self.config = config or ReaderConfig()
+        self.schema = resolve_dedup_groups(
+            dedup_groups, schema=schema or dataset_schema(source), dataset=source,
+            batch_size=self.config.batch_size,
+        )  # fmt: skip
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
         self.converter = BatchConverter(self.schema, dedup=dedup)
-        self.pipeline = make_pipeline(transforms, self.schema)
+        self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
         self.rank, self.world_size = rank, world_size
         self.num_workers = num_workers
         self.epoch = 0
@@ -528,12 +552,19 @@ def make_dataloader(
     world_size: int = 1,
     num_workers: int = 0,
     pin_memory: bool = False,
+    dedup_groups: DedupGroups = None,
     **loader_kwargs: Any,
 ) -> StatefulLoader:
     """A resumable loader of preprocessed batches (see :class:`StatefulLoader`).
 
     ``pin_memory=True`` pins batches when an accelerator is present (torch cannot pin memory
     without one; the request is then ignored instead of warning on every epoch).
+
+    ``dedup_groups`` chooses the IKJT groups at read time, whatever the dataset was built with
+    (see :mod:`readers.groups`): ``None`` the schema's, ``"auto"`` the groups ``recpipe stats``
+    proposes at the config's batch size, a TOML file with a ``[dedup]`` table, or a list of
+    lists of feature names. ``loader.dataset.schema`` carries the groups chosen (build the
+    model from it).
 
     Example::
 
@@ -546,7 +577,7 @@ def make_dataloader(
     """
     dataset = ParquetBatchDataset(
         source, schema=schema, config=config, transforms=transforms, dedup=dedup, rank=rank,
-        world_size=world_size, num_workers=num_workers,
+        world_size=world_size, num_workers=num_workers, dedup_groups=dedup_groups,
     )  # fmt: skip
     if num_workers > 0:
         loader_kwargs.setdefault("persistent_workers", False)

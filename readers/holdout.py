@@ -1,18 +1,26 @@
-"""Held-out row groups: the part of a dataset evaluation reads and training never does.
+"""Held-out sessions: the part of a dataset evaluation reads and training never does.
 
-A dataset's splits (row groups, :class:`readers.source.Split`) are divided once, with a seed,
-into training and held-out ones, never cutting a session. The in-process trainer and the reader
-service (``recpipe serve``, asked for a :class:`Holdout` part in the client's HELLO) call the same
-:func:`holdout_splits`, so for the same dataset, fraction and seed they read the same rows::
+A session is held out when the hash of its id (splitmix64, salted with the seed) falls below a
+threshold. The threshold is chosen once per dataset, fraction and seed: sessions sorted by hash
+are taken until their rows come closest to ``fraction`` of all rows, so the held-out share of
+rows is ``fraction`` to within one session, at any size (a 20k-row dataset in one row group
+too). The in-process trainer and the reader service (``recpipe serve``, asked for a
+:class:`Holdout` part in the client's HELLO) call the same :func:`holdout_splits`, so for the same
+dataset, fraction and seed they read the same rows::
 
-    all splits      s0 s1 s2 s3 s4 s5 s6 s7 s8 s9
-    drawn (seed)          s2          s6              round(fraction * n) of them
-    held out              s2          s6              unless a session crosses into training
-    train           s0 s1    s3 s4 s5    s7 s8 s9
+    sessions by hash      h(a) < h(d) < h(b) < h(e) < h(c) ...
+    rows, cumulated         3     5      9     12     14  ...   (of 100 rows, fraction 0.1)
+    held out              a, d, b (9 rows: closest to 10)  ->  threshold h(e)
+    every split           rows of held-out sessions -> the held-out part, the rest -> training
+
+A split (row group) keeps its place in both parts with the rows of that part only (its
+``num_rows`` counts them, its ``keep`` filter selects them when it is read); a split with no row
+in a part is left out of it. A session is never cut: all its rows share one hash.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,33 +28,61 @@ from typing import Any, Literal
 import numpy as np
 
 from recpipe.errors import DataError
+from recpipe.kernels.splitmix import salt_add, splitmix64
 
-__all__ = ["Holdout", "HoldoutPart", "holdout_splits"]
+__all__ = ["Holdout", "HoldoutPart", "SessionFilter", "holdout_splits", "session_hashes"]
 
 HoldoutPart = Literal["train", "held_out"]
 _PARTS: tuple[str, ...] = ("train", "held_out")
+_SALT = 0xE7A1  # mixed with the seed: the holdout hash differs from other seeded hashes
+
+
+def session_hashes(sessions: np.ndarray, *, seed: int) -> np.ndarray:
+    """The holdout hash (uint64) of each session id."""
+    return splitmix64(np.asarray(sessions, dtype=np.int64), add=salt_add(seed * 65_537 + _SALT))
+
+
+@dataclass(frozen=True)
+class SessionFilter:
+    """The rows of one holdout part: sessions whose hash is below (held out) or at or above
+    (training) ``threshold``.
+
+    Attributes:
+        seed: the hash's seed.
+        threshold: the first hash of training.
+        held_out: select the held-out rows (else the training rows).
+    """
+
+    seed: int
+    threshold: int
+    held_out: bool
+
+    def mask(self, sessions: np.ndarray) -> np.ndarray:
+        """Boolean mask of the rows of ``sessions`` (ids) in this part."""
+        below = session_hashes(sessions, seed=self.seed) < np.uint64(self.threshold)
+        return below if self.held_out else ~below
 
 
 def holdout_splits(
     splits: Sequence[Any], *, session_key: str, fraction: float, seed: int
 ) -> tuple[list[Any], list[Any]]:
-    """Divide row groups into training and held-out ones, never splitting a session.
+    """Divide a dataset's rows into training and held-out ones by session hash.
 
-    ``round(fraction * n)`` row groups are drawn with ``seed``; a drawn row group whose first or
-    last session also begins or ends a training row group (a session longer than a row group)
-    goes back to training, so no held-out row belongs to a training session.
+    Reads the session column of every split once. ``fraction`` is the share of rows held out,
+    met to within one session (the sessions nearest the threshold decide).
 
     Args:
-        splits: the dataset's splits (``readers.source.Split``: ``path``, ``row_group``).
+        splits: the dataset's splits (``readers.source.Split``).
         session_key: the session column.
-        fraction: share of row groups to hold out, in [0, 1).
-        seed: the draw's seed.
+        fraction: share of rows to hold out, in [0, 1).
+        seed: the hash's seed.
 
     Returns:
-        ``(train, held_out)``, each in dataset order.
+        ``(train, held_out)``, each in dataset order: the splits with rows in that part, each
+        restricted to them (``num_rows`` and a ``keep`` :class:`SessionFilter`).
 
     Raises:
-        DataError: a non-zero fraction with fewer than two row groups.
+        DataError: a fraction outside [0, 1), or a non-zero one with fewer than two sessions.
     """
     import pyarrow.parquet as pq
 
@@ -56,24 +92,61 @@ def holdout_splits(
     splits = list(splits)
     if fraction == 0:
         return splits, []
-    if len(splits) < 2:
+    per_split: list[tuple[np.ndarray, np.ndarray]] = []  # (session hashes, their rows)
+    files: dict[str, Any] = {}
+    try:
+        for s in splits:
+            pf = files.get(s.path) or files.setdefault(s.path, pq.ParquetFile(s.path))
+            column = pf.read_row_group(s.row_group, columns=[session_key]).column(0)
+            ids = column.to_numpy()
+            if s.keep is not None:
+                ids = ids[s.keep.mask(ids)]
+            hashes, rows = np.unique(session_hashes(ids, seed=seed), return_counts=True)
+            per_split.append((hashes, rows))
+    finally:
+        for pf in files.values():
+            pf.close()
+    threshold = _threshold(per_split, fraction)
+    if threshold is None:
+        sessions = len(np.unique(np.concatenate([h for h, _ in per_split] or [np.empty(0)])))
         msg = (
-            f"`eval_fraction` {fraction} needs at least two row groups, the dataset has "
-            f"{len(splits)}; use --eval-fraction 0 or rebuild with a smaller --row-group-size"
+            f"`eval_fraction` {fraction} needs at least two sessions, the dataset has {sessions}; "
+            "use --eval-fraction 0"
         )
         raise DataError(msg)
-    n_eval = min(max(round(fraction * len(splits)), 1), len(splits) - 1)
-    chosen = set(np.random.default_rng([seed, 0xE7A1]).permutation(len(splits))[:n_eval].tolist())
-    ends: list[tuple[Any, Any]] = []
-    files: dict[str, Any] = {}
-    for s in splits:
-        pf = files.get(s.path) or files.setdefault(s.path, pq.ParquetFile(s.path))
-        col = pf.read_row_group(s.row_group, columns=[session_key]).column(0)
-        ends.append((col[0].as_py(), col[-1].as_py()) if len(col) else (None, None))
-    train_ends = {e for i, pair in enumerate(ends) if i not in chosen for e in pair}
-    held = [i for i in sorted(chosen) if not ({*ends[i]} - {None}) & train_ends]
-    held_set = set(held)
-    return [s for i, s in enumerate(splits) if i not in held_set], [splits[i] for i in held]
+    train, held = [], []
+    for s, (hashes, rows) in zip(splits, per_split, strict=True):
+        n_held = int(rows[hashes < np.uint64(threshold)].sum())
+        n_train = int(rows.sum()) - n_held
+        if n_train:
+            train.append(
+                dataclasses.replace(s, num_rows=n_train, keep=SessionFilter(seed, threshold, False))
+            )
+        if n_held:
+            held.append(
+                dataclasses.replace(s, num_rows=n_held, keep=SessionFilter(seed, threshold, True))
+            )
+    return train, held
+
+
+def _threshold(per_split: list[tuple[np.ndarray, np.ndarray]], fraction: float) -> int | None:
+    """The hash below which sessions are held out: their rows closest to ``fraction`` of all,
+    at least one session on each side (``None``: fewer than two sessions)."""
+    if not per_split:
+        return None
+    hashes = np.concatenate([h for h, _ in per_split])
+    rows = np.concatenate([r for _, r in per_split])
+    order = np.argsort(hashes, kind="stable")
+    hashes, rows = hashes[order], rows[order]
+    # a session cut by a row-group boundary appears in both splits: add its rows up
+    first = np.concatenate(([True], hashes[1:] != hashes[:-1]))
+    unique = hashes[first]
+    totals = np.add.reduceat(rows, np.flatnonzero(first))
+    if len(unique) < 2:
+        return None
+    cumulated = np.cumsum(totals)  # rows of the first k + 1 sessions
+    k = int(np.argmin(np.abs(cumulated[:-1] - fraction * cumulated[-1]))) + 1  # held: the first k
+    return int(unique[k])
 
 
 @dataclass(frozen=True)
@@ -81,9 +154,10 @@ class Holdout:
     """One part of a dataset divided by :func:`holdout_splits`: its training or held-out splits.
 
     Attributes:
-        fraction: share of row groups held out, in [0, 1) (0: nothing is held out).
-        seed: the draw's seed.
-        part: ``"train"`` (every split not held out) or ``"held_out"``.
+        fraction: share of rows held out (whole sessions, by hash), in [0, 1) (0: nothing is
+            held out).
+        seed: the hash's seed.
+        part: ``"train"`` (every session not held out) or ``"held_out"``.
 
     >>> Holdout(0.1, seed=3, part="held_out").other()
     Holdout(fraction=0.1, seed=3, part='train')
@@ -110,7 +184,8 @@ class Holdout:
         return Holdout(self.fraction, self.seed, "held_out" if self.part == "train" else "train")
 
     def select(self, splits: Sequence[Any], *, session_key: str) -> list[Any]:
-        """This part's splits of ``splits``, in dataset order (see :func:`holdout_splits`)."""
+        """This part's splits of ``splits`` (restricted to its rows), in dataset order (see
+        :func:`holdout_splits`)."""
         train, held = holdout_splits(
             splits, session_key=session_key, fraction=self.fraction, seed=self.seed
         )

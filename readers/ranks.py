@@ -415,7 +415,7 @@ _SESSION_CACHE_SIZE = 8  # split lists (a reader process of the service serves a
 def _session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict[int, int]:
     """Session runs of every split (reads the session column only, once per split list and
     process: the reader service builds a rank reader per client and epoch)."""
-    key_of = tuple((s.path, s.row_group, s.num_rows, s.index) for s in splits)
+    key_of = tuple((s.path, s.row_group, s.num_rows, s.index, s.keep) for s in splits)
     with _SESSION_CACHE_LOCK:
         if key_of in _SESSION_CACHE:
             _SESSION_CACHE.move_to_end(key_of)
@@ -437,8 +437,8 @@ def _read_session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict
             handle = handles.get(split.path) or handles.setdefault(
                 split.path, pq.ParquetFile(split.path)
             )
-            column = handle.read_row_group(split.row_group, columns=[key]).column(0)
-            out[split.index] = count_sessions(column)
+            table = handle.read_row_group(split.row_group, columns=[key])
+            out[split.index] = count_sessions(split.kept(table, session_key=key).column(0))
     finally:
         for handle in handles.values():
             handle.close()
@@ -547,7 +547,7 @@ class RankBatchDataset(IterableDataset):
         if splits is not None:
             self.source.splits = list(splits)
         self.converter = BatchConverter(self.schema, dedup=dedup)
-        self.pipeline = make_pipeline(transforms, self.schema)
+        self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
         self.rank, self.world_size = rank, world_size
         self.cut = cut or ContiguousCut()
         self.epoch = 0

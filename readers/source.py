@@ -37,7 +37,7 @@ import threading
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -149,6 +149,9 @@ class Split:
         index: position of the split in the dataset order (files sorted by path).
         compressed_bytes: compressed size of the columns a reader reads.
         partition: Hive partition values from the path (``dt=2024-01-01-00`` -> {"dt": ...}).
+        keep: which rows of the row group the split holds: a filter of session ids with a
+            ``mask(ids)`` method (a :class:`readers.holdout.SessionFilter`: one holdout part);
+            ``None``: all of them. ``num_rows`` counts the rows kept.
     """
 
     path: str
@@ -157,6 +160,14 @@ class Split:
     index: int
     compressed_bytes: int = 0
     partition: tuple[tuple[str, str], ...] = ()
+    keep: Any = None
+
+    def kept(self, table: pa.Table, *, session_key: str) -> pa.Table:
+        """The rows of ``table`` (the whole row group) that this split holds."""
+        if self.keep is None:
+            return table
+        mask = self.keep.mask(table.column(session_key).to_numpy())
+        return table if mask.all() else table.filter(pa.array(mask))
 
 
 @dataclass(frozen=True)
@@ -388,10 +399,11 @@ class DatasetSource:
                     "`recpipe etl verify DATASET` checks every file"
                 )
             raise CorruptInputError(msg) from exc
-        if table.num_rows != split.num_rows:
+        footer_rows = pf.metadata.row_group(split.row_group).num_rows
+        if table.num_rows != footer_rows:
             msg = (
                 f"{split.path}: row group {split.row_group} has {table.num_rows} rows, "
-                f"its footer says {split.num_rows}"
+                f"its footer says {footer_rows}"
             )
             raise CorruptInputError(msg)
         for name in (self.schema.session_key, self.schema.label_key):
@@ -403,6 +415,13 @@ class DatasetSource:
                     f"({column.null_count} null rows in the row group)"
                 )
                 raise DataError(msg)
+        table = split.kept(table, session_key=self.schema.session_key)
+        if table.num_rows != split.num_rows:
+            msg = (
+                f"{split.path}: row group {split.row_group} holds {table.num_rows} rows of "
+                f"this part, {split.num_rows} when the dataset was divided: has it changed?"
+            )
+            raise CorruptInputError(msg)
         return table
 
     def _find_bad_column(self, split: Split) -> str | None:

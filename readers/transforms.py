@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
+from readers.fitted import apply_fitted
 from recpipe.batch import Batch
 from recpipe.errors import DataError, SchemaError
 from recpipe.ikjt import InverseKeyedJaggedTensor
@@ -619,10 +620,19 @@ class Pipeline:
                     self._sparse.setdefault(name, []).append(step)  # type: ignore[arg-type]
 
     @classmethod
-    def from_config(cls, config: PipelineSource, *, schema: DatasetSchema) -> Pipeline:
+    def from_config(
+        cls,
+        config: PipelineSource,
+        *,
+        schema: DatasetSchema,
+        dataset: str | os.PathLike[str] | None = None,
+    ) -> Pipeline:
         """Build from ``[[preprocess]]`` entries: a dict with a ``preprocess`` list, a list of
         entries, a TOML file (a pipeline config, or a schema file with ``[[preprocess]]``
-        tables), or ``None`` (no steps)."""
+        tables), or ``None`` (no steps).
+
+        Entries with a ``fit`` key take their fitted parameters from the dataset directory
+        ``dataset`` (what ``recpipe fit`` wrote there, see :mod:`readers.fitted`)."""
         origin = ""
         if config is None:
             entries: Sequence[Mapping[str, Any]] = []
@@ -636,7 +646,7 @@ class Pipeline:
         if not isinstance(entries, Sequence) or isinstance(entries, str):
             msg = f"{origin}`preprocess` must be an array of tables ([[preprocess]])"
             raise SchemaError(msg)
-        where = [f"{origin}[[preprocess]] #{i + 1}" for i in range(len(entries))]
+        entries, where = apply_fitted(entries, dataset=dataset, origin=origin)
         steps = [transform_from_config(e, where=w) for e, w in zip(entries, where)]
         return cls(steps, schema=schema, where=where)
 

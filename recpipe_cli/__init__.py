@@ -33,6 +33,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("synth", "etl.synth", "generate deterministic synthetic session logs"),
     ("etl", "etl.cli", "shard and build: raw logs -> session-clustered zstd Parquet"),
     ("stats", "etl.stats", "DuckDB duplication statistics and dedup proposals"),
+    ("fit", "readers.fit", "fit preprocessing (vocabularies, mean/std, buckets) on training rows"),
     ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
     ("train", "trainer.cli", "train a DLRM with or without dedup"),
     ("store", "trainer.store.cli", "inspect a hybrid embedding store"),

@@ -37,7 +37,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "--dedup on the embedding lookups and the attention run on the unique rows of "
             "each dedup group (RecD O5-O7); --dedup off runs the same model on plain "
             "batches and gives the same losses. Shows loss, AUC, samples/s and peak memory, "
-            "evaluates on held-out row groups (whole sessions), writes a checkpoint that "
+            "evaluates on held-out sessions (by session-id hash), writes a checkpoint that "
             "--resume continues exactly, and ends with a summary."
         ),
     )
@@ -47,6 +47,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         exclude=("model",),
         overrides={
             "dedup": Option(choices={"on": True, "off": False}),
+            "dedup_groups": Option(metavar="auto|FILE"),
             "checkpoint": Option(metavar="DIR"),
             "service": Option(metavar="HOST:PORT"),
             "preprocess": Option(metavar="FILE"),

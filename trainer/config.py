@@ -159,18 +159,23 @@ class TrainConfig:
 
     Attributes:
         dataset: clustered dataset directory; with ``service``, the one the server serves (its
-            schema, and its row groups divided into training and held-out ones as the server
+            schema, and its sessions divided into training and held-out ones as the server
             divides them; the server reads both parts).
         dedup: deduplicate: read one IKJT per dedup group and run the embedding lookups and the
             attention on its unique rows (RecD O5-O7); off reads one plain KJT and runs the
             same model to the same losses.
+        dedup_groups: the dedup groups to read with, whatever the dataset was built with:
+            ``auto`` (the groups ``recpipe stats`` proposes at ``batch_size``) or a TOML file
+            with a ``[dedup]`` table like the schema's (default: the schema's groups). The
+            model is built for the groups chosen; a ``service`` must serve the same ones.
         steps: total optimizer steps, a resumed run's earlier steps included (default: one
             epoch).
         epochs: passes over the training data (instead of ``steps``).
         batch_size: rows per batch.
         lr: learning rate (default: adagrad 0.05, sgd 0.1, adam 0.001).
         optimizer: optimizer of the tables (sparse rows) and of the dense parameters.
-        eval_fraction: share of row groups (whole sessions) held out for evaluation.
+        eval_fraction: share of rows held out for evaluation: whole sessions, chosen by a hash
+            of the session id (within one session of the fraction at any dataset size).
         eval_every: also evaluate every N steps (0: only at the end).
         eval_batches: most held-out batches per evaluation (default: all of them).
         device: cpu, cuda or cuda:N.
@@ -197,6 +202,7 @@ class TrainConfig:
 
     dataset: str
     dedup: bool = True
+    dedup_groups: str | None = None
     steps: int | None = None
     epochs: int | None = None
     batch_size: int = 4096

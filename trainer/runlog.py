@@ -69,7 +69,7 @@ class TrainResult:
         wall_s: wall time of this process.
         checkpoint: the checkpoint file written last (``None`` without checkpoints).
         resumed_from: the step resumed from (``None`` for a fresh run).
-        train_splits, eval_splits: row groups trained on and held out.
+        train_splits, eval_splits: row groups holding training rows and held-out rows.
     """
 
     steps: int
@@ -234,7 +234,10 @@ def format_summary(config: TrainConfig, result: TrainResult) -> str:
         ("dedup", "on" if config.dedup else "off"),
         ("device", config.device),
         ("optimizer", f"{config.optimizer} lr={config.lr or DEFAULT_LR[config.optimizer]}"),
-        ("row groups", f"{result.train_splits} train, {result.eval_splits} held out"),
+        (
+            "row groups",
+            f"{result.train_splits} with training rows, {result.eval_splits} with held-out",
+        ),
         (
             "steps",
             f"{result.steps:,}"

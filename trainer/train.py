@@ -2,7 +2,7 @@
 
 ::
 
-    clustered dataset --(row groups)--> train splits | held-out splits (whole sessions)
+    clustered dataset --(session hash)--> train rows | held-out rows (whole sessions)
     train splits -> ParquetBatchDataset (shuffled, IKJTs when dedup) -> StatefulLoader
                  -> DLRM -> BCE loss -> optimizers (sparse rows + dense)   [--steps | --epochs]
     every --checkpoint-every steps and at the end: model, optimizers, reader position, RNG
@@ -70,6 +70,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "make_optimizers",
+    "read_schema",
     "train",
 ]
 
@@ -217,14 +218,25 @@ def _model_config(config: TrainConfig) -> ModelConfig:
     return replace(config.model, seed=config.seed)
 
 
+def read_schema(config: TrainConfig) -> DatasetSchema:
+    """The schema a run reads and builds its model with: the dataset's, with the dedup groups
+    ``config.dedup_groups`` chooses (:func:`readers.groups.resolve_dedup_groups`)."""
+    from readers.dataset import dataset_schema
+    from readers.groups import resolve_dedup_groups
+
+    return resolve_dedup_groups(
+        config.dedup_groups, schema=dataset_schema(config.dataset), dataset=config.dataset,
+        batch_size=config.batch_size,
+    )  # fmt: skip
+
+
 class _Run:
     """The state of one ``train`` call (kept out of the public API)."""
 
     def __init__(self, config: TrainConfig, *, progress: bool, log: TextIO) -> None:
-        from readers.dataset import dataset_schema
 
         self.config, self.progress, self.log = config, progress, log
-        self.schema: DatasetSchema = dataset_schema(config.dataset)
+        self.schema: DatasetSchema = read_schema(config)
         self.device = torch.device(config.device)
         # read before the stores open: they reopen at the step of the dense checkpoint
         self.resume_state = self._read_checkpoint() if config.resume else None
@@ -249,6 +261,14 @@ class _Run:
         common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup}
         self.eval_ds = ParquetBatchDataset(cfg.dataset, config=eval_reader, **common)
         self.eval_stream: ServiceStream | None = None
+        if cfg.preprocess is not None:
+            from readers.fitted import fitted_holdout_mismatch
+
+            why = fitted_holdout_mismatch(
+                cfg.dataset, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+            )
+            if why is not None:
+                _log.warning("%s", why)
         if cfg.service is not None:
             self._make_service_streams()
             return
@@ -259,7 +279,7 @@ class _Run:
             fraction=cfg.eval_fraction,
             seed=cfg.seed,
         )
-        # the readers read `source.splits`; restrict each dataset to its share of row groups
+        # the readers read `source.splits`; restrict each dataset to its part's rows
         train_ds.source.splits = train
         self.eval_ds.source.splits = held
         self.train_splits, self.eval_splits = len(train), len(held)
@@ -270,7 +290,7 @@ class _Run:
     def _make_service_streams(self) -> None:
         """Train on the server's training part and evaluate on its held-out part, divided as
         :func:`holdout_splits` divides this dataset in-process (the streams check that the
-        server's parts hold as many row groups; the server checks the batch size)."""
+        server's parts span as many row groups; the server checks the batch size)."""
         cfg = self.config
         train, held = holdout_splits(
             self.eval_ds.source.splits,
@@ -409,7 +429,7 @@ class _Run:
         target_steps, target_epochs = run_targets(cfg)
         start_step = self.trainer.step
         _log.info(
-            "training on %s: %d row groups, %d held out; dedup %s",
+            "training on %s: %d row groups with training rows, %d with held-out rows; dedup %s",
             cfg.dataset if cfg.service is None else cfg.service,
             self.train_splits,
             self.eval_splits,

@@ -8,6 +8,7 @@ listens beyond loopback (``--host 0.0.0.0``) without a token is refused unless `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,14 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         help="IKJT per dedup group (on) or one plain KJT (off)",
     )
     parser.add_argument(
+        "--dedup-groups",
+        default=None,
+        metavar="auto|FILE",
+        help="dedup groups to read with instead of the schema's: auto (the groups `recpipe "
+        "stats` proposes at --batch-size) or a TOML file with a [dedup] table; no rebuild "
+        "(trainers must use the same groups)",
+    )
+    parser.add_argument(
         "--preprocess",
         default=None,
         metavar="CONFIG",
@@ -245,11 +254,15 @@ def _cli_serve(args: argparse.Namespace) -> int:
             dedup=dedup,
             preprocess=args.preprocess,
             schema=args.schema,
+            dedup_groups=args.dedup_groups,
             shuffle=args.shuffle,
             seed=args.seed,
             warmup_batches=args.warmup_batches,
             read_ahead=args.read_ahead,
         )
+        if args.dedup_groups is not None:  # "auto" runs the stats once, not in every reader
+            groups = producer.read_schema().dedup_groups
+            producer = dataclasses.replace(producer, dedup_groups=[list(g) for g in groups])
     config = ServiceConfig(
         host=args.host,
         port=args.port,

@@ -114,6 +114,9 @@ class DatasetProducer:
             (:class:`readers.source.ReaderConfig`; 0: one thread per reader process).
         cut: how a rank client's global batches are cut into rank micro-batches
             (:class:`readers.ranks.RankCut`, picklable; ``None``: contiguous ranges).
+        dedup_groups: the dedup groups to read with instead of the schema's (see
+            :mod:`readers.groups`: ``"auto"``, a TOML file, or the groups; ``None``: the
+            schema's). ``recpipe serve`` resolves ``"auto"`` once, before the readers start.
     """
 
     dataset: str
@@ -126,6 +129,7 @@ class DatasetProducer:
     warmup_batches: int = 20
     read_ahead: int = 1
     cut: Any = None
+    dedup_groups: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_batches, bool) or not (
@@ -155,7 +159,7 @@ class DatasetProducer:
         config = self._reader_config()
         return iter_batches(
             self.dataset,
-            schema=self._schema(),
+            schema=self.read_schema(),
             config=config,
             transforms=self.preprocess,
             dedup=self.dedup,
@@ -182,7 +186,7 @@ class DatasetProducer:
         from readers.ranks import RankBatchDataset
         from readers.source import DatasetSource
 
-        schema = self._schema()
+        schema = self.read_schema()
         splits = DatasetSource(self.dataset, schema=schema).splits
         if holdout is not None:
             splits = holdout.select(splits, session_key=schema.session_key)
@@ -226,15 +230,20 @@ class DatasetProducer:
         """
         from readers.source import DatasetSource
 
-        schema = self._schema()
+        schema = self.read_schema()
         splits = DatasetSource(self.dataset, schema=schema).splits
         return len(holdout.select(splits, session_key=schema.session_key))
 
-    def _schema(self) -> DatasetSchema:
+    def read_schema(self) -> DatasetSchema:
+        """The schema the readers use: ``schema`` (else the manifest's) with ``dedup_groups``."""
         from readers.dataset import dataset_schema
+        from readers.groups import resolve_dedup_groups
         from schemas import load_schema
 
-        return dataset_schema(self.dataset) if self.schema is None else load_schema(self.schema)
+        schema = dataset_schema(self.dataset) if self.schema is None else load_schema(self.schema)
+        return resolve_dedup_groups(
+            self.dedup_groups, schema=schema, dataset=self.dataset, batch_size=self.batch_size
+        )
 
 
 @dataclass(frozen=True)

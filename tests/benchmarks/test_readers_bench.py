@@ -28,14 +28,23 @@ def test_tiny_run_writes_results(tmp_path, capsys):
     argv = ["--requests", "3000", "--batch-size", "256", "--repeats", "1", "--vocab-size", "100"]
     assert bench.main([*argv, "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    for key in ("reader_speedup_vs_baseline", "ikjt_vs_kjt_samples_per_s", "convert_overhead"):
+    keys = (
+        "reader_speedup_vs_baseline",
+        "ikjt_vs_kjt_samples_per_s",
+        "convert_overhead",
+        "reader_speedup_fitted",
+    )
+    for key in keys:
         assert results[key] > 0, key
+    check = results["len_matches_delivered"]
+    assert check["equal"] and check["len"] == check["delivered"] == 12  # 3000 rows, B=256
+    assert (tmp_path / "work" / "clustered" / "_preprocess_fitted.json").is_file()
     rb = results["read_bytes_per_sample"]
     assert rb["time_ordered"] > rb["clustered"] > 0
     assert results["settings"]["rows"] == 3000
     clustered = results["dedup_factor_per_group"]["clustered"]
     assert all(f >= 1.0 for f in clustered.values())
-    for key in ("reader_speedup_vs_baseline", "ikjt_vs_kjt_samples_per_s", "convert_overhead"):
+    for key in keys:
         spread = results[f"{key}_spread"]  # paired repeats: CPU-time (headline) and wall-time
         assert spread["headline"] == "cpu" and spread["cpu"]["median"] == results[key], key
         assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] == 1, key

@@ -69,22 +69,26 @@ def test_holdout_keeps_sessions_whole(dataset):
     splits = ParquetBatchDataset(str(dataset)).source.splits
     assert len(splits) >= 8
     train_s, held = holdout_splits(splits, session_key="session_id", fraction=0.25, seed=1)
-    assert held and len(train_s) + len(held) == len(splits)
+    assert held and train_s
 
     def sessions(ss):
         return {
             v
             for s in ss
-            for v in pq.ParquetFile(s.path)
-            .read_row_group(s.row_group, columns=["session_id"])
-            .column(0)
+            for v in s.kept(
+                pq.ParquetFile(s.path).read_row_group(s.row_group), session_key="session_id"
+            )
+            .column("session_id")
             .to_pylist()
         }
 
     assert not sessions(train_s) & sessions(held)
+    assert sessions(train_s) | sessions(held) == sessions(splits)
     assert holdout_splits(splits, session_key="session_id", fraction=0.0, seed=1) == (splits, [])
-    with pytest.raises(DataError, match="needs at least two row groups"):
-        holdout_splits(splits[:1], session_key="session_id", fraction=0.5, seed=1)
+    # one row group is enough: sessions are held out, not row groups
+    one_train, one_held = holdout_splits(splits[:1], session_key="session_id", fraction=0.5, seed=1)
+    assert len(one_train) == len(one_held) == 1
+    assert one_train[0].num_rows + one_held[0].num_rows == splits[0].num_rows
 
 
 # -- parity, resume ----------------------------------------------------------------------------
@@ -155,10 +159,11 @@ def test_dedup_on_and_off_train_identically(dataset, tmp_path):
     assert p_on.keys() == p_off.keys()
     # Adagrad divides by the root of the summed squared gradients: an element whose gradients
     # are tiny (cancellations, summed in another order with dedup) moves by ~lr * sign(g), which
-    # turns rounding differences into ~1e-4 ones for a few dozen elements; the rest agree to 1e-5.
+    # turns rounding differences into ~1e-4 ones for a few dozen elements (a single one up to
+    # ~3e-3 with the session-hash holdout's training rows); the rest agree to 1e-5.
     close = total = 0
     for name in p_on:
-        torch.testing.assert_close(p_on[name], p_off[name], rtol=1e-3, atol=2e-3, msg=name)
+        torch.testing.assert_close(p_on[name], p_off[name], rtol=1e-3, atol=5e-3, msg=name)
         close += int(((p_on[name] - p_off[name]).abs() <= 1e-5).sum())
         total += p_on[name].numel()
     assert close >= 0.999 * total

@@ -2,7 +2,7 @@
 
 ::
 
-    row groups -> train | held out (whole sessions, as in one process)
+    sessions -> train | held out (by session hash, as in one process)
     train -> RankBatchDataset, or ServiceRankDataset (one client of `recpipe serve` per rank):
              one global stream, an equal range per rank -> DistributedTrainer
     start-up: fit the cost model on the job's group (collectives timed at several sizes)
@@ -35,6 +35,7 @@ from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.runlog import RunLog, TrainResult, batch_dedup_factor, run_targets
+from trainer.train import read_schema
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 
@@ -106,11 +107,10 @@ class _RankRun:
     def __init__(
         self, config: TrainConfig, options: DistributedConfig, comm: Comm, *, progress: bool
     ) -> None:
-        from readers.dataset import dataset_schema
 
         self.config, self.options, self.comm = config, options, comm
         self.progress = progress and comm.rank == 0
-        self.schema = dataset_schema(config.dataset)
+        self.schema = read_schema(config)
         # on CUDA each rank trains on the device its group was set up on (cuda:LOCAL_RANK)
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
         check_config(config)
@@ -126,7 +126,7 @@ class _RankRun:
         self.fit: CostFit | None = None
         self.summary = DistributedSummary(world_size=comm.world_size)
         _log.info(
-            "rank %d of %d on %s: %d row groups to train on, %d held out",
+            "rank %d of %d on %s: %d row groups with training rows, %d with held-out rows",
             comm.rank, comm.world_size, self.device, self.train_splits, self.eval_splits,
         )  # fmt: skip
 
@@ -149,7 +149,7 @@ class _RankRun:
 
     def _make_loaders(self) -> None:
         """Training and held-out batches of this rank, in-process or through the service (the
-        row groups divided by :func:`holdout_splits` either way)."""
+        sessions divided by :func:`holdout_splits` either way)."""
         from readers.holdout import holdout_splits
         from readers.source import DatasetSource
 
