@@ -45,6 +45,7 @@ from etl.build._sql import (
     value_columns,
 )
 from etl.build.inputs import LINE_COLUMNS
+from etl.build.layout import Kind, normalize
 from etl.rawio import DEFAULT_MAX_LINE_BYTES
 from schemas import DatasetSchema
 
@@ -462,17 +463,27 @@ class Validator:
             lines = lines.append_column(name, pa.chunked_array([f[name] for f in facts]))
         return lines
 
+    def normalize(self, lines: pa.Table, kind: Kind) -> pa.Table:
+        """``lines`` in the nested layout under the dataset's names (unchanged unless the
+        schema has ``layout = "flat"`` or a ``[keys]`` mapping: :mod:`etl.build.layout`)."""
+        if not self.schema.remapped:
+            return lines
+        with self._cursor() as cur:
+            return normalize(self.schema, lines, kind=kind, con=cur)
+
     # -- Arrow in, Arrow out, for any engine --------------------------------------------------
 
     def features(self, lines: pa.Table) -> pa.Table:
         """Validated feature rows (the columns of :func:`feature_select`) of a batch of lines.
 
         Args:
-            lines: numbered lines with :data:`etl.build.inputs.LINE_COLUMNS`.
+            lines: numbered lines with :data:`etl.build.inputs.LINE_COLUMNS`, as read (they
+                go through :meth:`normalize` here).
 
         Returns:
             one row per line, in no particular order: ``reason`` NULL for a good row.
         """
+        lines = self.normalize(lines, "features")
         with self._cursor() as cur:
             view = self._register(cur, self.with_facts(lines))
             fast = self._run(
@@ -492,7 +503,9 @@ class Validator:
             return pa.concat_tables([done, full.cast(done.schema)])
 
     def events(self, lines: pa.Table) -> pa.Table:
-        """Validated event rows (the columns of :func:`event_select`) of a batch of lines."""
+        """Validated event rows (the columns of :func:`event_select`) of a batch of lines
+        (as read: they go through :meth:`normalize` here)."""
+        lines = self.normalize(lines, "events")
         with self._cursor() as cur:
             view = self._register(cur, lines)
             return cur.sql(self.event_sql(view)).to_arrow_table()
