@@ -146,7 +146,7 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         default=d.min_row_groups,
         help=f"row groups to aim at when the rows allow (default {d.min_row_groups}): a dataset "
         "with fewer rows than this many full groups gets smaller ones (at least "
-        f"{MIN_ROW_GROUP_ROWS} rows); 1: always --row-group-size",
+        f"{MIN_ROW_GROUP_ROWS} rows); 1: groups of --row-group-size",
     )
     p.add_argument(
         "--order",

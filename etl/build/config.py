@@ -31,7 +31,7 @@ DEFAULT_ROW_GROUP_SIZE = 65_536
 DEFAULT_MIN_ROW_GROUPS = 8
 #: the smallest row group a build chooses on its own (an explicit ``row_group_size`` may be
 #: smaller)
-MIN_ROW_GROUP_ROWS = 256
+MIN_ROW_GROUP_ROWS = 64
 DEFAULT_SETTINGS_NOTE = (
     "measured with `python -m etl.build.tune` on 200k clustered synthetic rows: zstd level "
     "1/3/6/9/12 -> 12.1/9.0/8.4/7.7/7.8 MB, write 1.5/1.7/2.4/3.2/10.9 s (3 = the knee: -25% "
@@ -92,8 +92,8 @@ class BuildConfig:
             (:meth:`row_group_rows`).
         min_row_groups: with fewer rows than ``min_row_groups * row_group_size``, row groups
             get ``ceil(rows / min_row_groups)`` rows (at least :data:`MIN_ROW_GROUP_ROWS`), so
-            that a small dataset still has enough splits for workers, clients and ranks;
-            1 keeps ``row_group_size`` whatever the size.
+            that a small dataset still has enough splits for workers, clients and ranks
+            (1: one group when the rows fit in ``row_group_size``).
         order: ``"session"`` (clustered) or ``"time"`` (the pre-RecD baseline: rows by ts only).
         engine: a name of :data:`ENGINES`: ``"duckdb"`` (out of core) or ``"polars"`` (in
             memory, the same dataset, quarantine and counts; refuses ``memory_limit``,
@@ -173,8 +173,8 @@ class BuildConfig:
 
         >>> BuildConfig().row_group_rows(20_000), BuildConfig().row_group_rows(10**6)
         (2500, 65536)
-        >>> BuildConfig(row_group_size=100).row_group_rows(500)
-        100
+        >>> BuildConfig(row_group_size=100).row_group_rows(10_000), BuildConfig().row_group_rows(100)
+        (100, 64)
         """
         want = -(-int(rows) // self.min_row_groups)
         floor = min(self.row_group_size, MIN_ROW_GROUP_ROWS)
