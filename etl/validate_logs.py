@@ -282,7 +282,7 @@ class _Checks:
 
     def collect_unknown(self) -> None:
         schema = self.schema
-        top = {schema.raw_key("request_id"), *schema_keys(schema)[1:]}
+        top = {schema.raw_key("request_id"), *schema_keys(schema)[1:], *schema.passthrough}
         raw = {schema.raw_key(f.name): "dense" for f in schema.dense}
         raw |= {schema.raw_key(f.name): "sparse" for f in schema.sparse}
         for i, rec in self.records:

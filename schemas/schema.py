@@ -72,7 +72,15 @@ _FIXED_RAW_KEYS = ("request_id", "dense", "sparse")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MAX_LEN_LIMIT = 1_000_000
 
-_DATASET_KEYS = ("name", "session_key", "time_key", "label_key", "user_key", "layout")
+_DATASET_KEYS = (
+    "name",
+    "session_key",
+    "time_key",
+    "label_key",
+    "user_key",
+    "layout",
+    "passthrough",
+)
 _DENSE_KEYS = ("name", "fill")
 _SPARSE_KEYS = ("name", "kind", "max_len", "truncate")
 _DEDUP_KEYS = ("groups",)
@@ -200,6 +208,8 @@ class DatasetSchema:
             ``"flat"`` (features at the top level of the record).
         raw_keys: ``(name, raw-log key)`` pairs renaming ``request_id`` or features: the logs
             call them by the raw key, the dataset by the name.
+        passthrough: top-level raw-log keys copied to the dataset as string columns of the
+            same name (after :data:`PASSTHROUGH_COLUMNS`), untouched by training.
 
     Raises:
         SchemaError: on duplicate or reserved names, bad dedup groups or bad key mappings.
@@ -215,6 +225,7 @@ class DatasetSchema:
     user_key: str = "user_id"
     layout: Layout = "nested"
     raw_keys: tuple[tuple[str, str], ...] = ()
+    passthrough: tuple[str, ...] = ()
     _by_name: dict[str, DenseFeature | SparseFeature] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -269,6 +280,38 @@ class DatasetSchema:
                 "[dataset]", f"`layout` must be one of {list(_LAYOUTS)}, got {self.layout!r}", hint
             )
         object.__setattr__(self, "raw_keys", self._validated_raw_keys(self.raw_keys, keys))
+        object.__setattr__(self, "passthrough", self._validated_passthrough(self.passthrough))
+
+    def _validated_passthrough(self, names: Any) -> tuple[str, ...]:
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise _fail("[dataset]", f"`passthrough` must be a list of key names, got {names!r}")
+        names = tuple(names)
+        taken = {
+            n.casefold(): n
+            for n in (
+                *self.feature_names,
+                *PASSTHROUGH_COLUMNS,
+                "dense",
+                "sparse",
+                self.session_key,
+                self.time_key,
+                self.label_key,
+                self.user_key,
+            )
+        }
+        taken |= {raw.casefold(): raw for _, raw in self.raw_keys}
+        for name in names:
+            _check_name(name, "[dataset] passthrough", what="passthrough")
+            other = taken.get(name.casefold())
+            if other is not None:
+                raise _fail(
+                    "[dataset] passthrough",
+                    f"`{name}` is already a column or raw-log key of the schema (`{other}`, "
+                    "compared ignoring case)",
+                    "request_id, user_id and the session id are kept already",
+                )
+            taken[name.casefold()] = name
+        return names
 
     def _validated_raw_keys(
         self, pairs: Any, keys: Mapping[str, str]
@@ -387,8 +430,8 @@ class DatasetSchema:
     def dataset_arrow_schema(self) -> pa.Schema:
         """Arrow schema of the Parquet files a build writes: :meth:`arrow_schema` then the
         pass-through string columns :data:`PASSTHROUGH_COLUMNS` (request id, user, raw session
-        id), which readers may select but need not."""
-        fields = [pa.field(n, pa.string()) for n in PASSTHROUGH_COLUMNS]
+        id) and ``passthrough``, which readers may select but need not."""
+        fields = [pa.field(n, pa.string()) for n in (*PASSTHROUGH_COLUMNS, *self.passthrough)]
         return pa.schema([*self.arrow_schema(), *fields])
 
     def with_dedup(self, groups: Iterable[Iterable[str]]) -> DatasetSchema:
@@ -405,6 +448,8 @@ class DatasetSchema:
                 lines.append(f"{key} = {_toml_str(value)}")
         if self.layout != defaults["layout"].default:
             lines.append(f"layout = {_toml_str(self.layout)}")
+        if self.passthrough:
+            lines.append(f"passthrough = [{', '.join(_toml_str(n) for n in self.passthrough)}]")
         for f in self.dense:
             lines += [
                 "",
@@ -500,7 +545,14 @@ def _build(doc: Mapping[str, Any], where: str) -> DatasetSchema:
             raw_keys=tuple(raw_keys.items()),
             **{
                 k: dataset[k]
-                for k in ("session_key", "time_key", "label_key", "user_key", "layout")
+                for k in (
+                    "session_key",
+                    "time_key",
+                    "label_key",
+                    "user_key",
+                    "layout",
+                    "passthrough",
+                )
                 if k in dataset
             },
         )

@@ -367,6 +367,7 @@ class DuckDBEngine(Engine):
             for i, s in enumerate(schema.sparse)
         ]
         cols += ["f.request_id", "f.user_key AS user_id", "f.session_key AS session_id_raw"]
+        cols += [f"f.p{i} AS {ident(name)}" for i, name in enumerate(schema.passthrough)]
         if config.partition_by == "hour":
             basis = "k.first_ts" if config.order == "session" else "k.ts"
             cols.append(f"{basis} AS {PARTITION_MS}")

@@ -19,18 +19,12 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from etl.build._sql import schema_keys, sql_str
+from etl.build._sql import json_path, schema_keys, sql_str
 from schemas import DatasetSchema
 
-__all__ = ["json_path", "normalize", "normalize_sql"]
+__all__ = ["normalize", "normalize_sql"]
 
 Kind = Literal["features", "events"]
-
-
-def json_path(*keys: str) -> str:
-    """A JSON path to nested object keys: ``$."a"."b"``."""
-    quoted = ('"' + k.replace("\\", "\\\\").replace('"', '\\"') + '"' for k in keys)
-    return "$." + ".".join(quoted)
 
 
 def _fragment(path: str) -> str:
@@ -43,6 +37,8 @@ def normalize_sql(schema: DatasetSchema, src: str, *, kind: Kind) -> str:
     rk, sk, uk, tk = schema_keys(schema)
     top = (rk, tk, schema.label_key) if kind == "events" else (rk, sk, uk, tk)
     parts = [f"{sql_str(k)}, {_fragment(json_path(schema.raw_key(k)))}" for k in top]
+    if kind == "features":
+        parts += [f"{sql_str(k)}, {_fragment(json_path(k))}" for k in schema.passthrough]
     if kind == "features":
         for group, features in (("dense", schema.dense), ("sparse", schema.sparse)):
             if not features:

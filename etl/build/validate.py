@@ -39,6 +39,9 @@ from etl.build._sql import (
     TS_RANGE,
     feature_columns,
     ident,
+    json_path,
+    passthrough_columns,
+    passthrough_struct,
     schema_keys,
     sql_str,
     too_long_check,
@@ -217,7 +220,9 @@ def feature_select(
     rk, sk, uk, tk = schema_keys(schema)
     dense_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.dense)
     sparse_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.sparse)
-    struct = "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, sk, uk, tk))
+    struct = (
+        "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, sk, uk, tk)) + passthrough_struct(schema)
+    )
     struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
     struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
     struct = (struct + "}").replace("'", "''")
@@ -308,7 +313,7 @@ SELECT
   CASE WHEN bad IS NULL AND j.{ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(uk)}")} END
     AS user_key,
   CASE WHEN bad IS NULL THEN TRY_CAST(j.{ident(tk)}::VARCHAR AS BIGINT) END AS ts,
-{value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
+{value_columns(schema, None, None)}{passthrough_columns(schema, good="bad IS NULL")}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
   CASE WHEN bad IS NULL THEN {_unknown_top_keys(schema)} END AS unknown_keys
 FROM checked
 """
@@ -327,13 +332,9 @@ def _unknown_keys(schema: DatasetSchema) -> str:
     []::VARCHAR[])"""
 
 
-def _json_path(key: str) -> str:
-    """A JSON path to the top-level ``key``: ``$."key"``."""
-    return "$." + '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _unknown_top_keys(schema: DatasetSchema) -> str:
-    known = "[" + ", ".join(sql_str(k) for k in (*schema_keys(schema), "dense", "sparse")) + "]"
+    keys = (*schema_keys(schema), "dense", "sparse", *schema.passthrough)
+    known = "[" + ", ".join(sql_str(k) for k in keys) + "]"
     return f"""nullif(list_filter(coalesce(json_keys(line), []),
                          lambda k: NOT list_contains({known}::VARCHAR[], k)), []::VARCHAR[])"""
 
@@ -363,7 +364,7 @@ def event_select(
             _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{ident(tk)}"),
         ),
         (
-            f"{lab} IS NULL AND json_type(line, {sql_str(_json_path(lk))}) IS NULL",
+            f"{lab} IS NULL AND json_type(line, {sql_str(json_path(lk))}) IS NULL",
             reasons.WRONG_TYPE,
             sql_str(f"field `{lk}`: missing"),
         ),

@@ -24,6 +24,7 @@ USERS, SESSIONS_PER_USER, REQUESTS_PER_SESSION = 12, 4, 10
 NESTED = """
 [dataset]
 name = "shop"
+passthrough = ["country"]
 
 [[dense]]
 name = "user_age"
@@ -48,6 +49,7 @@ session_key = "sid"
 user_key = "uid"
 time_key = "t_ms"
 label_key = "clicked"
+passthrough = ["country"]
 
 [keys]
 request_id = "req"
@@ -71,7 +73,8 @@ max_len = 1
 
 
 def _requests():
-    """(request, session, user, ts, age, price, clicks, item, label) of the log set."""
+    """(request, session, user, ts, age, price, clicks, item, label) of the log set (the
+    user's country is ``country(user)``)."""
     out = []
     for u in range(USERS):
         for s in range(SESSIONS_PER_USER):
@@ -87,6 +90,15 @@ def _requests():
     return out
 
 
+def country(user: int) -> str | None:
+    """The pass-through value of a user: a string, or absent for every fifth user."""
+    return None if user % 5 == 4 else f"c{user % 3}"
+
+
+def _with_country(rec: dict, user: int) -> dict:
+    return rec if country(user) is None else rec | {"country": country(user)}
+
+
 def _write_jsonl(path: Path, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -96,11 +108,11 @@ def _write_jsonl(path: Path, records: list[dict]) -> Path:
 def _nested_logs(root: Path) -> tuple[Path, Path]:
     feats, events = [], []
     for rid, sid, uid, ts, age, price, clicks, item, label in _requests():
-        feats.append(
+        feats.append(_with_country(
             {"request_id": rid, "session_id": sid, "user_id": uid, "ts": ts,
              "dense": {"user_age": age, "item_price": price},
-             "sparse": {"user_clicks": clicks, "item_id": [item]}}
-        )  # fmt: skip
+             "sparse": {"user_clicks": clicks, "item_id": [item]}}, uid,
+        ))  # fmt: skip
         events.append({"request_id": rid, "ts": ts + 500, "label": label})
     _write_jsonl(root / "features" / "a.jsonl", feats[::2])
     _write_jsonl(root / "features" / "b.jsonl", feats[1::2])
@@ -111,10 +123,10 @@ def _nested_logs(root: Path) -> tuple[Path, Path]:
 def _flat_logs(root: Path) -> tuple[Path, Path]:
     feats, events = [], []
     for rid, sid, uid, ts, age, price, clicks, item, label in _requests():
-        feats.append(
+        feats.append(_with_country(
             {"req": rid, "sid": sid, "uid": uid, "t_ms": ts, "age": age,
-             "item_price": price, "user_clicks": clicks, "item": [item]}
-        )  # fmt: skip
+             "item_price": price, "user_clicks": clicks, "item": [item]}, uid,
+        ))  # fmt: skip
         events.append({"req": rid, "t_ms": ts + 500, "clicked": bool(label)})
     _write_jsonl(root / "features" / "a.jsonl", feats)
     _write_jsonl(root / "events" / "e.jsonl", events)
@@ -140,6 +152,7 @@ def _parquet_logs(root: Path) -> tuple[Path, Path]:
             "ts": pa.array([r[3] for r in rows], pa.int64()),
             "dense": dense,
             "sparse": sparse,
+            "country": pa.array([country(r[2]) for r in rows], pa.string()),
         }
     )
     events = pa.table(
@@ -199,6 +212,7 @@ def test_own_logs_through_etl_and_train(layout, tmp_path, capsys):
     for row in table.to_pylist():
         _, sid, uid, ts, age, price, clicks, item, label = truth[row["request_id"]]
         assert row["session_id_raw"] == sid and row["user_id"] == str(uid)
+        assert row["country"] == country(uid)
         assert row[tk] == ts and row[lk] == label
         assert row["user_age"] == age and row["item_price"] == pytest.approx(price)
         assert row["user_clicks"] == clicks and row["item_id"] == [item]
@@ -348,3 +362,27 @@ def test_flat_layout_quarantines_with_file_line_and_field(tmp_path):
     assert got == {("a.jsonl", 5, "wrong_type"), ("a.jsonl", 10, "malformed_json")}
     detail = next(r["detail"] for r in q if r["reason"] == "wrong_type")
     assert "dense.user_age" in detail and "old" in detail
+
+
+def test_passthrough_values_of_every_json_type_on_both_engines(tmp_path):
+    schema_path = tmp_path / "schema.toml"
+    schema_path.write_text(NESTED)
+    values = ["de", 7, {"a": [1, "b"]}, None, 'q"uote', 1.5, True, "ü"]
+    records = []
+    for i in range(40):
+        rec = _good(i)
+        if i % 9 != 8:  # absent from some records
+            rec["country"] = values[i % len(values)]
+        records.append(rec)
+    feats = _write_jsonl(tmp_path / "f" / "a.jsonl", records)
+    events = _write_jsonl(tmp_path / "e" / "e.jsonl", [{"request_id": "r0", "label": 1}])
+    duck = _build(feats, events, tmp_path / "duck", schema_path)
+    polars = _build(feats, events, tmp_path / "polars", schema_path, "--engine", "polars")
+    assert [f["sha256"] for f in polars["files"]] == [f["sha256"] for f in duck["files"]]
+    assert duck["unknown_keys"] == {}
+    got = pq.read_table(sorted((tmp_path / "duck").glob("part-*.parquet")))
+    by_request = dict(zip(got.column("request_id").to_pylist(), got.column("country").to_pylist()))
+    for i, rec in enumerate(records):
+        v = rec.get("country")
+        want = v if isinstance(v, str) or v is None else json.dumps(v, separators=(",", ":"))
+        assert by_request[f"r{i}"] == want, (i, v)
