@@ -243,42 +243,34 @@ class _Checks:
         schema, n = self.schema, len(self.records)
         raw = {schema.raw_key(f) for f in schema.feature_names}
         if schema.layout == "nested":
-            flat = [
-                i for i, r in self.records if raw & set(r) and not ({"dense", "sparse"} & set(r))
-            ]
-            if len(flat) >= MOST * n:
-                keys = sorted(raw & set(self.s.records[flat[0]]))
-                self.add(
-                    "layout",
-                    "error",
-                    f"{len(flat):,} of {n:,} records carry the features at the top level "
-                    f"({', '.join(f'`{k}`' for k in keys[:5])}) and no `dense`/`sparse` objects: "
-                    "every feature would be missing and the build refuses that",
-                    field="dense/sparse",
-                    at=flat[0],
-                    count=len(flat),
-                    fix='add `layout = "flat"` to [dataset] in the schema',
-                )
-                return True
+            off = [i for i, r in self.records if raw & set(r) and not {"dense", "sparse"} & set(r)]
+            keys = sorted(raw & set(self.s.records[off[0]])) if off else []
+            what = (
+                f"carry the features at the top level ({', '.join(f'`{k}`' for k in keys[:5])}) "
+                "and no `dense`/`sparse` objects: every feature would be missing and the build "
+                "refuses that"
+            )
+            fix = 'add `layout = "flat"` to [dataset] in the schema'
         else:
-            nested = [
+            off = [
                 i
                 for i, r in self.records
                 if isinstance(r.get("dense"), dict) or isinstance(r.get("sparse"), dict)
             ]
-            if len(nested) >= MOST * n:
-                self.add(
-                    "layout",
-                    "error",
-                    f"{len(nested):,} of {n:,} records keep features in `dense`/`sparse` objects "
-                    'but the schema says `layout = "flat"`',
-                    field="dense/sparse",
-                    at=nested[0],
-                    count=len(nested),
-                    fix='remove `layout = "flat"` from [dataset] (or set `layout = "nested"`)',
-                )
-                return True
-        return False
+            what = 'keep features in `dense`/`sparse` objects but the schema says `layout = "flat"`'
+            fix = 'remove `layout = "flat"` from [dataset] (or set `layout = "nested"`)'
+        if len(off) < MOST * n:
+            return False
+        self.add(
+            "layout",
+            "error",
+            f"{len(off):,} of {n:,} records {what}",
+            field="dense/sparse",
+            at=off[0],
+            count=len(off),
+            fix=fix,
+        )
+        return True
 
     def collect_unknown(self) -> None:
         schema = self.schema

@@ -543,18 +543,7 @@ def _build(doc: Mapping[str, Any], where: str) -> DatasetSchema:
             sparse=tuple(sparse),
             dedup_groups=dedup.get("groups", ()),
             raw_keys=tuple(raw_keys.items()),
-            **{
-                k: dataset[k]
-                for k in (
-                    "session_key",
-                    "time_key",
-                    "label_key",
-                    "user_key",
-                    "layout",
-                    "passthrough",
-                )
-                if k in dataset
-            },
+            **{k: dataset[k] for k in _DATASET_KEYS[1:] if k in dataset},
         )
     except SchemaError as exc:
         raise _fail(where, str(exc)) from None

@@ -21,11 +21,7 @@ from schemas import load_schema
 T0 = 1_700_000_000_000  # epoch milliseconds
 USERS, SESSIONS_PER_USER, REQUESTS_PER_SESSION = 12, 4, 10
 
-NESTED = """
-[dataset]
-name = "shop"
-passthrough = ["country"]
-
+FEATURES = """
 [[dense]]
 name = "user_age"
 [[dense]]
@@ -41,7 +37,17 @@ kind = "item"
 max_len = 1
 """
 
-FLAT_RENAMED = """
+NESTED = (
+    """
+[dataset]
+name = "shop"
+passthrough = ["country"]
+"""
+    + FEATURES
+)
+
+FLAT_RENAMED = (
+    """
 [dataset]
 name = "shop_flat"
 layout = "flat"
@@ -55,21 +61,9 @@ passthrough = ["country"]
 request_id = "req"
 user_age = "age"
 item_id = "item"
-
-[[dense]]
-name = "user_age"
-[[dense]]
-name = "item_price"
-
-[[sparse]]
-name = "user_clicks"
-kind = "user"
-max_len = 5
-[[sparse]]
-name = "item_id"
-kind = "item"
-max_len = 1
 """
+    + FEATURES
+)
 
 
 def _requests():
