@@ -9,7 +9,7 @@ STAMP := $(VENV)/.recpipe-setup
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
 # Knobs: `make help` lists them from the `##` line above each.
-## INPUT     raw feature logs for `make etl` (empty: generate synthetic logs first)
+## INPUT     raw feature logs for `make etl`: JSON Lines or Parquet, see docs/data-contract.md (empty: generate synthetic logs first)
 INPUT ?=
 ## EVENTS    raw event logs (labels) for `make etl` with INPUT
 EVENTS ?=
@@ -21,6 +21,10 @@ OUT ?= data/demo
 REQUESTS ?= 200000
 ## SHARDS    session shards `make etl` routes the logs to (default 8)
 SHARDS ?= 8
+## ROW_GROUP_SIZE  most rows per row group of `make etl` (default 65536; small datasets get smaller groups)
+ROW_GROUP_SIZE ?= 65536
+## EVAL_FRACTION   share held out for evaluation by `make train` (default 0.1)
+EVAL_FRACTION ?= 0.1
 ## EPOCHS    passes over the data in `make train` (default 1)
 EPOCHS ?= 1
 ## BATCH     rows per batch in `make train` (default 1024)
@@ -40,7 +44,7 @@ help:  ## list targets and knobs
 	@echo "targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t' | sed 's/^/  /'
 	@echo "knobs (make <target> NAME=value):"
-	@grep -E '^## [A-Z]+ ' $(MAKEFILE_LIST) | sed -E 's/^## /  /'
+	@grep -E '^## [A-Z_]+ ' $(MAKEFILE_LIST) | sed -E 's/^## /  /'
 
 setup: $(STAMP)  ## create .venv (torch==2.13.0 CPU first, then recpipe[dev,cuda,torchrec])
 
@@ -66,7 +70,8 @@ etl: setup  ## raw logs -> clustered zstd Parquet + stats (INPUT=..., EVENTS=...
 	else feats="$(INPUT)"; evs="$(EVENTS)"; fi; \
 	schema_arg="$(if $(SCHEMA),--schema $(SCHEMA),)"; \
 	$(RECPIPE) etl shard $$feats --out $(OUT)/shards --num-shards $(SHARDS) $$schema_arg --overwrite; \
-	$(RECPIPE) etl build $(OUT)/shards $${evs:+--events $$evs} --out $(OUT)/dataset $$schema_arg --overwrite; \
+	$(RECPIPE) etl build $(OUT)/shards $${evs:+--events $$evs} --out $(OUT)/dataset $$schema_arg \
+	  --row-group-size $(ROW_GROUP_SIZE) --overwrite; \
 	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats $$schema_arg
 
 stats: setup  ## DuckDB duplication statistics of OUT/dataset
@@ -75,9 +80,9 @@ stats: setup  ## DuckDB duplication statistics of OUT/dataset
 serve: setup  ## serve OUT/dataset's preprocessed batches over TCP (127.0.0.1; PORT=..., READERS=...)
 	$(RECPIPE) serve $(OUT)/dataset --port $(PORT) --readers $(READERS)
 
-train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=...)
+train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=..., EVAL_FRACTION=...)
 	$(RECPIPE) train $(OUT)/dataset --dedup $(DEDUP) --epochs $(EPOCHS) --batch-size $(BATCH) \
-	  --checkpoint $(OUT)/checkpoints
+	  --eval-fraction $(EVAL_FRACTION) --checkpoint $(OUT)/checkpoints
 
 bench: setup  ## run every benchmark (JSON in benchmarks/results/), then write the README's tables from it
 	@for b in $(basename $(notdir $(filter-out benchmarks/report.py,$(wildcard benchmarks/[a-z]*.py)))); do \

@@ -1,4 +1,4 @@
-"""``recpipe etl {shard,build,verify}``: the ETL stages as one command group.
+"""``recpipe etl {validate,shard,build,verify}``: the ETL stages as one command group.
 
 Before ``shard`` or ``build`` does any work, :func:`etl.paths.check_output` checks its ``--out``
 against its inputs (the logs, ``--events``, ``--schema``) and the file system.
@@ -15,20 +15,22 @@ _Command = Callable[[argparse.Namespace], int]
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``etl`` with its ``shard``, ``build`` and ``verify`` subcommands."""
-    from etl import build, shard, verify
+    """Add ``etl`` with its ``validate``, ``shard``, ``build`` and ``verify`` subcommands."""
+    from etl import build, shard, validate_logs, verify
 
     parser = subparsers.add_parser(
         "etl",
-        help="raw logs -> session-clustered zstd Parquet (shard, build, verify)",
+        help="raw logs -> session-clustered zstd Parquet (validate, shard, build, verify)",
         description=(
-            "Turn raw inference logs into a session-clustered, zstd-compressed Parquet dataset. "
-            "`shard` routes feature logs to N zstd shards by session (RecD O1); `build` "
+            "Turn raw inference logs (their format: docs/data-contract.md) into a "
+            "session-clustered, zstd-compressed Parquet dataset. `validate` dry-runs the build "
+            "over a sample and suggests schema fixes; `shard` routes feature logs to N zstd shards by session (RecD O1); `build` "
             "validates, sessionizes, joins labels, clusters by session and writes Parquet (O2); "
             "`verify` checks a built dataset against its manifest (sizes, sha256, page checksums)."
         ),
     )
     stages = parser.add_subparsers(dest="stage", metavar="<stage>", required=True)
+    validate_logs.register_cli(stages)
     shard.register_cli(stages)
     build.register_cli(stages)
     verify.register_cli(stages)

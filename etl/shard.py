@@ -45,6 +45,7 @@ from etl import reasons
 from etl.paths import check_output
 from etl.rawio import (
     DEFAULT_MAX_LINE_BYTES,
+    JSONL_PATTERNS,
     UNROUTABLE_NAME,
     expand_inputs,
     iter_raw_lines,
@@ -173,7 +174,7 @@ def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | Non
         skey, used = _key_hash(b"s", session), schema.session_key
     else:
         skey, used = _key_hash(b"u", rec.get(schema.user_key)), schema.user_key
-    rkey = _key_hash(b"r", rec.get("request_id"))
+    rkey = _key_hash(b"r", rec.get(schema.raw_key("request_id")))
     return skey, rkey, used
 
 
@@ -186,7 +187,7 @@ def _interleave(files: list[Path], max_line_bytes: int) -> Iterator[tuple[Path, 
     """
     for start in range(0, len(files), _WIDTH):
         group = files[start : start + _WIDTH]
-        readers = [(p, iter_raw_lines(p, max_line_bytes=max_line_bytes)) for p in group]
+        readers = [(p, _raw_lines(p, max_line_bytes)) for p in group]
         while readers:
             alive = []
             for path, reader in readers:
@@ -196,6 +197,22 @@ def _interleave(files: list[Path], max_line_bytes: int) -> Iterator[tuple[Path, 
                         alive.append((path, reader))
                         break
             readers = alive
+
+
+def _raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes, int]]:
+    """``(line number, line, size)`` of a JSON Lines file, or of a Parquet file's rows as the
+    JSON objects ``etl build`` reads from it (:func:`etl.build.inputs.read_lines`)."""
+    if not path.name.endswith(".parquet"):
+        yield from iter_raw_lines(path, max_line_bytes=max_line_bytes)
+        return
+    from etl.build.inputs import InputFile, read_lines
+
+    for batch in read_lines(InputFile(path, "parquet"), 0, max_line_bytes=max_line_bytes):
+        numbers = batch.column("line_no").to_pylist()
+        sizes = batch.column("too_long").to_pylist()
+        for n, text, size in zip(numbers, batch.column("line").to_pylist(), sizes):
+            line = text.encode()
+            yield n, line, size if size is not None else len(line)
 
 
 def _parse(line: bytes, path: Path, lineno: int) -> Any:
@@ -237,7 +254,8 @@ def shard(
     """Route feature-log lines to ``config.num_shards`` zstd shards.
 
     Args:
-        inputs: ``.jsonl`` / ``.jsonl.zst`` files, directories or globs.
+        inputs: ``.jsonl`` / ``.jsonl.zst`` / ``.parquet`` files, directories or globs (the
+            raw-log contract: docs/data-contract.md); Parquet rows are routed as JSON lines.
         out_dir: output directory; written to a temporary sibling and renamed into place.
         schema: names the session and user keys; defaults to the bundled schema.
         config: sharding options.
@@ -256,7 +274,7 @@ def shard(
     """
     cfg = config or ShardConfig()
     schema = schema or load_schema(None)
-    files = expand_inputs(inputs)
+    files = expand_inputs(inputs, patterns=(*JSONL_PATTERNS, "*.parquet"))
     out = Path(out_dir)
     check_output(out, kind="shards", inputs=[inputs], overwrite=overwrite, arg="out_dir")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -471,7 +489,8 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         "shard",
         help="route feature logs to N zstd shards by session (RecD O1)",
         description=(
-            "Route raw feature logs (.jsonl / .jsonl.zst files, directories, globs) to N "
+            "Route raw feature logs (.jsonl / .jsonl.zst / .parquet files, directories, globs; "
+            "their format: docs/data-contract.md) to N "
             "shard-NNNNN.jsonl.zst files by a stable hash of the session key (session_id, else "
             "user_id), grouping each shard's lines by session so zstd sees the repeats side by "
             "side. Lines that cannot be routed go to _unroutable.jsonl.zst with their file and "

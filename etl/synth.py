@@ -1,6 +1,7 @@
 """Deterministic synthetic session logs (``recpipe synth``), shaped after RecD's characterization.
 
-The generator writes the two raw-log streams of DESIGN §2.1 as ``.jsonl.zst``::
+The generator writes the two raw-log streams (their contract: docs/data-contract.md) as
+``.jsonl.zst``::
 
     out_dir/features/part-NNNNN.jsonl.zst   one line per inference request
     out_dir/events/part-NNNNN.jsonl.zst     zero or more label events per request
@@ -827,7 +828,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "synth",
         help="generate deterministic synthetic session logs",
         description=(
-            "Write synthetic feature and event logs (.jsonl.zst, the raw-log format) following "
+            "Write synthetic feature and event logs (.jsonl.zst, the raw-log format of "
+            "docs/data-contract.md) following "
             "schemas/examples/synth.toml: interleaved sessions with a long-tailed length, static "
             "and slowly shifting user features, labels from a hidden model. The same seed gives "
             "byte-identical files. --out must be new, empty, or an earlier synth output (it has "

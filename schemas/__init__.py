@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 from schemas.schema import (
+    PASSTHROUGH_COLUMNS,
     RESERVED_NAMES,
     DatasetSchema,
     DenseFeature,
     FeatureKind,
+    Layout,
     SparseFeature,
     default_schema,
     default_schema_path,
@@ -20,10 +22,12 @@ from schemas.schema import (
 )
 
 __all__ = [
+    "PASSTHROUGH_COLUMNS",
     "RESERVED_NAMES",
     "DatasetSchema",
     "DenseFeature",
     "FeatureKind",
+    "Layout",
     "SparseFeature",
     "default_schema",
     "default_schema_path",

@@ -16,6 +16,11 @@ feature of the clustered dataset::
     [dedup]
     groups = [["user_liked_items", "user_liked_sellers"], ["user_segment"]]
 
+How the raw logs are laid out (``docs/data-contract.md``): ``[dataset] layout = "nested"`` (the
+default: features inside ``dense`` / ``sparse`` objects) or ``"flat"`` (features at the top level
+of the record), and a ``[keys]`` table mapping the request id and features to the keys the logs
+use (``request_id = "req"``, ``user_age = "age"``).
+
 :func:`load_schema` parses and validates such a file; every problem raises
 :class:`~recpipe.errors.SchemaError` naming the file, the table and the key. Names are compared
 ignoring case too (DuckDB, which builds and measures the dataset, matches column and JSON-key
@@ -38,10 +43,12 @@ import pyarrow as pa
 from recpipe.errors import SchemaError
 
 __all__ = [
+    "PASSTHROUGH_COLUMNS",
     "RESERVED_NAMES",
     "DatasetSchema",
     "DenseFeature",
     "FeatureKind",
+    "Layout",
     "SparseFeature",
     "default_schema",
     "default_schema_path",
@@ -51,10 +58,12 @@ __all__ = [
 
 FeatureKind = Literal["user", "item", "context"]
 _KINDS: tuple[str, ...] = get_args(FeatureKind)
+Layout = Literal["nested", "flat"]
+_LAYOUTS: tuple[str, ...] = get_args(Layout)
 
 #: Names a feature may not take: raw-log keys and the fixed columns of the clustered dataset.
 RESERVED_NAMES: frozenset[str] = frozenset(
-    {"session_id", "ts", "label", "user_id", "request_id", "dense", "sparse"}
+    {"session_id", "session_id_raw", "ts", "label", "user_id", "request_id", "dense", "sparse"}
 )
 
 # keys every raw feature record has whatever the schema says
@@ -63,13 +72,24 @@ _FIXED_RAW_KEYS = ("request_id", "dense", "sparse")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MAX_LEN_LIMIT = 1_000_000
 
-_DATASET_KEYS = ("name", "session_key", "time_key", "label_key", "user_key")
+_DATASET_KEYS = (
+    "name",
+    "session_key",
+    "time_key",
+    "label_key",
+    "user_key",
+    "layout",
+    "passthrough",
+)
 _DENSE_KEYS = ("name", "fill")
 _SPARSE_KEYS = ("name", "kind", "max_len", "truncate")
 _DEDUP_KEYS = ("groups",)
 # `[[preprocess]]` tables belong to the readers (readers.transforms.Pipeline); the schema
 # loader accepts them and leaves them alone.
-_TOP_KEYS = ("dataset", "dense", "sparse", "dedup", "preprocess")
+_TOP_KEYS = ("dataset", "dense", "sparse", "dedup", "keys", "preprocess")
+#: dataset columns a build adds after the features: the request id, the user key's value and the
+#: raw session id, as strings (NULL where the record has none)
+PASSTHROUGH_COLUMNS: tuple[str, ...] = ("request_id", "user_id", "session_id_raw")
 
 
 def _fail(where: str, msg: str, hint: str | None = None) -> SchemaError:
@@ -184,9 +204,15 @@ class DatasetSchema:
         time_key: raw-log key (and dataset column) of the epoch-millisecond timestamp.
         label_key: event-log key (and dataset column) of the label.
         user_key: raw-log key of the user, used to derive sessions when there is no session key.
+        layout: ``"nested"`` (features inside the record's ``dense`` / ``sparse`` objects) or
+            ``"flat"`` (features at the top level of the record).
+        raw_keys: ``(name, raw-log key)`` pairs renaming ``request_id`` or features: the logs
+            call them by the raw key, the dataset by the name.
+        passthrough: top-level raw-log keys copied to the dataset as string columns of the
+            same name (after :data:`PASSTHROUGH_COLUMNS`), untouched by training.
 
     Raises:
-        SchemaError: on duplicate or reserved names, or bad dedup groups.
+        SchemaError: on duplicate or reserved names, bad dedup groups or bad key mappings.
     """
 
     name: str
@@ -197,6 +223,9 @@ class DatasetSchema:
     time_key: str = "ts"
     label_key: str = "label"
     user_key: str = "user_id"
+    layout: Layout = "nested"
+    raw_keys: tuple[tuple[str, str], ...] = ()
+    passthrough: tuple[str, ...] = ()
     _by_name: dict[str, DenseFeature | SparseFeature] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -212,6 +241,12 @@ class DatasetSchema:
                 f"[dataset]: the session/time/label/user keys must differ, got {keys}"
             )
         _check_keys_fold(keys)
+        for key in ("session_key", "time_key", "label_key"):
+            if keys[key] in PASSTHROUGH_COLUMNS:
+                raise SchemaError(
+                    f"[dataset]: `{key}` {keys[key]!r} is the name of a pass-through column of "
+                    f"the dataset ({', '.join(PASSTHROUGH_COLUMNS)}); choose another"
+                )
         reserved = RESERVED_NAMES | set(keys.values())
         # lower-cased name -> its spelling: DuckDB (the build and `recpipe stats`) matches
         # column and JSON-key names ignoring case, so `a` and `A` would be one column
@@ -239,6 +274,80 @@ class DatasetSchema:
             by_name[feature.name] = feature
         object.__setattr__(self, "_by_name", by_name)
         object.__setattr__(self, "dedup_groups", self._validated_groups(self.dedup_groups))
+        if self.layout not in _LAYOUTS:
+            hint = _did_you_mean(str(self.layout), _LAYOUTS) or f"one of: {', '.join(_LAYOUTS)}"
+            raise _fail(
+                "[dataset]", f"`layout` must be one of {list(_LAYOUTS)}, got {self.layout!r}", hint
+            )
+        object.__setattr__(self, "raw_keys", self._validated_raw_keys(self.raw_keys, keys))
+        object.__setattr__(self, "passthrough", self._validated_passthrough(self.passthrough))
+
+    def _validated_passthrough(self, names: Any) -> tuple[str, ...]:
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise _fail("[dataset]", f"`passthrough` must be a list of key names, got {names!r}")
+        names = tuple(names)
+        taken = {
+            n.casefold(): n
+            for n in (
+                *self.feature_names,
+                *PASSTHROUGH_COLUMNS,
+                "dense",
+                "sparse",
+                self.session_key,
+                self.time_key,
+                self.label_key,
+                self.user_key,
+            )
+        }
+        taken |= {raw.casefold(): raw for _, raw in self.raw_keys}
+        for name in names:
+            _check_name(name, "[dataset] passthrough", what="passthrough")
+            other = taken.get(name.casefold())
+            if other is not None:
+                raise _fail(
+                    "[dataset] passthrough",
+                    f"`{name}` is already a column or raw-log key of the schema (`{other}`, "
+                    "compared ignoring case)",
+                    "request_id, user_id and the session id are kept already",
+                )
+            taken[name.casefold()] = name
+        return names
+
+    def _validated_raw_keys(
+        self, pairs: Any, keys: Mapping[str, str]
+    ) -> tuple[tuple[str, str], ...]:
+        pairs = tuple(
+            (str(a), b) for a, b in (pairs.items() if isinstance(pairs, Mapping) else pairs)
+        )
+        allowed = ["request_id", *self._by_name]
+        raw_seen: dict[str, str] = {}
+        for name, raw in pairs:
+            where = f"[keys] {name}"
+            if name not in allowed:
+                if name in keys.values():
+                    role = next(r for r, v in keys.items() if v == name)
+                    hint = f"set `{role}` in [dataset] instead"
+                else:
+                    hint = _did_you_mean(name, allowed) or "keys are `request_id` or feature names"
+                raise _fail(where, f"unknown name `{name}`", hint)
+            if not isinstance(raw, str) or not raw:
+                raise _fail(where, f"the raw-log key must be a non-empty string, got {raw!r}")
+            if raw in raw_seen:
+                raise _fail(where, f"raw-log key {raw!r} is also mapped to `{raw_seen[raw]}`")
+            raw_seen[raw] = name
+        return pairs
+
+    def raw_key(self, name: str) -> str:
+        """The key the raw logs use for ``name`` (``request_id`` or a feature): ``[keys]``'s
+        mapping, else the name itself."""
+        return dict(self.raw_keys).get(name, name)
+
+    @property
+    def remapped(self) -> bool:
+        """Whether raw records differ from the nested layout with the dataset's names
+        (``layout = "flat"`` or a ``[keys]`` mapping): the build then rewrites each record to it
+        before validating (:func:`etl.build.layout.normalize_sql`)."""
+        return self.layout != "nested" or bool(self.raw_keys)
 
     def _validated_groups(self, groups: Any) -> tuple[tuple[str, ...], ...]:
         if isinstance(groups, str) or not isinstance(groups, Iterable):
@@ -318,6 +427,13 @@ class DatasetSchema:
         fields += [pa.field(f.name, pa.list_(pa.int64())) for f in self.sparse]
         return pa.schema(fields)
 
+    def dataset_arrow_schema(self) -> pa.Schema:
+        """Arrow schema of the Parquet files a build writes: :meth:`arrow_schema` then the
+        pass-through string columns :data:`PASSTHROUGH_COLUMNS` (request id, user, raw session
+        id) and ``passthrough``, which readers may select but need not."""
+        fields = [pa.field(n, pa.string()) for n in (*PASSTHROUGH_COLUMNS, *self.passthrough)]
+        return pa.schema([*self.arrow_schema(), *fields])
+
     def with_dedup(self, groups: Iterable[Iterable[str]]) -> DatasetSchema:
         """Return a copy with ``dedup_groups`` replaced (validated)."""
         return replace(self, dedup_groups=tuple(tuple(g) for g in groups))
@@ -330,6 +446,10 @@ class DatasetSchema:
             value = getattr(self, key)
             if value != defaults[key].default:
                 lines.append(f"{key} = {_toml_str(value)}")
+        if self.layout != defaults["layout"].default:
+            lines.append(f"layout = {_toml_str(self.layout)}")
+        if self.passthrough:
+            lines.append(f"passthrough = [{', '.join(_toml_str(n) for n in self.passthrough)}]")
         for f in self.dense:
             lines += [
                 "",
@@ -346,6 +466,9 @@ class DatasetSchema:
                 f"max_len = {f.max_len}",
                 f"truncate = {'true' if f.truncate else 'false'}",
             ]
+        if self.raw_keys:
+            lines += ["", "[keys]"]
+            lines += [f"{_toml_str(n)} = {_toml_str(r)}" for n, r in self.raw_keys]
         if self.dedup_groups:
             lines += ["", self.dedup_toml().rstrip("\n")]
         return "\n".join(lines) + "\n"
@@ -410,6 +533,7 @@ def _build(doc: Mapping[str, Any], where: str) -> DatasetSchema:
             raise _fail(loc, str(exc)) from None
     dedup = _table(doc, "dedup", where)
     _check_keys(dedup, _DEDUP_KEYS, f"{where} [dedup]")
+    raw_keys = _table(doc, "keys", where)
     if not dense and not sparse:
         raise _fail(where, "the schema defines no features ([[dense]] or [[sparse]])")
     try:
@@ -418,11 +542,8 @@ def _build(doc: Mapping[str, Any], where: str) -> DatasetSchema:
             dense=tuple(dense),
             sparse=tuple(sparse),
             dedup_groups=dedup.get("groups", ()),
-            **{
-                k: dataset[k]
-                for k in ("session_key", "time_key", "label_key", "user_key")
-                if k in dataset
-            },
+            raw_keys=tuple(raw_keys.items()),
+            **{k: dataset[k] for k in _DATASET_KEYS[1:] if k in dataset},
         )
     except SchemaError as exc:
         raise _fail(where, str(exc)) from None

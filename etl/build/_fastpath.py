@@ -14,6 +14,8 @@ from etl.build._sql import (
     TRAILING_COMMA_RE,
     TS_RANGE,
     ident,
+    passthrough_columns,
+    passthrough_struct,
     schema_keys,
     sql_str,
     too_long_check,
@@ -53,11 +55,11 @@ def fast_select(
     ids = (rk, sk, uk, tk)
     dense_s = ", ".join(f'"{f.name}": "DOUBLE"' for f in schema.dense)
     sparse_s = ", ".join(f'"{f.name}": "BIGINT[]"' for f in schema.sparse)
-    struct = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in ids)
+    struct = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in ids) + passthrough_struct(schema)
     struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
     struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
     struct = (struct + "}").replace("'", "''")
-    fields = [f"j.{ident(k)}" for k in ids]
+    fields = [f"j.{ident(k)}" for k in (*ids, *schema.passthrough)]
     fields += ["j.dense"] if schema.dense else []
     fields += ["j.sparse"] if schema.sparse else []
     fields += [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
@@ -81,6 +83,11 @@ def fast_select(
         return f"(j.{ident(key)} IS NOT NULL AND {is_str(key)})"
 
     n_str = " + ".join(f"{str_id(k)}::INTEGER" for k in (rk, sk, uk))
+    # a passthrough key counts its `"` as a key, and two more when its value is a string
+    n_str += "".join(
+        f" + coalesce(json_type(j.{ident(k)}) = 'VARCHAR', FALSE)::INTEGER"
+        for k in schema.passthrough
+    )
 
     def id_ok(key: str) -> str:
         # a number is read as text: DuckDB writes a JSON double with a `.` or an exponent
@@ -159,7 +166,7 @@ SELECT
   j.{ident(sk)} AS session_key,
   j.{ident(uk)} AS user_key,
   TRY_CAST(j.{ident(tk)} AS BIGINT) AS ts,
-{value_columns(schema, "j.dense", "j.sparse")}
+{value_columns(schema, "j.dense", "j.sparse")}{passthrough_columns(schema, good="j IS NOT NULL")}
   NULL::VARCHAR[] AS unknown,
   NULL::VARCHAR[] AS unknown_keys
 FROM checked

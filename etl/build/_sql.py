@@ -12,6 +12,9 @@ __all__ = [
     "TS_RANGE",
     "feature_columns",
     "ident",
+    "json_path",
+    "passthrough_columns",
+    "passthrough_struct",
     "schema_keys",
     "sql_str",
     "too_long_check",
@@ -40,6 +43,33 @@ def ident(name: str) -> str:
 def schema_keys(schema: DatasetSchema) -> tuple[str, str, str, str]:
     """The raw record keys: request id, session id, user id, timestamp."""
     return "request_id", schema.session_key, schema.user_key, schema.time_key
+
+
+def json_path(*keys: str) -> str:
+    """A JSON path to nested object keys: ``$."a"."b"``."""
+    quoted = ('"' + k.replace("\\", "\\\\").replace('"', '\\"') + '"' for k in keys)
+    return "$." + ".".join(quoted)
+
+
+def passthrough_columns(schema: DatasetSchema, *, good: str) -> str:
+    """SQL select-list lines ``p0..``: the schema's ``passthrough`` keys of the record as text
+    (a string's value, any other JSON value as its JSON text; NULL when absent or ``null``),
+    for the rows where ``good`` holds. The parsed record ``j`` holds each key as a JSON
+    fragment (:func:`passthrough_struct`)."""
+    out = []
+    for i, name in enumerate(schema.passthrough):
+        v = f"j.{ident(name)}"
+        out.append(
+            f"  CASE WHEN {good} THEN CASE WHEN json_type({v}) = 'VARCHAR' THEN {v} ->> '$' "
+            f"WHEN json_type({v}) <> 'NULL' THEN {v}::VARCHAR END END AS p{i},\n"
+        )
+    return "".join(out)
+
+
+def passthrough_struct(schema: DatasetSchema) -> str:
+    """The passthrough keys' entries of a ``from_json`` struct (each a JSON fragment), each
+    with a leading ``, ``; ``""`` without passthrough keys."""
+    return "".join(f', "{n}": "JSON"' for n in schema.passthrough)
 
 
 def feature_columns(schema: DatasetSchema) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from etl.build.config import ENGINES, BuildConfig, parse_bytes
+from etl.build.config import ENGINES, MIN_ROW_GROUP_ROWS, BuildConfig, parse_bytes
 from etl.build.driver import build
 from recpipe.errors import DataError
 from schemas import default_schema, load_schema
@@ -91,7 +91,8 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         help="validate, sessionize, join labels, cluster by session, write zstd Parquet",
         description=(
             "Build the session-clustered training dataset (RecD O2) from raw feature logs "
-            "(and event logs): bad records go to OUT/_quarantine with a reason, sessions come "
+            "(and event logs; JSON Lines or Parquet, their format: docs/data-contract.md; "
+            "`recpipe etl validate` checks them first): bad records go to OUT/_quarantine with a reason, sessions come "
             "from session_id or user_id + --session-gap, labels are the max over a request's "
             "events, rows are clustered by session and sorted by ts, and Parquet row groups "
             "never split a session. Runs out of core in DuckDB (--memory-limit, --spill-dir). "
@@ -136,7 +137,16 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         "--row-group-size",
         type=int,
         default=d.row_group_size,
-        help=f"target rows per row group, cut at session boundaries (default {d.row_group_size}, measured)",
+        help=f"most rows per row group, cut at session boundaries (default {d.row_group_size}, "
+        "measured); smaller datasets get smaller groups, see --min-row-groups",
+    )
+    p.add_argument(
+        "--min-row-groups",
+        type=int,
+        default=d.min_row_groups,
+        help=f"row groups to aim at when the rows allow (default {d.min_row_groups}): a dataset "
+        "with fewer rows than this many full groups gets smaller ones (at least "
+        f"{MIN_ROW_GROUP_ROWS} rows); 1: groups of --row-group-size",
     )
     p.add_argument(
         "--order",
@@ -196,6 +206,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         sample_sessions=args.sample_sessions,
         zstd_level=args.zstd_level,
         row_group_size=args.row_group_size,
+        min_row_groups=args.min_row_groups,
         order=args.order,
         engine=args.engine,
         seed=args.seed,

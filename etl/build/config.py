@@ -12,10 +12,12 @@ from recpipe.errors import DataError
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MIN_ROW_GROUPS",
     "DEFAULT_ROW_GROUP_SIZE",
     "DEFAULT_SETTINGS_NOTE",
     "DEFAULT_ZSTD_LEVEL",
     "ENGINES",
+    "MIN_ROW_GROUP_ROWS",
     "BuildConfig",
     "parse_bytes",
 ]
@@ -24,6 +26,12 @@ __all__ = [
 DEFAULT_ZSTD_LEVEL = 3
 #: rows per row group: measured on the synthetic data (see DEFAULT_SETTINGS_NOTE).
 DEFAULT_ROW_GROUP_SIZE = 65_536
+#: row groups a build aims at when the rows allow (each is a split: a DataLoader worker's,
+#: a reader client's or a rank's share), by writing smaller ones than ``row_group_size``
+DEFAULT_MIN_ROW_GROUPS = 8
+#: the smallest row group a build chooses on its own (an explicit ``row_group_size`` may be
+#: smaller)
+MIN_ROW_GROUP_ROWS = 64
 DEFAULT_SETTINGS_NOTE = (
     "measured with `python -m etl.build.tune` on 200k clustered synthetic rows: zstd level "
     "1/3/6/9/12 -> 12.1/9.0/8.4/7.7/7.8 MB, write 1.5/1.7/2.4/3.2/10.9 s (3 = the knee: -25% "
@@ -79,7 +87,13 @@ class BuildConfig:
             carry no ``session_id``.
         sample_sessions: keep this fraction of sessions (whole sessions, seeded by ``seed``).
         zstd_level: zstd compression level of the Parquet files.
-        row_group_size: target rows per row group (cut at session boundaries).
+        row_group_size: the most rows per row group (cut at session boundaries): the target,
+            unless the dataset is too small to fill ``min_row_groups`` groups of it
+            (:meth:`row_group_rows`).
+        min_row_groups: with fewer rows than ``min_row_groups * row_group_size``, row groups
+            get ``ceil(rows / min_row_groups)`` rows (at least :data:`MIN_ROW_GROUP_ROWS`), so
+            that a small dataset still has enough splits for workers, clients and ranks
+            (1: one group when the rows fit in ``row_group_size``).
         order: ``"session"`` (clustered) or ``"time"`` (the pre-RecD baseline: rows by ts only).
         engine: a name of :data:`ENGINES`: ``"duckdb"`` (out of core) or ``"polars"`` (in
             memory, the same dataset, quarantine and counts; refuses ``memory_limit``,
@@ -105,6 +119,7 @@ class BuildConfig:
     sample_sessions: float = 1.0
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     row_group_size: int = DEFAULT_ROW_GROUP_SIZE
+    min_row_groups: int = DEFAULT_MIN_ROW_GROUPS
     order: Literal["session", "time"] = "session"
     engine: Literal["duckdb", "polars"] = "duckdb"
     seed: int = 0
@@ -127,6 +142,7 @@ class BuildConfig:
         if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
             raise DataError(f"`zstd_level` must be an integer in 1..22, got {self.zstd_level!r}")
         self._check_positive("row_group_size", self.row_group_size)
+        self._check_positive("min_row_groups", self.min_row_groups)
         self._check_choice("order", ("session", "time"))
         self._check_choice("engine", tuple(ENGINES))
         self._check_choice("partition_by", ("none", "hour"))
@@ -149,6 +165,20 @@ class BuildConfig:
         if getattr(self, name) not in choices:
             listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
             raise DataError(f"`{name}` must be {listed}, got {getattr(self, name)!r}")
+
+    def row_group_rows(self, rows: int) -> int:
+        """Rows per row group for a dataset of ``rows`` rows: ``row_group_size``, lowered to
+        ``ceil(rows / min_row_groups)`` (but not below :data:`MIN_ROW_GROUP_ROWS`) when the
+        dataset is too small to fill ``min_row_groups`` groups; never above ``row_group_size``.
+
+        >>> BuildConfig().row_group_rows(20_000), BuildConfig().row_group_rows(10**6)
+        (2500, 65536)
+        >>> BuildConfig(row_group_size=100).row_group_rows(10_000), BuildConfig().row_group_rows(100)
+        (100, 64)
+        """
+        want = -(-int(rows) // self.min_row_groups)
+        floor = min(self.row_group_size, MIN_ROW_GROUP_ROWS)
+        return max(floor, min(self.row_group_size, want))
 
     @property
     def memory_bytes(self) -> int | None:

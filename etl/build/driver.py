@@ -121,7 +121,7 @@ def _run(engine_cls: type[Engine], job: BuildJob, phases: _Phases) -> dict:
         check_missing_features(counts, job.config)
         _write_quarantine(engine, job)
         t = phases.timed("quarantine", t)
-        writer = dataset_writer(job.work_dir, job.schema, job.config)
+        writer = dataset_writer(job.work_dir, job.schema, job.config, rows=counts.rows_out)
         with phases.bar("write parquet", total=counts.rows_out, unit="row", unit_scale=True) as bar:
             files = write_rows(writer, engine.rows(), config=job.config, progress=bar.update)
         phases.timed("write", t)
@@ -198,8 +198,10 @@ def check_missing_features(counts: BuildCounts, config: BuildConfig) -> None:
         keys = ", ".join(f"`{k}`" for k in sorted(counts.unknown_keys)[:10])
         msg += f"\nthe records carry top-level keys the build does not read: {keys}"
     msg += (
-        "\nhint: features belong under `dense` and `sparse`; check the records and the schema, "
-        "or pass --allow-missing-features (allow_missing_features=True) to build anyway "
+        "\nhint: features belong under `dense` and `sparse` (records with features at the top "
+        'level need `layout = "flat"` in [dataset]; other key names, a [keys] mapping: '
+        "docs/data-contract.md); `recpipe etl validate` names the fix; check the records and the "
+        "schema, or pass --allow-missing-features (allow_missing_features=True) to build anyway "
         "(--fail-missing-share sets the share)"
     )
     raise DataError(msg)

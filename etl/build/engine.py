@@ -131,7 +131,8 @@ class Engine(ABC):
     @abstractmethod
     def rows(self) -> Iterator[pa.RecordBatch]:
         """The rows kept, in the build's order, as the dataset's columns (missing features
-        filled), plus :data:`etl.build.output.PARTITION_MS` with ``partition_by="hour"``.
+        filled; the pass-through columns ``request_id``, ``user_id``, ``session_id_raw`` of
+        :meth:`schemas.DatasetSchema.dataset_arrow_schema` last), plus :data:`etl.build.output.PARTITION_MS` with ``partition_by="hour"``.
 
         Session order: by ``(session id, ts, file_id, line_no)``; time order: by ``(ts,
         session id, file_id, line_no)``. The batches form one stream; their sizes do not

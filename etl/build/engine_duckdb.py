@@ -148,6 +148,7 @@ class DuckDBEngine(Engine):
         try:
             lines = read_lines(f, file_id, max_line_bytes=self.job.config.max_line_bytes)
             for batch in lines:
+                batch = self.job.validator.normalize(batch, kind)
                 cur.register(view, self.job.validator.with_facts(batch) if facts else batch)
                 try:
                     try:  # optimistic: no JSON guard; a malformed line fails the statement
@@ -365,6 +366,8 @@ class DuckDBEngine(Engine):
             f"coalesce(f.s{i}, []::BIGINT[]) AS {ident(s.name)}"
             for i, s in enumerate(schema.sparse)
         ]
+        cols += ["f.request_id", "f.user_key AS user_id", "f.session_key AS session_id_raw"]
+        cols += [f"f.p{i} AS {ident(name)}" for i, name in enumerate(schema.passthrough)]
         if config.partition_by == "hour":
             basis = "k.first_ts" if config.order == "session" else "k.ts"
             cols.append(f"{basis} AS {PARTITION_MS}")

@@ -200,12 +200,23 @@ class PolarsEngine(Engine):
                 pl.col(f"s{i}").fill_null(pl.lit([], dtype=pl.List(pl.Int64))).alias(f.name)
                 for i, f in enumerate(schema.sparse)
             ],
+            "request_id",
+            pl.col("user_key").alias("user_id"),
+            pl.col("session_key").alias("session_id_raw"),
+            *[pl.col(f"p{i}").alias(name) for i, name in enumerate(schema.passthrough)],
         ]
         if config.partition_by == "hour":
             basis = "first_ts" if config.order == "session" else "ts"
             cols.append(pl.col(basis).alias(PARTITION_MS))
         order = ["sid", "ts"] if config.order == "session" else ["ts", "sid"]
-        wide = self.good["features"].select("file_id", "line_no", *feature_columns(schema))
+        wide = self.good["features"].select(
+            "file_id",
+            "line_no",
+            "user_key",
+            "session_key",
+            *feature_columns(schema),
+            *[f"p{i}" for i in range(len(schema.passthrough))],
+        )
         final = (
             self.keep.sort([*order, "file_id", "line_no"])
             .join(wide, on=["file_id", "line_no"], how="left", maintain_order="left")

@@ -135,15 +135,20 @@ def by_reason(counts: Mapping[str, int], *, events: bool = False) -> dict[str, i
     }
 
 
-def dataset_writer(root: Path, schema: DatasetSchema, config: BuildConfig) -> SessionAlignedWriter:
+def dataset_writer(
+    root: Path, schema: DatasetSchema, config: BuildConfig, *, rows: int | None = None
+) -> SessionAlignedWriter:
     """The Parquet writer of every engine, set up from ``config`` (row groups encoded on a
-    second thread while the engine fetches the next rows; the same bytes either way)."""
-    arrow_schema = schema.arrow_schema()
+    second thread while the engine fetches the next rows; the same bytes either way).
+
+    ``rows``: the rows the build will write, which size the row groups
+    (:meth:`BuildConfig.row_group_rows`); None: ``config.row_group_size``."""
+    arrow_schema = schema.dataset_arrow_schema()
     return SessionAlignedWriter(
         root=root,
         schema=arrow_schema,
         session_col=schema.session_key,
-        row_group_size=config.row_group_size,
+        row_group_size=config.row_group_size if rows is None else config.row_group_rows(rows),
         zstd_level=config.zstd_level,
         dictionary=None
         if config.dictionary == "auto"
@@ -303,7 +308,8 @@ def build_manifest(
         "parquet": {
             "compression": "zstd",
             "level": config.zstd_level,
-            "row_group_size": config.row_group_size,
+            "row_group_size": writer.row_group_size,
+            "row_group_size_max": config.row_group_size,
             "session_aligned_row_groups": config.order == "session",
             "dictionary_columns": list(writer.dictionary or []),
             "dictionary_measured": writer.dictionary_measured,

@@ -39,12 +39,16 @@ from etl.build._sql import (
     TS_RANGE,
     feature_columns,
     ident,
+    json_path,
+    passthrough_columns,
+    passthrough_struct,
     schema_keys,
     sql_str,
     too_long_check,
     value_columns,
 )
 from etl.build.inputs import LINE_COLUMNS
+from etl.build.layout import Kind, normalize
 from etl.rawio import DEFAULT_MAX_LINE_BYTES
 from schemas import DatasetSchema
 
@@ -216,7 +220,9 @@ def feature_select(
     rk, sk, uk, tk = schema_keys(schema)
     dense_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.dense)
     sparse_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.sparse)
-    struct = "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, sk, uk, tk))
+    struct = (
+        "{" + ", ".join(f'"{k}": "JSON"' for k in (rk, sk, uk, tk)) + passthrough_struct(schema)
+    )
     struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
     struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
     struct = (struct + "}").replace("'", "''")
@@ -307,7 +313,7 @@ SELECT
   CASE WHEN bad IS NULL AND j.{ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(uk)}")} END
     AS user_key,
   CASE WHEN bad IS NULL THEN TRY_CAST(j.{ident(tk)}::VARCHAR AS BIGINT) END AS ts,
-{value_columns(schema, None, None)}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
+{value_columns(schema, None, None)}{passthrough_columns(schema, good="bad IS NULL")}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
   CASE WHEN bad IS NULL THEN {_unknown_top_keys(schema)} END AS unknown_keys
 FROM checked
 """
@@ -326,13 +332,9 @@ def _unknown_keys(schema: DatasetSchema) -> str:
     []::VARCHAR[])"""
 
 
-def _json_path(key: str) -> str:
-    """A JSON path to the top-level ``key``: ``$."key"``."""
-    return "$." + '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _unknown_top_keys(schema: DatasetSchema) -> str:
-    known = "[" + ", ".join(sql_str(k) for k in (*schema_keys(schema), "dense", "sparse")) + "]"
+    keys = (*schema_keys(schema), "dense", "sparse", *schema.passthrough)
+    known = "[" + ", ".join(sql_str(k) for k in keys) + "]"
     return f"""nullif(list_filter(coalesce(json_keys(line), []),
                          lambda k: NOT list_contains({known}::VARCHAR[], k)), []::VARCHAR[])"""
 
@@ -362,7 +364,7 @@ def event_select(
             _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{ident(tk)}"),
         ),
         (
-            f"{lab} IS NULL AND json_type(line, {sql_str(_json_path(lk))}) IS NULL",
+            f"{lab} IS NULL AND json_type(line, {sql_str(json_path(lk))}) IS NULL",
             reasons.WRONG_TYPE,
             sql_str(f"field `{lk}`: missing"),
         ),
@@ -462,17 +464,27 @@ class Validator:
             lines = lines.append_column(name, pa.chunked_array([f[name] for f in facts]))
         return lines
 
+    def normalize(self, lines: pa.Table, kind: Kind) -> pa.Table:
+        """``lines`` in the nested layout under the dataset's names (unchanged unless the
+        schema has ``layout = "flat"`` or a ``[keys]`` mapping: :mod:`etl.build.layout`)."""
+        if not self.schema.remapped:
+            return lines
+        with self._cursor() as cur:
+            return normalize(self.schema, lines, kind=kind, con=cur)
+
     # -- Arrow in, Arrow out, for any engine --------------------------------------------------
 
     def features(self, lines: pa.Table) -> pa.Table:
         """Validated feature rows (the columns of :func:`feature_select`) of a batch of lines.
 
         Args:
-            lines: numbered lines with :data:`etl.build.inputs.LINE_COLUMNS`.
+            lines: numbered lines with :data:`etl.build.inputs.LINE_COLUMNS`, as read (they
+                go through :meth:`normalize` here).
 
         Returns:
             one row per line, in no particular order: ``reason`` NULL for a good row.
         """
+        lines = self.normalize(lines, "features")
         with self._cursor() as cur:
             view = self._register(cur, self.with_facts(lines))
             fast = self._run(
@@ -492,7 +504,9 @@ class Validator:
             return pa.concat_tables([done, full.cast(done.schema)])
 
     def events(self, lines: pa.Table) -> pa.Table:
-        """Validated event rows (the columns of :func:`event_select`) of a batch of lines."""
+        """Validated event rows (the columns of :func:`event_select`) of a batch of lines
+        (as read: they go through :meth:`normalize` here)."""
+        lines = self.normalize(lines, "events")
         with self._cursor() as cur:
             view = self._register(cur, lines)
             return cur.sql(self.event_sql(view)).to_arrow_table()

@@ -208,7 +208,7 @@ def test_clustered_sorted_and_row_groups_never_split_a_session(tmp_path):
     assert list(firsts.values()) == sorted(firsts.values())  # sessions by first ts
     for a, b, x, y in zip(sid, sid[1:], ts, ts[1:]):
         assert a != b or x <= y
-    assert t.schema == default_schema().arrow_schema()
+    assert t.schema == default_schema().dataset_arrow_schema()
     pf = pq.ParquetFile(sorted((tmp_path / "out").glob("part-*.parquet"))[0])
     seen = set()
     for g in range(pf.num_row_groups):

@@ -157,7 +157,12 @@ def test_parquet_pages_carry_checksums_that_catch_flipped_bytes(tmp_path):
     """64 flipped bytes inside a part file raised nothing: pages now carry CRC checksums."""
     records = [_nested(i) for i in range(2000)]
     src = _write(tmp_path / "f.jsonl", records)
-    m = build(src, tmp_path / "out", schema=SCHEMA, config=BuildConfig(dictionary="none"))
+    m = build(
+        src,
+        tmp_path / "out",
+        schema=SCHEMA,
+        config=BuildConfig(dictionary="none", min_row_groups=1),
+    )
     path = tmp_path / "out" / m["files"][0]["path"]
     assert pq.read_table(path, page_checksum_verification=True).num_rows == 2000
     data = bytearray(path.read_bytes())
