@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from readers.dataset import dataset_schema
-    from readers.transforms import Pipeline
+    from readers.pipeline import Pipeline
 
     _limit_threads(args.threads)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="recpipe-bench-readers-"))

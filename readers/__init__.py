@@ -54,8 +54,9 @@ _WHERE = {
     "readers.convert": ("BatchConverter", "group_name", "to_batch"),
     "readers.transforms": (
         "Bucketize", "Clamp", "DenseTransform", "FillMissing", "HashModulo", "Log1p", "Normalize",
-        "Pipeline", "SparseTransform", "Transform", "Truncate", "VocabLookup", "register_transform",
+        "SparseTransform", "Transform", "Truncate", "VocabLookup", "register_transform",
     ),
+    "readers.pipeline": ("Pipeline",),
     "readers.dataset": (
         "ParquetBatchDataset", "ReaderPosition", "StatefulLoader", "dataset_schema",
         "iter_batches", "make_dataloader",

@@ -49,8 +49,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from readers.convert import BatchConverter
 from readers.groups import DedupGroups, resolve_dedup_groups
+from readers.pipeline import Pipeline, PipelineSource
 from readers.source import DatasetSource, ReaderConfig, SourcePosition, plan_splits
-from readers.transforms import Pipeline, PipelineSource, Transform
+from readers.transforms import Transform
 from recpipe.errors import DataError
 
 if TYPE_CHECKING:

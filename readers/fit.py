@@ -30,8 +30,8 @@ from readers.fitted import (
     fitted_signature,
 )
 from readers.holdout import holdout_splits, session_hashes
+from readers.pipeline import load_preprocess_entries
 from readers.source import DatasetSource, discover_files
-from readers.transforms import load_preprocess_entries
 from recpipe.errors import DataError, SchemaError
 
 if TYPE_CHECKING:

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from readers.convert import BatchConverter
 from readers.dataset import dataset_schema, make_pipeline
+from readers.pipeline import Pipeline, PipelineSource
 from readers.source import (
     DatasetSource,
     ReaderConfig,
@@ -63,7 +64,6 @@ from readers.source import (
     count_sessions,
     plan_splits,
 )
-from readers.transforms import Pipeline, PipelineSource
 from recpipe.errors import DataError
 
 if TYPE_CHECKING:
@@ -500,7 +500,7 @@ class RankBatchDataset(IterableDataset):
         config: batch size, shuffling; ``last_batch`` is ignored (the tail is the remainder)
             and ``on_error`` must be ``"raise"`` (a skipped split would shift every later
             rank's rows).
-        transforms: a :class:`~readers.transforms.Pipeline` or its config.
+        transforms: a :class:`~readers.pipeline.Pipeline` or its config.
         dedup: IKJTs for the schema's dedup groups.
         rank, world_size: this rank and how many there are.
         splits: use these splits instead of all of the source's (e.g. the training share).

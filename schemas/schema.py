@@ -84,7 +84,7 @@ _DATASET_KEYS = (
 _DENSE_KEYS = ("name", "fill")
 _SPARSE_KEYS = ("name", "kind", "max_len", "truncate")
 _DEDUP_KEYS = ("groups",)
-# `[[preprocess]]` tables belong to the readers (readers.transforms.Pipeline); the schema
+# `[[preprocess]]` tables belong to the readers (readers.pipeline.Pipeline); the schema
 # loader accepts them and leaves them alone.
 _TOP_KEYS = ("dataset", "dense", "sparse", "dedup", "keys", "preprocess")
 #: dataset columns a build adds after the features: the request id, the user key's value and the

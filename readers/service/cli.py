@@ -152,7 +152,7 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         "--preprocess",
         default=None,
         metavar="CONFIG",
-        help="preprocessing config file (see readers.transforms)",
+        help="preprocessing config file (see readers.pipeline)",
     )
     parser.add_argument(
         "--schema", default=None, help="schema TOML (default: the dataset's manifest)"

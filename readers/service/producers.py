@@ -104,7 +104,7 @@ class DatasetProducer:
         batch_size: rows per batch.
         dedup: ``True``: one IKJT per dedup group of the schema; ``False``: one plain KJT.
         preprocess: the preprocessing pipeline: a config file, a list of ``[[preprocess]]``
-            entries (see ``readers.transforms.Pipeline.from_config``), or ``None``.
+            entries (see ``readers.pipeline.Pipeline.from_config``), or ``None``.
         schema: a schema TOML file, or ``None`` for the schema in the dataset's manifest.
         shuffle: shuffle row groups and sessions (seeded; the epoch is mixed in).
         seed: the shuffle seed.

@@ -182,7 +182,7 @@ def test_preprocessing_in_workers(make_dataset, tiny_schema, tmp_path):
         assert int(batch.kjt["item_id"].values.max()) < 7
         assert int(batch.ikjts["user_items+user_sellers"]["user_items"].lengths.max()) <= 2
     # the same pipeline given as Transform objects or as a TOML file
-    from readers.transforms import transform_from_config
+    from readers.pipeline import transform_from_config
 
     objects = [transform_from_config(e) for e in config]
     toml = tmp_path / "pre.toml"

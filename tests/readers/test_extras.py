@@ -8,8 +8,8 @@ import socket
 import pytest
 import torch
 
+from readers.pipeline import Pipeline
 from readers.service.wire import Frame, FrameKind, batch_to_frame, frame_to_batch, recv_frame
-from readers.transforms import Pipeline
 from recpipe.batch import Batch
 from recpipe.errors import DataError
 from tests.common.data import session_batch

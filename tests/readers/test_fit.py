@@ -12,8 +12,9 @@ import pytest
 from readers.dataset import make_dataloader
 from readers.fit import fit_preprocess
 from readers.holdout import holdout_splits
+from readers.pipeline import Pipeline
 from readers.source import DatasetSource, ReaderConfig
-from readers.transforms import Bucketize, Normalize, Pipeline, VocabLookup
+from readers.transforms import Bucketize, Normalize, VocabLookup
 from recpipe.errors import SchemaError
 from tests.common.data import session_table, write_clustered
 

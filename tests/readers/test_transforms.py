@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from readers.pipeline import Pipeline
 from readers.transforms import (
     Bucketize,
     Clamp,
@@ -18,7 +19,6 @@ from readers.transforms import (
     HashModulo,
     Log1p,
     Normalize,
-    Pipeline,
     SparseTransform,
     Truncate,
     VocabLookup,
@@ -146,7 +146,7 @@ def test_bad_parameters(cls, params, match):
 
 # -- pipelines and configs ---------------------------------------------------------------------
 def test_pipeline_from_dict_toml_and_schema_file(tmp_path, tiny_schema):
-    from readers.transforms import load_preprocess_entries
+    from readers.pipeline import load_preprocess_entries
 
     (tmp_path / "v.txt").write_text("1\n2\n3\n")
     text = """
