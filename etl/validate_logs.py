@@ -24,6 +24,8 @@ is ``error`` when the build would refuse the logs (a feature missing from every 
 layout mismatch, which has the same effect) or keep nothing of them (every sampled record
 quarantined), else ``warning``; the command exits non-zero on an error (and, with
 ``--strict``, on a warning). The log format is in docs/data-contract.md.
+
+One concept, over 600 lines: the dry run's checks and their report.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ embedding rows) plugs in through ``RankBatchDataset(cut=...)`` and, on the reade
 The reader service serves one client per rank with this very class (``recpipe serve`` runs a
 :class:`RankBatchDataset` per rank, positioned by the client's :meth:`~RankBatchDataset.state_dict`),
 so a rank gets the same batches in-process and through the service.
+
+One concept, over 600 lines: the rank batches of a global batch (their layout, the cut, the
+reader that delivers them and its state).
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ smaller batch; ``"drop"`` drops them (every batch then has exactly ``batch_size`
 
 Read-ahead: a background thread reads and decodes the next ``read_ahead`` splits while the
 current window is consumed; the stream, its positions, errors and skips are the same as with 0.
+
+One concept, over 600 lines: the dataset as the readers see it (its files, splits and
+session-packed reads).
 """
 
 from __future__ import annotations

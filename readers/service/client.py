@@ -13,6 +13,9 @@ training or its held-out row groups, divided exactly as the in-process trainer d
 and say which batch size it expects (a server making another size refuses it). Every wait is
 bounded: connecting and the handshake by ``connect_timeout_s`` in all, and the stream by
 ``read_timeout_s`` without a frame (the server heartbeats every ``heartbeat_s``).
+
+One concept, over 600 lines: the client side of the wire (the connection and the datasets
+built on it).
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ reader's socket only once one of ``queue_depth`` credits is free, and a frame re
 credit once the session thread has sent it. A slow or stalled client fills its socket buffers,
 then the queue, then the readers' socket pairs, then blocks its readers, each holding one more
 encoded frame for its writer, however long it stalls.
+
+One concept, over 600 lines: one client's session, from the handshake to the end of its stream.
 """
 
 from __future__ import annotations
