@@ -37,16 +37,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-from numba import njit
 
 from recpipe.errors import DataError
-from recpipe.kernels.splitmix import GOLDEN, mix64
 
 __all__ = ["NULL_KEY", "check_extras", "extra_column_keys", "string_key", "string_keys"]
 
 NULL_KEY = -(2**63)
 """The extras value of a NULL (int64 min)."""
 
+_GOLDEN = 0x9E3779B97F4A7C15  # recpipe.kernels.splitmix.GOLDEN (that module imports Numba)
 _MASK_64 = (1 << 64) - 1
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
@@ -73,31 +72,12 @@ def string_key(text: str | None) -> int:
         msg = f"`text` must be a string or None, got {text!r}"
         raise DataError(msg)
     data = text.encode("utf-8")
-    h = _mix64_int((len(data) + GOLDEN) & _MASK_64)
+    h = _mix64_int((len(data) + _GOLDEN) & _MASK_64)
     for i in range(0, len(data), 8):
         word = int.from_bytes(data[i : i + 8], "little")
-        h = _mix64_int(((h ^ word) + GOLDEN) & _MASK_64)
+        h = _mix64_int(((h ^ word) + _GOLDEN) & _MASK_64)
     key = h - (1 << 64) if h >= 1 << 63 else h
     return NULL_KEY + 1 if key == NULL_KEY else key
-
-
-@njit(cache=True, nogil=True)
-def _string_hashes(offsets, data, golden, out):
-    """``out[i]``: the key hash (uint64) of bytes ``data[offsets[i]:offsets[i + 1]]``."""
-    eight = np.uint64(8)
-    for i in range(out.shape[0]):
-        start, end = offsets[i], offsets[i + 1]
-        h = mix64(np.uint64(end - start) + golden)
-        j = start
-        while j < end:
-            word = np.uint64(0)
-            k = 0
-            while k < 8 and j + k < end:
-                word |= np.uint64(data[j + k]) << (eight * np.uint64(k))
-                k += 1
-            h = mix64((h ^ word) + golden)
-            j += 8
-        out[i] = h
 
 
 def string_keys(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -118,8 +98,10 @@ def string_keys(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
     data = (
         np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.empty(0, np.uint8)
     )
+    from readers._string_hash import string_hashes  # Numba, imported when first needed
+
     hashes = np.empty(n, dtype=np.uint64)
-    _string_hashes(offsets.astype(np.int64), data, np.uint64(GOLDEN), hashes)
+    string_hashes(offsets.astype(np.int64), data, np.uint64(_GOLDEN), hashes)
     keys = hashes.view(np.int64)
     keys[keys == NULL_KEY] = NULL_KEY + 1
     if array.null_count:
