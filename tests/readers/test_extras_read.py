@@ -4,6 +4,7 @@ plain-Python reference, and the errors for columns a reader cannot deliver."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 
@@ -154,9 +155,9 @@ def _assert_aligned(batches: list[Batch], rows: pa.Table, *, every_row: bool = T
 @pytest.mark.parametrize("dedup", [True, False])
 def test_shuffled_loader_with_workers_carries_each_rows_own_extras(built, rows, dedup):
     config = ReaderConfig(batch_size=40, shuffle=True, seed=3, shuffle_buffer=8)
-    with_extras = ReaderConfig(**{**config.__dict__, "extras": ("request_id", "user_id")})
-    plain = list(make_dataloader(built, config=config, dedup=dedup))
-    got = list(make_dataloader(built, config=with_extras, dedup=dedup, num_workers=0))
+    with_extras = dataclasses.replace(config, extras=("request_id", "user_id"))
+    plain = list(make_dataloader(built, config=config, dedup=dedup, num_workers=2))
+    got = list(make_dataloader(built, config=with_extras, dedup=dedup, num_workers=2))
     assert len(got) == len(plain)
     assert all(_without_extras(g).equals(p) for g, p in zip(got, plain))
     _assert_aligned(got, rows)
