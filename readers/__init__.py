@@ -13,6 +13,7 @@ from __future__ import annotations
 from recpipe._lazy import lazy_exports
 
 __all__ = [
+    "NULL_KEY",
     "BatchConverter",
     "Bucketize",
     "Clamp",
@@ -46,6 +47,8 @@ __all__ = [
     "make_dataloader",
     "plan_splits",
     "register_transform",
+    "string_key",
+    "string_keys",
     "to_batch",
 ]
 
@@ -62,6 +65,7 @@ _WHERE = {
         "iter_batches", "make_dataloader",
     ),
     "readers.holdout": ("Holdout", "holdout_splits"),
+    "readers.extras": ("NULL_KEY", "string_key", "string_keys"),
     "readers.service": (
         "ReaderServer", "ServiceClient", "ServiceConfig", "ServiceDataset", "ServiceStream",
     ),

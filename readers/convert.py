@@ -7,6 +7,7 @@ One table of B rows becomes::
     session_ids  [B]    int64
     kjt          the sparse features of no dedup group, schema order
     ikjts        {group name: IKJT} one per ``[dedup] groups`` entry of the schema
+    extras       {column: [B] int64} the ``extras`` columns asked for (see :mod:`readers.extras`)
 
 Arrow ``list<int64>`` columns are shared with torch where possible (one flat values buffer and
 B + 1 offsets per key); duplicates are found by the Numba row-hash kernel behind
@@ -27,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from readers.extras import extra_column_keys
 from recpipe.batch import Batch
 from recpipe.ikjt import InverseKeyedJaggedTensor
 from recpipe.jagged import KeyedJaggedTensor
@@ -55,11 +57,16 @@ class BatchConverter:
     Args:
         schema: the dataset schema (its ``[dedup] groups`` define the IKJTs).
         dedup: ``False`` puts every sparse feature into the one KJT.
+        extras: columns of the table to put into ``Batch.extras`` as int64 keys
+            (:func:`readers.extras.extra_column_keys`); ``ReaderConfig.extras``.
     """
 
-    def __init__(self, schema: DatasetSchema, *, dedup: bool = True) -> None:
+    def __init__(
+        self, schema: DatasetSchema, *, dedup: bool = True, extras: Sequence[str] = ()
+    ) -> None:
         self.schema = schema
         self.dedup = dedup
+        self.extras: tuple[str, ...] = tuple(extras)
         groups = [tuple(g) for g in schema.dedup_groups] if dedup else []
         grouped = {k for g in groups for k in g}
         self.groups: dict[str, tuple[str, ...]] = {group_name(g): g for g in groups}
@@ -96,6 +103,10 @@ class BatchConverter:
             kjt=kjt,
             ikjts=ikjts,
             session_ids=_as_tensor(sessions),
+            extras={
+                name: _as_tensor(extra_column_keys(name, table.column(name)))
+                for name in self.extras
+            },
         )
 
 
@@ -105,6 +116,8 @@ def _as_tensor(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
-def to_batch(table: pa.Table, *, schema: DatasetSchema, dedup: bool = True) -> Batch:
+def to_batch(
+    table: pa.Table, *, schema: DatasetSchema, dedup: bool = True, extras: Sequence[str] = ()
+) -> Batch:
     """Convert one table into a Batch (see :class:`BatchConverter` to convert many)."""
-    return BatchConverter(schema, dedup=dedup)(table)
+    return BatchConverter(schema, dedup=dedup, extras=extras)(table)

@@ -235,7 +235,8 @@ def iter_batches(
     Args:
         dataset_dir: dataset directory, file, glob, or list of them.
         schema: the dataset schema (default: the manifest's, see :func:`dataset_schema`).
-        config: batch size, shuffling, error policy.
+        config: batch size, shuffling, error policy, ``extras`` (pass-through columns to
+            deliver in ``Batch.extras``, see :mod:`readers.extras`).
         transforms: a :class:`Pipeline`, a list of transforms, or a pipeline config (dict,
             ``[[preprocess]]`` entries, or a TOML file: see :meth:`Pipeline.from_config`).
         dedup: build one IKJT per schema dedup group (``False``: everything in one KJT).
@@ -251,11 +252,9 @@ def iter_batches(
             schema's).
     """
     schema = schema or dataset_schema(dataset_dir)
+    config = config or ReaderConfig()
     schema = resolve_dedup_groups(
-        dedup_groups,
-        schema=schema,
-        dataset=dataset_dir,
-        batch_size=(config or ReaderConfig()).batch_size,
+        dedup_groups, schema=schema, dataset=dataset_dir, batch_size=config.batch_size
     )
     source = DatasetSource(dataset_dir, schema=schema, config=config)
     if holdout is not None:
@@ -265,7 +264,8 @@ def iter_batches(
         world_size=world_size,
     )  # fmt: skip
     stream = _produce(
-        source, BatchConverter(schema, dedup=dedup), make_pipeline(transforms, schema, dataset=dataset_dir),
+        source, BatchConverter(schema, dedup=dedup, extras=config.extras),
+        make_pipeline(transforms, schema, dataset=dataset_dir),
         epoch=epoch if state_epoch is None else state_epoch, rank=rank, world_size=world_size,
         worker_id=worker_id, num_workers=num_workers, start=start,
     )  # fmt: skip
@@ -283,7 +283,8 @@ class ParquetBatchDataset(IterableDataset):
     Args:
         source: dataset directory, file, glob, or list of them.
         schema: the dataset schema (default: the manifest's).
-        config: batch size, shuffling, error policy.
+        config: batch size, shuffling, error policy, ``extras`` (pass-through columns to
+            deliver in ``Batch.extras``, see :mod:`readers.extras`).
         transforms: a :class:`Pipeline` or its config.
         dedup: IKJTs for the dedup groups (``False``: one plain KJT).
         rank, world_size: the trainer rank and how many there are.
@@ -327,7 +328,7 @@ class ParquetBatchDataset(IterableDataset):
             batch_size=self.config.batch_size,
         )  # fmt: skip
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
-        self.converter = BatchConverter(self.schema, dedup=dedup)
+        self.converter = BatchConverter(self.schema, dedup=dedup, extras=self.config.extras)
         self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
         self.rank, self.world_size = rank, world_size
         self.num_workers = num_workers

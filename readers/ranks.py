@@ -549,7 +549,7 @@ class RankBatchDataset(IterableDataset):
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
         if splits is not None:
             self.source.splits = list(splits)
-        self.converter = BatchConverter(self.schema, dedup=dedup)
+        self.converter = BatchConverter(self.schema, dedup=dedup, extras=self.config.extras)
         self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
         self.rank, self.world_size = rank, world_size
         self.cut = cut or ContiguousCut()

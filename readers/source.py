@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from readers.extras import check_extras
 from recpipe.errors import CorruptInputError, DataError
 from recpipe.integrity import (
     MANIFEST_NAME,
@@ -114,6 +115,7 @@ class ReaderConfig:
     use_threads: bool = False
     read_ahead: int = 1
     verify: Literal["off", "pages", "full"] = "pages"
+    extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -139,6 +141,23 @@ class ReaderConfig:
         if self.verify not in ("off", "pages", "full"):
             msg = f"`verify` must be 'off', 'pages' or 'full', got {self.verify!r}"
             raise DataError(msg)
+        self.extras = _checked_extras(self.extras)
+
+
+def _checked_extras(extras: object) -> tuple[str, ...]:
+    """``extras`` as a tuple of distinct, non-empty column names."""
+    if isinstance(extras, str) or not isinstance(extras, Sequence):
+        msg = f"`extras` must be a list of column names, got {extras!r}"
+        raise DataError(msg)
+    names = tuple(extras)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            msg = f"`extras` must hold non-empty column names, got {name!r}"
+            raise DataError(msg)
+    if len(set(names)) != len(names):
+        msg = f"`extras` names a column twice: {list(names)!r}"
+        raise DataError(msg)
+    return names
 
 
 @dataclass(frozen=True)
@@ -298,7 +317,7 @@ class DatasetSource:
     Args:
         source: dataset directory, file, glob, or a list of them (see :func:`discover_files`).
         schema: the dataset schema; the columns read are its session key, label, dense and sparse
-            features (the timestamp is not needed by the batches).
+            features (the timestamp is not needed by the batches), then ``config.extras``.
         config: reader options (``on_error`` decides what a bad file does).
     """
 
@@ -314,7 +333,15 @@ class DatasetSource:
         self.files = discover_files(source)
         expected = schema.arrow_schema()
         names = [schema.session_key, schema.label_key, *schema.dense_names, *schema.sparse_names]
-        self.columns: list[str] = names
+        reserved = [n for n in self.config.extras if n in names]
+        if reserved:
+            msg = (
+                f"`extras` column `{reserved[0]}` is a model input of the batch already "
+                "(session key, label or feature); extras are the other columns"
+            )
+            raise DataError(msg)
+        self.columns: list[str] = [*names, *self.config.extras]
+        self.extras_types: dict[str, pa.DataType] = {}  # of the first file
         self.expected_types: dict[str, pa.DataType] = {n: expected.field(n).type for n in names}
         self.skipped: list[SkippedInput] = []
         self.splits: list[Split] = []
@@ -357,10 +384,16 @@ class DatasetSource:
             if not got.equals(want):
                 msg = f"{path}: column `{name}` has type {got}, expected {want}"
                 raise DataError(msg)
+        check_extras(self.config.extras, arrow, where=os.fspath(path))
+        for name in self.config.extras:
+            got = arrow.field(name).type
+            want = self.extras_types.setdefault(name, got)
+            if not got.equals(want):
+                msg = f"{path}: extras column `{name}` has type {got}, other files {want}"
+                raise DataError(msg)
+        wanted = {*self.expected_types, *self.config.extras}
         wanted_leaves = [
-            i
-            for i in range(meta.num_columns)
-            if meta.schema.column(i).path.split(".")[0] in self.expected_types
+            i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in wanted
         ]
         partition = _partition_of(path)
         splits = []

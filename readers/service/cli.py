@@ -149,6 +149,14 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         "(trainers must use the same groups)",
     )
     parser.add_argument(
+        "--extras",
+        default="",
+        metavar="COL,COL",
+        help="dataset columns to deliver in Batch.extras, comma-separated (e.g. "
+        "request_id,user_id: pass-through columns, strings as 64-bit keys, see "
+        "docs/loaders.md); default: none, and they are not read",
+    )
+    parser.add_argument(
         "--preprocess",
         default=None,
         metavar="CONFIG",
@@ -259,7 +267,16 @@ def _cli_serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             warmup_batches=args.warmup_batches,
             read_ahead=args.read_ahead,
+            extras=tuple(name.strip() for name in args.extras.split(",") if name.strip()),
         )
+        if producer.extras:  # an unknown extras column fails here, not in every reader
+            from readers.source import DatasetSource, ReaderConfig
+
+            DatasetSource(
+                args.dataset,
+                schema=producer.read_schema(),
+                config=ReaderConfig(extras=producer.extras),
+            )
         if args.dedup_groups is not None:  # "auto" runs the stats once, not in every reader
             groups = producer.read_schema().dedup_groups
             producer = dataclasses.replace(producer, dedup_groups=[list(g) for g in groups])

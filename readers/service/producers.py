@@ -117,6 +117,8 @@ class DatasetProducer:
         dedup_groups: the dedup groups to read with instead of the schema's (see
             :mod:`readers.groups`: ``"auto"``, a TOML file, or the groups; ``None``: the
             schema's). ``recpipe serve`` resolves ``"auto"`` once, before the readers start.
+        extras: dataset columns every batch carries in ``Batch.extras``
+            (:class:`readers.source.ReaderConfig`, :mod:`readers.extras`); ``()``: none.
     """
 
     dataset: str
@@ -130,6 +132,7 @@ class DatasetProducer:
     read_ahead: int = 1
     cut: Any = None
     dedup_groups: Any = None
+    extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_batches, bool) or not (
@@ -139,7 +142,8 @@ class DatasetProducer:
             raise DataError(msg)
         from readers.source import ReaderConfig
 
-        ReaderConfig(read_ahead=self.read_ahead)  # checks it here, not in a reader process
+        # checks them here, not in a reader process
+        ReaderConfig(read_ahead=self.read_ahead, extras=self.extras)
 
     def warm_up(self) -> None:
         """Run the first ``warmup_batches`` batches of the epoch through the pipeline and drop
@@ -179,6 +183,7 @@ class DatasetProducer:
             shuffle=self.shuffle,
             seed=self.seed,
             read_ahead=self.read_ahead,
+            extras=self.extras,
         )
 
     def _rank_reader(self, ranks: RankRequest, holdout: Holdout | None) -> Any:
