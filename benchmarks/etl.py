@@ -9,14 +9,18 @@ Default mode, on ``--requests`` synthetic requests (1M by default, ``--quick``: 
    pre-RecD baseline, same writer settings), each in a child process whose wall time and
    peak RSS are measured.
 4. a DuckDB one-liner baseline in a child process: read the same JSON shards, join nothing,
-   ``ORDER BY session_id, ts``, write zstd Parquet in one ``COPY`` statement. The clustered
-   build and the one-liner run ``--repeat`` times (3), interleaved; the fastest of each counts,
-   since on a shared machine noise only ever adds time.
+   ``ORDER BY session_id, ts``, write zstd Parquet in one ``COPY`` statement.
 5. ``stats`` on both datasets: DedupeFactor per feature at ``--batch-size`` (4096).
-6. ``build --engine polars`` of the clustered dataset, interleaved with the DuckDB builds
-   (``--repeat`` times, fastest counts): ``polars_vs_duckdb_build`` = its time / DuckDB's, and
-   ``polars_same_parquet`` whether its part files are byte-identical to the DuckDB engine's.
-   Skipped with ``--threads`` (the Polars engine takes no thread count) or ``--no-polars``.
+6. ``build --engine polars`` of the clustered dataset: ``polars_vs_duckdb_build`` = its time /
+   DuckDB's, and ``polars_same_parquet`` whether its part files are byte-identical to the DuckDB
+   engine's. Skipped with ``--threads`` (the Polars engine takes no thread count) or
+   ``--no-polars``.
+
+The clustered build, the one-liner and the Polars build are timed as every benchmark here times
+(``benchmarks/_common.py``): one untimed warm-up run each, then ``--repeat`` (3) rounds with
+the order rotating, each ratio the median of the per-round ratios with its spread (min, median,
+max) and its CPU-time twin beside it (each child measures its own wall and process-CPU seconds
+around the build or the ``COPY``).
 
 Out-of-core mode (``--memory-limit 512MB``): synth, then only the clustered build with that
 DuckDB memory limit in a child process; reports its peak RSS and how much larger than the limit
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,11 +44,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable as `python benchmarks/etl.py` without installing
-    sys.path.insert(0, str(REPO))
+from _common import RESULTS as RESULTS_DIR
+from _common import Timing, alternate, timing_ratio, write_results
 
-RESULTS = REPO / "benchmarks" / "results" / "etl.json"
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    # `python benchmarks/etl.py` puts benchmarks/ on the path, where this file shadows the
+    # `etl` package it measures (wherever benchmarks/ sits in the path, before the editable
+    # install's finder): the repository root goes first, the one path edit this name forces
+    sys.path.insert(0, str(REPO))
+RESULTS = RESULTS_DIR / "etl.json"
 TARGETS = {
     "parquet_ratio_time_vs_clustered": (">=", 3.0),
     "build_vs_duckdb_oneliner": ("<=", 1.5),
@@ -73,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeat",
         type=int,
         default=3,
-        help="interleaved runs of the clustered build and the one-liner; the fastest count (3)",
+        help="alternated rounds of the clustered build, the one-liner and the Polars build, "
+        "after one warm-up each; ratios are medians of the rounds (3)",
     )
     parser.add_argument("--shards", type=int, default=8, help="shards of `etl shard` (8)")
     parser.add_argument(
@@ -128,11 +139,15 @@ def _child_build(spec: dict[str, Any]) -> dict[str, Any]:
     from etl.build import BuildConfig, build
 
     config = BuildConfig(**spec["config"])
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     manifest = build(
         spec["features"], spec["out"], events=spec["events"], config=config, overwrite=True
     )
-    return {"elapsed_s": time.perf_counter() - start, "manifest": manifest}
+    return {
+        "elapsed_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu,
+        "manifest": manifest,
+    }
 
 
 def _child_oneliner(spec: dict[str, Any]) -> dict[str, Any]:
@@ -141,14 +156,14 @@ def _child_oneliner(spec: dict[str, Any]) -> dict[str, Any]:
     con = duckdb.connect(config={"threads": spec["threads"]} if spec["threads"] else {})
     out = spec["out"].replace("'", "''")  # COPY ... TO takes no bound parameter
     con.execute("SET VARIABLE inputs = $inputs", {"inputs": spec["features"]})
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     con.execute(
         "COPY (SELECT * FROM read_json(getvariable('inputs'), format = 'newline_delimited') "
         f"ORDER BY session_id, ts) TO '{out}' (FORMAT parquet, COMPRESSION zstd)"
     )
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     rows = con.execute(f"SELECT count(*) FROM read_parquet('{out}')").fetchone()[0]
-    return {"elapsed_s": elapsed, "rows": rows}
+    return {"elapsed_s": elapsed, "cpu_s": cpu, "rows": rows}
 
 
 _CHILD_STEPS = {"build": _child_build, "oneliner": _child_oneliner}
@@ -280,7 +295,6 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "out": str(work / "oneliner.parquet"),
         "threads": args.threads,
     }
-    # the build-vs-one-liner ratio: interleaved repeats, fastest of each (noise only adds time)
     polars = args.polars and args.threads is None
     polars_spec = {
         "kind": "build",
@@ -289,27 +303,24 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "out": str(work / "clustered_polars"),
         "config": {"order": "session", "engine": "polars"},
     }
-    runs: dict[str, list[dict[str, Any]]] = {"clustered": [], "oneliner": [], "polars": []}
-    for i in range(args.repeat):
-        print(f"[etl bench] build clustered ({i + 1}/{args.repeat})", file=sys.stderr)
-        runs["clustered"].append(
-            _require(_run_child(build_spec("session", "clustered"), work), "build clustered")
-        )
-        print(f"[etl bench] DuckDB one-liner ({i + 1}/{args.repeat})", file=sys.stderr)
-        runs["oneliner"].append(_require(_run_child(oneliner_spec, work), "DuckDB one-liner"))
-        if polars:
-            print(f"[etl bench] build --engine polars ({i + 1}/{args.repeat})", file=sys.stderr)
-            runs["polars"].append(_require(_run_child(polars_spec, work), "build --engine polars"))
-    clustered = min(runs["clustered"], key=lambda r: r["elapsed_s"])
-    oneliner = min(runs["oneliner"], key=lambda r: r["elapsed_s"])
+    specs = {
+        "clustered": (build_spec("session", "clustered"), "build clustered"),
+        "oneliner": (oneliner_spec, "DuckDB one-liner"),
+    }
+    if polars:
+        specs["polars"] = (polars_spec, "build --engine polars")
+    runs = _alternated(specs, work, repeat=args.repeat)
+    clustered, oneliner = runs["clustered"], runs["oneliner"]
+    vs_oneliner = timing_ratio(runs, "clustered", "oneliner")
     engines: dict[str, Any] = {"polars_vs_duckdb_build": None}
     if polars:
-        fastest = min(runs["polars"], key=lambda r: r["elapsed_s"])
+        vs_duckdb = timing_ratio(runs, "polars", "clustered")
         engines = {
-            "build_polars_s": fastest["elapsed_s"],
-            "build_polars_s_runs": [r["elapsed_s"] for r in runs["polars"]],
-            "build_polars_peak_rss_mb": fastest["peak_rss_mb"],
-            "polars_vs_duckdb_build": fastest["elapsed_s"] / clustered["elapsed_s"],
+            "build_polars_s": _median_wall(runs["polars"]),
+            "build_polars_s_runs": [t.wall_s for t in runs["polars"]],
+            "build_polars_peak_rss_mb": max(t.value["peak_rss_mb"] for t in runs["polars"]),
+            "polars_vs_duckdb_build": vs_duckdb["median"],
+            "polars_vs_duckdb_build_spread": vs_duckdb,
             "polars_same_parquet": _same_parts(work / "clustered", work / "clustered_polars"),
         }
     print("[etl bench] build time-ordered", file=sys.stderr)
@@ -325,7 +336,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bytes_clustered = _dir_bytes(work / "clustered", "part-*.parquet")
     bytes_timed = _dir_bytes(work / "time_ordered", "part-*.parquet")
     bytes_oneliner = (work / "oneliner.parquet").stat().st_size
-    manifest = clustered["manifest"]
+    manifest = clustered[-1].value["manifest"]
     rows_in = int(manifest.get("rows_in", raw.num_requests))
     users = [f for f in st_clustered.features if f.kind == "user"]
     user_values = sum(f.values for f in users) or 1
@@ -347,18 +358,21 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "parquet_ratio_time_vs_clustered": bytes_timed / bytes_clustered,
         "shard_ratio_session_vs_request": shard_report.get("shard_ratio_session_vs_request"),
         "shard_bytes": shard_report.get("compare"),
-        "build_s": clustered["elapsed_s"],
+        "build_s": _median_wall(clustered),
         "build_time_ordered_s": timed["elapsed_s"],
-        "duckdb_oneliner_s": oneliner["elapsed_s"],
+        "duckdb_oneliner_s": _median_wall(oneliner),
         "repeat": args.repeat,
-        "build_s_runs": [r["elapsed_s"] for r in runs["clustered"]],
-        "duckdb_oneliner_s_runs": [r["elapsed_s"] for r in runs["oneliner"]],
-        "duckdb_oneliner_rows": oneliner["rows"],
-        "build_rows_per_s": rows_in / clustered["elapsed_s"],
-        "build_vs_duckdb_oneliner": clustered["elapsed_s"] / oneliner["elapsed_s"],
-        "build_peak_rss_mb": clustered["peak_rss_mb"],
+        "build_s_runs": [t.wall_s for t in clustered],
+        "build_cpu_s_runs": [t.cpu_s for t in clustered],
+        "duckdb_oneliner_s_runs": [t.wall_s for t in oneliner],
+        "duckdb_oneliner_cpu_s_runs": [t.cpu_s for t in oneliner],
+        "duckdb_oneliner_rows": oneliner[-1].value["rows"],
+        "build_rows_per_s": rows_in / _median_wall(clustered),
+        "build_vs_duckdb_oneliner": vs_oneliner["median"],
+        "build_vs_duckdb_oneliner_spread": vs_oneliner,
+        "build_peak_rss_mb": max(t.value["peak_rss_mb"] for t in clustered),
         "build_time_ordered_peak_rss_mb": timed["peak_rss_mb"],
-        "duckdb_oneliner_peak_rss_mb": oneliner["peak_rss_mb"],
+        "duckdb_oneliner_peak_rss_mb": max(t.value["peak_rss_mb"] for t in oneliner),
         "synth_s": t_synth,
         "shard_s": t_shard,
         "stats_clustered_s": t_stats_clustered,
@@ -379,6 +393,32 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "parquet_settings": manifest.get("parquet"),
         **engines,
     }
+
+
+def _alternated(
+    specs: dict[str, tuple[dict[str, Any], str]], work: Path, *, repeat: int
+) -> dict[str, list[Timing]]:
+    """Run each child step ``repeat`` times alternated (after a warm-up run each, order
+    rotating); each :class:`Timing` holds the child's own wall and CPU seconds and its result."""
+
+    def case(name: str):
+        spec, label = specs[name]
+
+        def run() -> dict[str, Any]:
+            print(f"[etl bench] {label}", file=sys.stderr)
+            return _require(_run_child(spec, work), label)
+
+        return run
+
+    runs = alternate({name: case(name) for name in specs}, repeats=repeat)
+    return {
+        name: [Timing(t.value["elapsed_s"], t.value["cpu_s"], t.value) for t in timings]
+        for name, timings in runs.items()
+    }
+
+
+def _median_wall(timings: list[Timing]) -> float:
+    return statistics.median(t.wall_s for t in timings)
 
 
 def _same_parts(a: Path, b: Path) -> bool:
@@ -476,7 +516,7 @@ def format_results(results: dict[str, Any]) -> str:
             (
                 "build_vs_duckdb_oneliner",
                 f"{r['build_vs_duckdb_oneliner']:.2f}x",
-                f"{r['build_s']:.1f} s / {r['duckdb_oneliner_s']:.1f} s, fastest of {r['repeat']}",
+                _spread_text(r["build_vs_duckdb_oneliner_spread"]),
             ),
             ("build_peak_rss_mb", f"{r['build_peak_rss_mb']:,.0f}", rss_other),
         ]
@@ -486,7 +526,8 @@ def format_results(results: dict[str, Any]) -> str:
                 (
                     "polars_vs_duckdb_build",
                     f"{r['polars_vs_duckdb_build']:.2f}x",
-                    f"{r['build_polars_s']:.1f} s, {r['build_polars_peak_rss_mb']:,.0f} MB; {same}",
+                    f"{_spread_text(r['polars_vs_duckdb_build_spread'])}; "
+                    f"{r['build_polars_peak_rss_mb']:,.0f} MB; {same}",
                 )
             )
         rows += [
@@ -559,6 +600,15 @@ def format_results(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _spread_text(ratio: dict[str, Any]) -> str:
+    """``wall min-max over N, cpu median (min-max)`` of a :func:`timing_ratio`."""
+    wall, cpu = ratio["wall"], ratio["cpu"]
+    return (
+        f"wall {wall['min']:.2f}-{wall['max']:.2f} over {wall['repeats']}, "
+        f"cpu {cpu['median']:.2f}x ({cpu['min']:.2f}-{cpu['max']:.2f})"
+    )
+
+
 def _factors(measured: dict[str, float], model: dict[str, float], name: str) -> str:
     return f"{measured[name]:.2f}x ({model[name]:.2f}x)"
 
@@ -597,8 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    results.pop("environment", None)
+    write_results(results, args.out)
     print(format_results(results))
     print(f"\nwrote {args.out}")
     return 0

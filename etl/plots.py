@@ -1,17 +1,38 @@
-"""PNG plots of a :class:`etl.stats.StatsReport` (matplotlib, Agg canvas, no pyplot state)."""
+"""PNG plots of a :class:`etl.stats.StatsReport` (matplotlib, Agg canvas, no pyplot state).
+
+This module does not import :mod:`etl.stats` (which imports it to draw): it reads a report
+through :class:`PlottedReport`, the attributes it plots.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from etl.stats import StatsReport
-
-__all__ = ["plot_features", "plot_report", "plot_sessions"]
+__all__ = ["PlottedReport", "plot_features", "plot_report", "plot_sessions"]
 
 
-def plot_report(report: StatsReport, out_dir: str | Path) -> list[Path]:
+class PlottedReport(Protocol):
+    """What the plots read of a :class:`etl.stats.StatsReport`."""
+
+    dataset: Path
+    order: str | None
+    rows: int
+    batch_size: int
+    samples_per_batch_session: float
+    factor_threshold: float
+    sessions: Any  # etl.stats.SessionStats
+    features: Sequence[Any]  # etl.stats.FeatureStats
+
+    @property
+    def sparse_factor(self) -> float: ...
+
+    @property
+    def sparse_model_factor(self) -> float: ...
+
+
+def plot_report(report: PlottedReport, out_dir: str | Path) -> list[Path]:
     """Write every plot of ``report`` into ``out_dir``.
 
     Returns:
@@ -28,7 +49,7 @@ def plot_report(report: StatsReport, out_dir: str | Path) -> list[Path]:
     ]
 
 
-def plot_sessions(report: StatsReport, path: str | Path) -> Path:
+def plot_sessions(report: PlottedReport, path: str | Path) -> Path:
     """Histogram of samples per session in log2 bins, mean and p99 marked."""
     fig, canvas = _figure(7.0, 4.0)
     ax = fig.add_subplot()
@@ -50,7 +71,7 @@ def plot_sessions(report: StatsReport, path: str | Path) -> Path:
     return _save(canvas, path)
 
 
-def plot_features(report: StatsReport, path: str | Path) -> Path:
+def plot_features(report: PlottedReport, path: str | Path) -> Path:
     """Per feature: exact/partial duplicate % (top) and DedupeFactor model vs measured (bottom)."""
     import numpy as np
 

@@ -3,6 +3,12 @@
 Shared by ``etl shard`` and ``etl build``. Lines come back as raw bytes with their 1-based line
 number so that bad records can be quarantined verbatim with their location.
 
+Line rules (the build's reader, :func:`etl.build.inputs.read_lines`, follows the same): ``\n``
+ends a line, a ``\r`` right before it belongs to the line end (``\r\n``), any other ``\r`` is
+data; a UTF-8 byte-order mark opening the file is dropped; a last line without ``\n`` counts.
+A line longer than ``max_line_bytes`` (:data:`DEFAULT_MAX_LINE_BYTES`) is never held whole: the
+reader keeps its first :data:`LONG_LINE_PREFIX` bytes and its length, whatever its size.
+
 >>> import tempfile, pathlib
 >>> d = pathlib.Path(tempfile.mkdtemp())
 >>> _ = (d / "a.jsonl").write_bytes(b'{"x": 1}\\n\\n{"x": 2}')
@@ -13,6 +19,9 @@ number so that bad records can be quarantined verbatim with their location.
 from __future__ import annotations
 
 import glob
+import gzip
+import io
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -22,11 +31,17 @@ import zstandard
 from recpipe.errors import CorruptInputError, DataError
 
 __all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
     "JSONL_PATTERNS",
+    "LONG_LINE_PREFIX",
     "UNROUTABLE_NAME",
+    "PartialLine",
     "expand_inputs",
     "iter_lines",
+    "iter_raw_lines",
     "iter_unroutable",
+    "line_prefix",
+    "read_chunks",
     "unroutable_record",
 ]
 
@@ -35,7 +50,14 @@ JSONL_PATTERNS: tuple[str, ...] = ("*.jsonl", "*.jsonl.zst")
 #: File name of the shard holding lines ``etl shard`` could not route.
 UNROUTABLE_NAME = "_unroutable.jsonl.zst"
 
+#: The longest line read whole (bytes, line end excluded); longer ones are ``line_too_long``.
+DEFAULT_MAX_LINE_BYTES = 64 << 20
+#: Bytes of an over-long line kept (in the quarantine's ``raw``), cut at a UTF-8 character.
+LONG_LINE_PREFIX = 1024
+
+_BOM = b"\xef\xbb\xbf"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_GZIP_MAGIC = b"\x1f\x8b"
 _PARQUET_MAGIC = b"PAR1"
 _CHUNK = 1 << 20
 
@@ -103,8 +125,11 @@ def expand_inputs(
     return out
 
 
-def _iter_chunks(path: Path) -> Iterator[bytes]:
-    """Yield decompressed byte chunks of a plain or zstd file (detected by magic bytes)."""
+def _iter_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
+    """Yield decompressed byte chunks of a plain, zstd or gzip file (detected by magic bytes).
+
+    ``size`` is the bytes read from the file at a time.
+    """
     try:
         fh = open(path, "rb")  # noqa: SIM115 - closed in finally, generator
     except OSError as exc:
@@ -123,9 +148,12 @@ def _iter_chunks(path: Path) -> Iterator[bytes]:
                 f"{path}: not a zstd file (bad magic bytes {head!r}); the file is corrupt "
                 "or was renamed"
             )
+        if head[:2] == _GZIP_MAGIC:
+            yield from _gzip_chunks(path, fh, size)
+            return
         if not is_zstd:
             yield head
-            while chunk := fh.read(_CHUNK):
+            while chunk := fh.read(size):
                 yield chunk
             return
         pending = head
@@ -134,7 +162,7 @@ def _iter_chunks(path: Path) -> Iterator[bytes]:
         in_frame = False  # the current frame has started but not ended
         offset = 0  # compressed bytes consumed
         while True:
-            data = pending or fh.read(_CHUNK)
+            data = pending or fh.read(size)
             pending = b""
             if not data:
                 break
@@ -166,11 +194,145 @@ def _iter_chunks(path: Path) -> Iterator[bytes]:
         fh.close()
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """Stream the non-blank lines of a ``.jsonl`` or ``.jsonl.zst`` file.
+def _gzip_chunks(path: Path, fh: io.BufferedReader, size: int) -> Iterator[bytes]:
+    fh.seek(0)
+    stream = gzip.GzipFile(fileobj=fh)
+    try:
+        while chunk := stream.read(size):
+            yield chunk
+    except (OSError, EOFError, zlib.error) as exc:
+        raise CorruptInputError(f"{path}: corrupt or truncated gzip data: {exc}") from None
 
-    Line endings (``\\n`` or ``\\r\\n``) are stripped; blank lines are skipped but counted, so
-    line numbers match the decompressed file. A last line without a newline is returned too.
+
+def read_chunks(path: str | Path, *, size: int = 16 << 20) -> Iterator[bytes]:
+    """The decompressed bytes of a plain, zstd or gzip file, a byte-order mark opening it dropped.
+
+    Chunks hold at least ``size`` bytes (but the last); a line may span two of them.
+
+    Raises:
+        CorruptInputError: naming the file, on a broken or truncated zstd or gzip stream or a
+            Parquet file.
+    """
+    parts: list[bytes] = []
+    held = 0
+    for chunk in _strip_bom(_iter_chunks(Path(path), size=max(1 << 16, size // 8))):
+        parts.append(chunk)
+        held += len(chunk)
+        if held >= size:
+            yield parts[0] if len(parts) == 1 else b"".join(parts)
+            parts, held = [], 0
+    if held:
+        yield b"".join(parts)
+
+
+def line_prefix(data: bytes) -> bytes:
+    """The first :data:`LONG_LINE_PREFIX` bytes of ``data``, cut before a split UTF-8 character."""
+    if len(data) <= LONG_LINE_PREFIX:
+        return data
+    cut = LONG_LINE_PREFIX
+    while cut > LONG_LINE_PREFIX - 3 and data[cut] & 0xC0 == 0x80:  # a continuation byte
+        cut -= 1
+    return data[:cut]
+
+
+class PartialLine:
+    """A line read in pieces: all of it, or once it is too long, its first bytes and its size.
+
+    Memory stays under ``max(max_line_bytes + 1, LONG_LINE_PREFIX + 4)`` bytes however long the
+    line grows.
+    """
+
+    def __init__(self, max_line_bytes: int | None) -> None:
+        self.limit = max_line_bytes
+        # bytes kept whole; beyond them only the size is counted (+1: a `\r` before the `\n`)
+        self.keep = (
+            None if max_line_bytes is None else max(max_line_bytes + 1, LONG_LINE_PREFIX + 4)
+        )
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.last = b""
+
+    def add(self, piece: bytes) -> None:
+        if not piece:
+            return
+        self.size += len(piece)
+        self.last = piece[-1:]
+        if self.keep is None or self.size <= self.keep:
+            self.parts.append(piece)
+        elif sum(map(len, self.parts)) < self.keep:  # now too long: keep a prefix
+            self.parts = [b"".join([*self.parts, piece])[: self.keep]]
+
+    def take(self, *, line_end: bool) -> tuple[bytes, int]:
+        """The line (or its prefix when longer than the limit) and its size; then empty."""
+        size = self.size - (line_end and self.last == b"\r")
+        data = b"".join(self.parts)
+        self.parts, self.size, self.last = [], 0, b""
+        if self.limit is not None and size > self.limit:
+            return line_prefix(data), size
+        return data[:size], size
+
+
+def _strip_bom(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """``chunks`` without a byte-order mark opening the stream."""
+    head = b""
+    for chunk in chunks:
+        head += chunk
+        if len(head) >= len(_BOM):
+            break
+    yield head.removeprefix(_BOM)
+    yield from chunks
+
+
+def iter_raw_lines(
+    path: str | Path, *, max_line_bytes: int | None = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[tuple[int, bytes, int]]:
+    """Stream the non-blank lines of a ``.jsonl`` or ``.jsonl.zst`` file with their sizes.
+
+    Line ends follow the module's rules; blank lines are skipped but counted, so line numbers
+    match the decompressed file. Memory stays bounded by ``max_line_bytes`` whatever the lines.
+
+    Args:
+        path: the file; zstd is detected by its magic bytes, whatever the extension.
+        max_line_bytes: longer lines come back as their :func:`line_prefix` (None: no limit).
+
+    Yields:
+        ``(line_number, line, size)``, 1-based; ``size`` is the line's length in bytes, which
+        exceeds ``len(line)`` only for a line longer than ``max_line_bytes``.
+
+    Raises:
+        CorruptInputError: naming the file, on a broken or truncated zstd frame or a Parquet file.
+    """
+    pending = PartialLine(max_line_bytes)
+    limit = max_line_bytes
+    lineno = 0
+    for chunk in _strip_bom(_iter_chunks(Path(path))):
+        pieces = chunk.split(b"\n")
+        tail = pieces.pop()
+        for piece in pieces:
+            lineno += 1
+            if pending.size:  # a line that began in an earlier chunk
+                pending.add(piece)
+                line, size = pending.take(line_end=True)
+            else:
+                line = piece[:-1] if piece.endswith(b"\r") else piece
+                size = len(line)
+                if limit is not None and size > limit:
+                    line = line_prefix(line)
+            if line.strip():
+                yield lineno, line, size
+        pending.add(tail)
+    if pending.size:
+        line, size = pending.take(line_end=False)  # a last `\r` without `\n` is data
+        if line.strip():
+            yield lineno + 1, line, size
+
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """Stream the non-blank lines of a ``.jsonl`` or ``.jsonl.zst`` file, whole.
+
+    :func:`iter_raw_lines` without a length limit: line ends (``\n`` or ``\r\n``) are
+    stripped; blank lines are skipped but counted, so line numbers match the decompressed
+    file. A last line without a newline is returned too.
 
     Args:
         path: the file; zstd is detected by its magic bytes, whatever the extension.
@@ -181,29 +343,21 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
     Raises:
         CorruptInputError: naming the file, on a broken or truncated zstd frame or a Parquet file.
     """
-    path = Path(path)
-    tail = b""
-    lineno = 0
-    for chunk in _iter_chunks(path):
-        parts = (tail + chunk).split(b"\n") if tail else chunk.split(b"\n")
-        tail = parts.pop()
-        for line in parts:
-            lineno += 1
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            if line.strip():
-                yield lineno, line
-    if tail.strip():
-        lineno += 1
-        yield lineno, tail.removesuffix(b"\r")
+    for lineno, line, _ in iter_raw_lines(path, max_line_bytes=None):
+        yield lineno, line
 
 
-def unroutable_record(source: str | Path, line: int, reason: str, raw: bytes) -> bytes:
+def unroutable_record(
+    source: str | Path, line: int, reason: str, raw: bytes, *, size: int | None = None
+) -> bytes:
     """One line of ``_unroutable.jsonl.zst``: the raw line and where it came from.
 
-    ``raw`` is kept verbatim as a string when it is valid UTF-8, else as ``raw_hex``.
+    ``raw`` is kept verbatim as a string when it is valid UTF-8, else as ``raw_hex``. ``size``
+    (``"bytes"``) is given for a line too long to keep, whose ``raw`` is only its prefix.
     """
     record: dict[str, object] = {"source": str(source), "line": line, "reason": reason}
+    if size is not None:
+        record["bytes"] = size
     try:
         record["raw"] = raw.decode("utf-8")
     except UnicodeDecodeError:

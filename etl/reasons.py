@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "DUPLICATE_REQUEST_ID",
     "ID_OUT_OF_RANGE",
+    "LINE_TOO_LONG",
     "LIST_TOO_LONG",
     "MALFORMED_JSON",
     "MISSING_REQUEST_ID",
@@ -19,6 +20,9 @@ __all__ = [
     "WRONG_TYPE",
 ]
 
+LINE_TOO_LONG = "line_too_long"
+"""The line is longer than the build's ``max_line_bytes`` (default 64 MiB): its ``raw`` holds
+only the first ``etl.rawio.LONG_LINE_PREFIX`` bytes and its ``detail`` the line's length."""
 MALFORMED_JSON = "malformed_json"
 """The line is not valid JSON (or not valid UTF-8 text), e.g. a line cut short."""
 MISSING_REQUEST_ID = "missing_request_id"
@@ -29,7 +33,7 @@ WRONG_TYPE = "wrong_type"
 """A field has the wrong JSON type: ``ts`` not an integer, a dense value not a number, ..."""
 TS_OUT_OF_RANGE = "ts_out_of_range"
 """``ts`` is an int64 outside the timestamps DuckDB can name (about 290,000 BC .. 294,000 AD:
-``etl._build_sql.TS_RANGE``); such a ts cannot be an hour partition, or any time."""
+``etl.build.validate.TS_RANGE``); such a ts cannot be an hour partition, or any time."""
 NON_FINITE = "non_finite"
 """A number is NaN or +-Infinity (or overflows float32: a dense feature, an event's label)."""
 ID_OUT_OF_RANGE = "id_out_of_range"
@@ -40,6 +44,7 @@ DUPLICATE_REQUEST_ID = "duplicate_request_id"
 """A second (third, ...) record with a ``request_id`` already seen; the first in file order wins."""
 
 QUARANTINE_REASONS: tuple[str, ...] = (
+    LINE_TOO_LONG,
     MALFORMED_JSON,
     MISSING_REQUEST_ID,
     MISSING_TS,

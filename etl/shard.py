@@ -5,9 +5,11 @@ Every line of the input goes to exactly one place:
 - ``shard-NNNNN.jsonl.zst`` (N of them), chosen by a stable hash (BLAKE2b) of the session key:
   ``session_id`` when the record has one, else ``user_id``, so that sessions the build derives
   from the user and an inactivity gap stay in one shard. The line is copied verbatim.
-- ``_unroutable.jsonl.zst``: lines that cannot be routed (not JSON, not an object, no key), as
+- ``_unroutable.jsonl.zst``: lines that cannot be routed (not JSON, not an object, no key, or
+  longer than ``max_line_bytes``: only its first bytes are kept, with its length), as
   :func:`etl.rawio.unroutable_record` records with their source file and line number, so that
-  the build quarantines them. Nothing is dropped: ``_shard.json`` reconciles the line counts.
+  the build quarantines them (an over-long line as ``line_too_long``). Nothing is dropped:
+  ``_shard.json`` reconciles the line counts, and the build of the shards counts the same lines.
 
 A file that is not UTF-8 text (binary, another encoding, corrupt) stops the shard with a
 :class:`~recpipe.errors.CorruptInputError` naming the file and line, as it stops ``etl build``;
@@ -39,8 +41,16 @@ from typing import Any, Literal, get_args
 import orjson
 import zstandard
 
-from etl.rawio import UNROUTABLE_NAME, expand_inputs, iter_lines, unroutable_record
-from recpipe.errors import CorruptInputError, DataError, RecpipeError
+from etl import reasons
+from etl.paths import check_output
+from etl.rawio import (
+    DEFAULT_MAX_LINE_BYTES,
+    UNROUTABLE_NAME,
+    expand_inputs,
+    iter_raw_lines,
+    unroutable_record,
+)
+from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
 __all__ = ["ShardConfig", "format_report", "register_cli", "shard", "shard_path"]
@@ -70,6 +80,8 @@ class ShardConfig:
         buffer_mb: raw bytes buffered across all shards before a flush (memory bound).
         compare: also compress the same lines routed the other ways (in memory, counting bytes
             only) and report ``shard_ratio_session_vs_request``.
+        max_line_bytes: a longer line goes to the unroutable records as ``line_too_long`` (its
+            first bytes and its length), never held whole.
     """
 
     num_shards: int = 8
@@ -78,6 +90,7 @@ class ShardConfig:
     group: bool = True
     buffer_mb: int = 256
     compare: bool = True
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.num_shards, bool) or not isinstance(self.num_shards, int):
@@ -90,6 +103,12 @@ class ShardConfig:
             raise RecpipeError(f"`zstd_level` must be in [1, 22], got {self.zstd_level!r}")
         if not 1 <= self.buffer_mb <= 1 << 20:
             raise RecpipeError(f"`buffer_mb` must be >= 1, got {self.buffer_mb!r}")
+        if isinstance(self.max_line_bytes, bool) or not (
+            isinstance(self.max_line_bytes, int) and self.max_line_bytes >= 1
+        ):
+            raise RecpipeError(
+                f"`max_line_bytes` must be a positive integer, got {self.max_line_bytes!r}"
+            )
 
 
 def _key_hash(kind: bytes, value: Any) -> int | None:
@@ -158,8 +177,8 @@ def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | Non
     return skey, rkey, used
 
 
-def _interleave(files: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
-    """``(file, line number, line)`` taking ``_STEP`` lines from each file in turn.
+def _interleave(files: list[Path], max_line_bytes: int) -> Iterator[tuple[Path, int, bytes, int]]:
+    """``(file, line number, line, size)`` taking ``_STEP`` lines from each file in turn.
 
     Logs split over hosts are each in time order; reading them round-robin keeps the buffer a
     time slice of all of them, so a session's lines from different files meet in one flush.
@@ -167,12 +186,12 @@ def _interleave(files: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
     """
     for start in range(0, len(files), _WIDTH):
         group = files[start : start + _WIDTH]
-        readers = [(p, iter_lines(p)) for p in group]
+        readers = [(p, iter_raw_lines(p, max_line_bytes=max_line_bytes)) for p in group]
         while readers:
             alive = []
             for path, reader in readers:
-                for taken, (lineno, line) in enumerate(reader, 1):
-                    yield path, lineno, line
+                for taken, (lineno, line, size) in enumerate(reader, 1):
+                    yield path, lineno, line, size
                     if taken == _STEP:
                         alive.append((path, reader))
                         break
@@ -239,8 +258,7 @@ def shard(
     schema = schema or load_schema(None)
     files = expand_inputs(inputs)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DataError(f"`out_dir`: {str(out)!r} exists and is not empty (pass overwrite=True)")
+    check_output(out, kind="shards", inputs=[inputs], overwrite=overwrite, arg="out_dir")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -287,18 +305,22 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
         bar = tqdm(unit=" lines", unit_scale=True, desc="shard", file=sys.stderr)
     sinks = [s for s in (main, by_request, by_session_plain) if s is not None]
     try:
-        for path, lineno, line in _interleave(files):
+        for path, lineno, line, size in _interleave(files, cfg.max_line_bytes):
             lines_in += 1
-            raw_bytes += len(line) + 1
-            rec = _parse(line, path, lineno)
-            if not isinstance(rec, dict):
-                reason = _MALFORMED
+            raw_bytes += size + 1
+            if size > len(line):  # longer than max_line_bytes: its prefix only
+                reason = reasons.LINE_TOO_LONG
+                rec = None
             else:
+                rec = _parse(line, path, lineno)
+                reason = _MALFORMED if not isinstance(rec, dict) else ""
+            if rec is not None and not reason:
                 skey, rkey, used = _route_keys(rec, schema)
                 reason = _NO_KEY if skey is None else ""
             if reason:
                 bad_by_reason[reason] = bad_by_reason.get(reason, 0) + 1
-                bad_writer.write(unroutable_record(path, lineno, reason, line) + b"\n")
+                long = size if reason == reasons.LINE_TOO_LONG else None
+                bad_writer.write(unroutable_record(path, lineno, reason, line, size=long) + b"\n")
                 continue
             keys_used[used] = keys_used.get(used, 0) + 1
             if rkey is None:  # no usable request_id: any stable spread will do
@@ -424,6 +446,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         group=not args.no_group,
         buffer_mb=args.buffer_mb,
         compare=not args.no_compare,
+        max_line_bytes=args.max_line_bytes,
     )
     schema = load_schema(args.schema) if args.schema else None
     report = shard(
@@ -472,6 +495,14 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--no-compare", action="store_true", help="skip the routing-by-request comparison"
+    )
+    parser.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=d.max_line_bytes,
+        metavar="BYTES",
+        help="a longer line goes to _unroutable as line_too_long, its first 1 KB kept "
+        f"(default {d.max_line_bytes:,})",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

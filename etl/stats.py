@@ -406,7 +406,7 @@ def compute_stats(
     """Measure the duplication of a clustered dataset and propose dedup groups.
 
     Args:
-        dataset_dir: a clustered dataset (DESIGN §2.3).
+        dataset_dir: a clustered dataset (the output of ``etl build``).
         schema: its schema; ``None`` reads it from the dataset's ``_manifest.json``.
         batch_size: ``B``, the batch size of the DedupeFactor (model and measured).
         threads: DuckDB threads (``None``: DuckDB's default, all cores).

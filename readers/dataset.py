@@ -64,6 +64,7 @@ __all__ = [
     "dataset_schema",
     "iter_batches",
     "make_dataloader",
+    "make_pipeline",
 ]
 
 _STATE_VERSION = 1
@@ -110,7 +111,7 @@ def dataset_schema(source: str | os.PathLike[str] | Sequence[Any]) -> DatasetSch
     return default_schema()
 
 
-def _pipeline(
+def make_pipeline(
     transforms: Pipeline | PipelineSource | Sequence[Transform], schema: DatasetSchema
 ) -> Pipeline | None:
     """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file)."""
@@ -246,7 +247,7 @@ def iter_batches(
         world_size=world_size,
     )  # fmt: skip
     stream = _produce(
-        source, BatchConverter(schema, dedup=dedup), _pipeline(transforms, schema),
+        source, BatchConverter(schema, dedup=dedup), make_pipeline(transforms, schema),
         epoch=epoch if state_epoch is None else state_epoch, rank=rank, world_size=world_size,
         worker_id=worker_id, num_workers=num_workers, start=start,
     )  # fmt: skip
@@ -302,7 +303,7 @@ class ParquetBatchDataset(IterableDataset):
         self.config = config or ReaderConfig()
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
         self.converter = BatchConverter(self.schema, dedup=dedup)
-        self.pipeline = _pipeline(transforms, self.schema)
+        self.pipeline = make_pipeline(transforms, self.schema)
         self.rank, self.world_size = rank, world_size
         self.num_workers = num_workers
         self.epoch = 0

@@ -27,29 +27,40 @@ continues exactly. Loaded at another world size, the global batches no rank has 
 sorted and dealt again in contiguous ranges of equal length to the new ranks (the leftover, fewer
 than the new world size, joins the remainder): every row is still delivered at most once.
 
-The reader service serves one client per rank the same way: a rank's layout entry (its list of
-global batch indices) is all a reader needs to produce its stream (:func:`rank_batches`).
+**The cut.** Step ``t``'s global batch is a :class:`GlobalBatch`: the ranks' parts of the stream
+in rank order, ``W*B`` rows. A :class:`RankCut` decides which of its rows each rank trains on;
+the default, :class:`ContiguousCut`, gives rank ``r`` rows ``[r*B, (r+1)*B)`` (its own part, so
+it reads nothing else). Another cut (e.g. one that sends samples to the rank owning their
+embedding rows) plugs in through ``RankBatchDataset(cut=...)`` and, on the reader service,
+``DatasetProducer(cut=...)``; see ``docs/distributed.md`` for its contract.
+
+The reader service serves one client per rank with this very class (``recpipe serve`` runs a
+:class:`RankBatchDataset` per rank, positioned by the client's :meth:`~RankBatchDataset.state_dict`),
+so a rank gets the same batches in-process and through the service.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from readers.convert import BatchConverter
-from readers.dataset import _pipeline, dataset_schema
+from readers.dataset import dataset_schema, make_pipeline
 from readers.source import (
     DatasetSource,
     ReaderConfig,
     SourcePosition,
     Split,
-    _count_sessions,
+    count_sessions,
     plan_splits,
 )
 from readers.transforms import Pipeline, PipelineSource
@@ -59,10 +70,24 @@ if TYPE_CHECKING:
     from recpipe.batch import Batch
     from schemas import DatasetSchema
 
-__all__ = ["EpochLayout", "RankBatchDataset", "RankLoader", "StreamGeometry", "rank_batches"]
+__all__ = [
+    "ContiguousCut",
+    "EpochLayout",
+    "GlobalBatch",
+    "RankBatchDataset",
+    "RankCut",
+    "RankLoader",
+    "StreamGeometry",
+    "check_rank_state",
+    "rank_batches",
+    "rank_state",
+    "rank_steps",
+]
 
-_STATE_VERSION = 1
+STATE_VERSION = 1
+STATE_KIND = "ranks"
 _REOPEN_GAP = 8  # skip at most this many unwanted batches before reopening the stream further on
+_WHOLE_BATCH_CHUNK = 8  # steps whose parts a whole-batch cut reads in one pass
 
 
 # -------------------------------------------------------------------------------------------
@@ -272,8 +297,136 @@ def rank_batches(
             stream.close()
 
 
+# -------------------------------------------------------------------------------------------
+# global batches and the cut into rank micro-batches
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One step of a multi-rank epoch: the ranks' parts of the global stream, in rank order.
+
+    Attributes:
+        step: the step in the epoch's layout (``0 .. batches_per_rank - 1``).
+        indices: the global stream batch each rank's part is (rank order).
+        parts: Arrow tables of ``batch_size`` rows each, in rank order; ``None`` for the parts
+            the cut does not read (a cut without :attr:`RankCut.whole_batch` gets only the
+            part of the rank it cuts for).
+    """
+
+    step: int
+    indices: tuple[int, ...]
+    parts: tuple[pa.Table | None, ...]
+
+    @property
+    def table(self) -> pa.Table:
+        """Every part concatenated in rank order (all must have been read)."""
+        if any(p is None for p in self.parts):
+            msg = "the global batch was read for one rank only: a whole-batch cut reads all parts"
+            raise DataError(msg)
+        return pa.concat_tables(self.parts)
+
+
+class RankCut(Protocol):
+    """Which rows of a :class:`GlobalBatch` each rank trains on (see ``docs/distributed.md``).
+
+    ``cut(batch, rank)`` returns rank ``rank``'s micro-batch as an Arrow table. For every step,
+    the tables of ranks ``0 .. W-1`` must together hold every row of the global batch exactly
+    once and hold ``batch_size`` rows each (the trainer divides each rank's loss sum by
+    ``W * batch_size``). The cut must be a pure function of the global batch and the rank: each
+    rank (each reader process of the service) calls it on its own and they must agree.
+
+    Attributes:
+        whole_batch: the cut reads every part of the global batch (``False``: only
+            ``batch.parts[rank]`` is read, and the others are ``None``).
+    """
+
+    whole_batch: bool
+
+    def __call__(self, batch: GlobalBatch, rank: int) -> pa.Table: ...
+
+
+@dataclass(frozen=True)
+class ContiguousCut:
+    """The default cut: rank ``r`` trains on rows ``[r*B, (r+1)*B)`` of the global batch, i.e.
+    on its own part of the stream (nothing else is read).
+
+    >>> ContiguousCut().whole_batch
+    False
+    """
+
+    whole_batch: ClassVar[bool] = False
+
+    def __call__(self, batch: GlobalBatch, rank: int) -> pa.Table:
+        part = batch.parts[rank]
+        if part is None:
+            msg = f"rank {rank}'s part of global batch {batch.step} was not read"
+            raise DataError(msg)
+        return part
+
+
+def rank_steps(
+    source: DatasetSource,
+    geometry: StreamGeometry,
+    layout: EpochLayout,
+    rank: int,
+    *,
+    start: int = 0,
+    cut: RankCut | None = None,
+    worker_id: int = 0,
+    num_workers: int = 1,
+) -> Iterator[tuple[int, pa.Table]]:
+    """``(step, rank's micro-batch)`` for the steps ``start + worker_id``, then every
+    ``num_workers``-th, of ``layout``: the cut of each step's :class:`GlobalBatch`.
+
+    A cut that reads the whole batch gets its parts read a few steps at a time (one pass over
+    each rank's range per chunk).
+    """
+    cut = cut or ContiguousCut()
+    steps = list(range(start + worker_id, layout.batches_per_rank, num_workers))
+    lists = [layout.batches_of(r) for r in range(layout.world_size)]
+    if not cut.whole_batch:  # one pass over this rank's own parts, streamed
+        own = [lists[rank][t] for t in steps]
+        tables = rank_batches(source, geometry, own, epoch=layout.epoch)
+        for t, (_, table) in zip(steps, tables, strict=True):
+            indices = tuple(lists[r][t] for r in range(layout.world_size))
+            parts = tuple(table if r == rank else None for r in range(layout.world_size))
+            yield t, cut(GlobalBatch(t, indices, parts), rank)
+        return
+    for at in range(0, len(steps), _WHOLE_BATCH_CHUNK):
+        block = steps[at : at + _WHOLE_BATCH_CHUNK]
+        wanted = sorted({lists[r][t] for t in block for r in range(layout.world_size)})
+        tables = dict(rank_batches(source, geometry, wanted, epoch=layout.epoch))
+        for t in block:
+            indices = tuple(lists[r][t] for r in range(layout.world_size))
+            yield t, cut(GlobalBatch(t, indices, tuple(tables[k] for k in indices)), rank)
+
+
+# -------------------------------------------------------------------------------------------
+# the rank reader
+
+
+_SESSION_CACHE: collections.OrderedDict[tuple, dict[int, int]] = collections.OrderedDict()
+_SESSION_CACHE_LOCK = threading.Lock()
+_SESSION_CACHE_SIZE = 8  # split lists (a reader process of the service serves a few)
+
+
 def _session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict[int, int]:
-    """Session runs of every split (reads the session column only)."""
+    """Session runs of every split (reads the session column only, once per split list and
+    process: the reader service builds a rank reader per client and epoch)."""
+    key_of = tuple((s.path, s.row_group, s.num_rows, s.index) for s in splits)
+    with _SESSION_CACHE_LOCK:
+        if key_of in _SESSION_CACHE:
+            _SESSION_CACHE.move_to_end(key_of)
+            return _SESSION_CACHE[key_of]
+    counts = _read_session_counts(source, splits)
+    with _SESSION_CACHE_LOCK:
+        _SESSION_CACHE[key_of] = counts
+        while len(_SESSION_CACHE) > _SESSION_CACHE_SIZE:
+            _SESSION_CACHE.popitem(last=False)
+    return counts
+
+
+def _read_session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict[int, int]:
     key = source.schema.session_key
     out: dict[int, int] = {}
     handles: dict[str, pq.ParquetFile] = {}
@@ -283,11 +436,53 @@ def _session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict[int,
                 split.path, pq.ParquetFile(split.path)
             )
             column = handle.read_row_group(split.row_group, columns=[key]).column(0)
-            out[split.index] = _count_sessions(column)
+            out[split.index] = count_sessions(column)
     finally:
         for handle in handles.values():
             handle.close()
     return out
+
+
+def rank_state(
+    *, epoch: int, delivered: int, batch_size: int, layout: EpochLayout | None
+) -> dict[str, Any]:
+    """A rank reader's position (what :meth:`RankBatchDataset.state_dict` returns): the epoch,
+    the batches every rank delivered in it, and the layout (``None``: the epoch's fresh
+    layout, before anything was delivered)."""
+    return {
+        "version": STATE_VERSION,
+        "kind": STATE_KIND,
+        "epoch": int(epoch),
+        "delivered": int(delivered),
+        "batch_size": int(batch_size),
+        "layout": None if layout is None else layout.to_state(),
+    }
+
+
+def check_rank_state(state: Any, *, batch_size: int) -> dict[str, Any]:
+    """``state`` if it is a rank reader position saved with ``batch_size`` rows per rank.
+
+    Raises:
+        DataError: not a rank reader state, or saved with another batch size.
+    """
+    if (
+        not isinstance(state, Mapping)
+        or state.get("kind") != STATE_KIND
+        or state.get("version") != STATE_VERSION
+        or any(k not in state for k in ("epoch", "delivered", "batch_size", "layout"))
+    ):
+        msg = f"`state` is not a rank reader state_dict (version {STATE_VERSION}): {state!r:.300}"
+        raise DataError(msg)
+    if int(state["batch_size"]) != batch_size:
+        msg = (
+            f"`state` was saved with batch_size={state['batch_size']!r} per rank, this "
+            f"reader has {batch_size!r}; resume with the same batch size"
+        )
+        raise DataError(msg)
+    if state["layout"] is None and int(state["delivered"]):
+        msg = f"`state` delivered {state['delivered']!r} batches without a layout"
+        raise DataError(msg)
+    return dict(state)
 
 
 class RankBatchDataset(IterableDataset):
@@ -307,6 +502,8 @@ class RankBatchDataset(IterableDataset):
         dedup: IKJTs for the schema's dedup groups.
         rank, world_size: this rank and how many there are.
         splits: use these splits instead of all of the source's (e.g. the training share).
+        cut: which rows of each global batch this rank trains on (default
+            :class:`ContiguousCut`).
 
     Example::
 
@@ -327,6 +524,7 @@ class RankBatchDataset(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         splits: Sequence[Split] | None = None,
+        cut: RankCut | None = None,
     ) -> None:
         super().__init__()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -347,8 +545,9 @@ class RankBatchDataset(IterableDataset):
         if splits is not None:
             self.source.splits = list(splits)
         self.converter = BatchConverter(self.schema, dedup=dedup)
-        self.pipeline = _pipeline(transforms, self.schema)
+        self.pipeline = make_pipeline(transforms, self.schema)
         self.rank, self.world_size = rank, world_size
+        self.cut = cut or ContiguousCut()
         self.epoch = 0
         self.delivered = 0  # batches of this epoch handed out (the same on every rank)
         self._sessions: dict[int, int] | None = None
@@ -372,6 +571,11 @@ class RankBatchDataset(IterableDataset):
             )
         return self._layout
 
+    @property
+    def remainder_rows(self) -> int:
+        """Rows of the current epoch no rank is given (counted, see the module docstring)."""
+        return self.layout.remainder_rows
+
     def __len__(self) -> int:
         """Batches this rank delivers in the current epoch (all of them, delivered or not)."""
         return self.layout.batches_per_rank
@@ -383,10 +587,6 @@ class RankBatchDataset(IterableDataset):
         self._layout = None
 
     # -- reading --------------------------------------------------------------------------------
-    def _wanted(self, start: int, worker_id: int, num_workers: int) -> list[int]:
-        mine = self.layout.batches_of(self.rank)
-        return mine[start + worker_id :: num_workers]
-
     def _convert(self, table: Any) -> Batch:
         batch = self.converter(table)
         return batch if self.pipeline is None else self.pipeline(batch)
@@ -394,15 +594,20 @@ class RankBatchDataset(IterableDataset):
     def iter_indexed(
         self, *, worker_id: int = 0, num_workers: int = 1
     ) -> Iterator[tuple[int, Batch]]:
-        """``(global batch index, batch)`` from the current position, without advancing it.
+        """``(global batch index, batch)`` from the current position, without advancing it;
+        the index is that of this rank's own part of the step's global batch.
 
         With ``num_workers`` > 1, worker ``w`` takes every ``num_workers``-th remaining batch
         starting at the ``w``-th, so dealing them round-robin restores the rank's order.
         """
-        wanted = self._wanted(self.delivered, worker_id, num_workers)
-        geometry = self.geometry()
-        for k, table in rank_batches(self.source, geometry, wanted, epoch=self.epoch):
-            yield k, self._convert(table)
+        layout = self.layout
+        mine = layout.batches_of(self.rank)
+        steps = rank_steps(
+            self.source, self.geometry(), layout, self.rank, start=self.delivered, cut=self.cut,
+            worker_id=worker_id, num_workers=num_workers,
+        )  # fmt: skip
+        for step, table in steps:
+            yield mine[step], self._convert(table)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -422,42 +627,30 @@ class RankBatchDataset(IterableDataset):
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch delivered; the same on every rank."""
-        return {
-            "version": _STATE_VERSION,
-            "kind": "ranks",
-            "epoch": self.epoch,
-            "delivered": self.delivered,
-            "batch_size": self.config.batch_size,
-            "layout": self.layout.to_state(),
-        }
+        return rank_state(epoch=self.epoch, delivered=self.delivered,
+                          batch_size=self.config.batch_size, layout=self.layout)  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from a :meth:`state_dict` saved at any world size (see the module docstring).
+        """Resume from a :meth:`state_dict` saved at any world size (see the module docstring;
+        a state without a layout starts its epoch from the beginning).
 
         Raises:
             DataError: not a rank reader state, or saved with another batch size.
         """
-        if (
-            not isinstance(state, Mapping)
-            or state.get("kind") != "ranks"
-            or (state.get("version") != _STATE_VERSION)
-        ):
-            msg = f"`state` is not a rank reader state_dict (version {_STATE_VERSION}): {state!r}"
-            raise DataError(msg)
-        if int(state["batch_size"]) != self.config.batch_size:
-            msg = (
-                f"`state` was saved with batch_size={state['batch_size']!r} per rank, this "
-                f"reader has {self.config.batch_size!r}; resume with the same batch size"
-            )
-            raise DataError(msg)
+        state = check_rank_state(state, batch_size=self.config.batch_size)
+        self.set_epoch(int(state["epoch"]))
+        if state["layout"] is None:
+            return
         layout = EpochLayout.from_state(state["layout"])
         delivered = int(state["delivered"])
+        if layout.epoch != self.epoch:
+            msg = f"`state` holds the layout of epoch {layout.epoch} for epoch {self.epoch}"
+            raise DataError(msg)
         if layout.world_size != self.world_size:
             layout = layout.redeal(
                 delivered=delivered, world_size=self.world_size, batch_size=self.config.batch_size
             )
             delivered = 0
-        self.epoch = int(state["epoch"])
         self._layout = layout
         self.delivered = delivered
         if self.delivered >= layout.batches_per_rank:

@@ -62,6 +62,7 @@ __all__ = [
     "SkippedInput",
     "SourcePosition",
     "Split",
+    "count_sessions",
     "discover_files",
     "plan_splits",
 ]
@@ -528,7 +529,7 @@ class DatasetSource:
                 continue
             tables.append(table)
             if self.config.shuffle:
-                sessions += _count_sessions(table.column(self.schema.session_key))
+                sessions += count_sessions(table.column(self.schema.session_key))
             else:
                 sessions = need
         if not tables:
@@ -612,7 +613,9 @@ def _session_bounds(column: pa.ChunkedArray) -> np.ndarray:
     return np.concatenate(([0], change, [n])).astype(np.int64)
 
 
-def _count_sessions(column: pa.ChunkedArray) -> int:
+def count_sessions(column: pa.ChunkedArray) -> int:
+    """Runs of equal session ids in a session column (a session cut by a row group boundary
+    counts in both row groups)."""
     return len(_session_bounds(column)) - 1
 
 

@@ -61,13 +61,20 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def save_checkpoint(state: Mapping[str, Any], path: Path) -> None:
-    """Write ``state`` (tagged with :data:`CHECKPOINT_VERSION`) to ``path`` atomically, fsynced."""
+    """Write ``state`` (tagged with :data:`CHECKPOINT_VERSION`) to ``path`` atomically and
+    durably: a temporary file, fsynced, renamed into place, and the directory fsynced (so the
+    rename itself survives a crash)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save({**state, "version": CHECKPOINT_VERSION}, tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(

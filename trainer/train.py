@@ -64,12 +64,14 @@ if TYPE_CHECKING:
 __all__ = [
     "EvalResult",
     "OptimizerKind",
+    "RunLog",
     "TrainConfig",
     "TrainResult",
     "Trainer",
     "batch_dedup_factor",
     "format_summary",
     "make_optimizers",
+    "run_targets",
     "train",
 ]
 
@@ -280,6 +282,123 @@ def _model_config(config: TrainConfig) -> ModelConfig:
     return replace(config.model, seed=config.seed)
 
 
+def run_targets(config: TrainConfig) -> tuple[int | None, int | None]:
+    """``(steps, epochs)`` a run trains for: ``steps``, else ``epochs``, else one epoch."""
+    if config.steps is not None:
+        return config.steps, None
+    return None, 1 if config.epochs is None else config.epochs
+
+
+class RunLog:
+    """What a training run records besides its model: per-step losses, samples, held-out
+    evaluations, the running training AUC, the metrics sinks (``metrics``, ``tensorboard``),
+    and the :class:`TrainResult` at the end. The single-process loop and every rank of a
+    multi-rank one keep one each (a rank that does not ``write`` opens no sink).
+
+    Args:
+        config: the run.
+        device: where the model runs (for peak memory).
+        write: open the metrics sinks (rank 0 of a multi-rank job).
+    """
+
+    def __init__(self, config: TrainConfig, *, device: torch.device, write: bool = True) -> None:
+        self.config, self.device, self.write = config, device, write
+        self.losses: list[float] = []
+        self.samples = 0
+        self.evals: list[tuple[int, EvalResult]] = []
+        self.window = PredictionWindow(config.log_window)
+        self.factors: list[float] = []  # dedup factor of each batch trained on here
+        self.resumed_from: int | None = None
+        self.sinks: list[Any] = []
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The history a checkpoint keeps (losses, samples, evaluations) and the run's config."""
+        return {
+            "losses": self.losses,
+            "samples": self.samples,
+            "evals": [(s, asdict(e)) for s, e in self.evals],
+            "config": {k: v for k, v in asdict(self.config).items() if k != "model"},
+            "model_config": asdict(self.config.model),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int) -> None:
+        """Continue the history of a checkpoint taken at ``step``."""
+        self.losses = list(state["losses"])
+        self.samples = int(state["samples"])
+        self.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
+        self.resumed_from = step
+
+    # -- metrics --------------------------------------------------------------------------------
+    def open_sinks(self) -> None:
+        """Open where the per-step records go: the ``metrics`` file, TensorBoard."""
+        cfg = self.config
+        if not self.write:
+            return
+        if cfg.metrics is not None:
+            self.sinks.append(MetricsFile(cfg.metrics, resume_step=self.resumed_from))
+            _log.info("metrics to %s", cfg.metrics)
+        if cfg.tensorboard is not None:
+            self.sinks.append(TensorBoardLog(cfg.tensorboard))
+            _log.info("TensorBoard logs to %s", cfg.tensorboard)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def record(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def add_eval(self, step: int, result: EvalResult, *, epoch: int) -> None:
+        """Keep (and record, and log) an evaluation that saw samples."""
+        if not result.samples:
+            return
+        self.evals.append((step, result))
+        self.record({
+            "kind": "eval", "step": step, "epoch": epoch, "samples": result.samples,
+            "loss": result.loss, "auc": result.auc,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+        })  # fmt: skip
+        _log.info(
+            "step %d: held-out loss %.4f, AUC %.4f (%d samples)",
+            step, result.loss, result.auc, result.samples,
+        )  # fmt: skip
+
+    def evaluated_at(self, step: int) -> bool:
+        return bool(self.evals) and self.evals[-1][0] == step
+
+    # -- the end --------------------------------------------------------------------------------
+    def result(
+        self,
+        *,
+        steps: int,
+        samples0: int,
+        wall: float,
+        checkpoint: Path | None,
+        train_splits: int,
+        eval_splits: int,
+    ) -> TrainResult:
+        """The run's :class:`TrainResult` (``samples0``: samples before this process started)."""
+        done = self.samples - samples0
+        return TrainResult(
+            steps=steps,
+            samples=self.samples,
+            losses=self.losses,
+            train_auc=self.window.auc(),
+            evals=self.evals,
+            samples_per_s=done / wall if wall > 0 else float("nan"),
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            dedup_factor=float(np.mean(self.factors)) if self.factors else 1.0,
+            wall_s=wall,
+            checkpoint=None if checkpoint is None else str(checkpoint),
+            resumed_from=self.resumed_from,
+            train_splits=train_splits,
+            eval_splits=eval_splits,
+        )
+
+
 class _Run:
     """The state of one ``train`` call (kept out of the public API)."""
 
@@ -298,13 +417,8 @@ class _Run:
         model = DLRM.from_schema(self.schema, _model_config(config), table_factory=table_factory)
         self.trainer = Trainer(model, optimizer=config.optimizer, lr=config.lr, device=self.device)
         self._make_loaders()
-        self.losses: list[float] = []
-        self.samples = 0
-        self.evals: list[tuple[int, EvalResult]] = []
-        self.window = PredictionWindow(config.log_window)
-        self.resumed_from: int | None = None
+        self.log_ = RunLog(config, device=self.device)
         self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
-        self.sinks: list[Any] = []  # where per-step metrics go (opened by run())
 
     # -- data ---------------------------------------------------------------------------------
     def _make_loaders(self) -> None:
@@ -425,11 +539,7 @@ class _Run:
             "trainer": self.trainer.state_dict(),
             "reader": self.loader.state_dict(),
             "rng": rng_state(),
-            "losses": self.losses,
-            "samples": self.samples,
-            "evals": [(s, asdict(e)) for s, e in self.evals],
-            "config": {k: v for k, v in asdict(self.config).items() if k != "model"},
-            "model_config": asdict(self.config.model),
+            **self.log_.state_dict(),
         }
         save_checkpoint(state, path)
         self.saved_step = self.trainer.step
@@ -456,26 +566,9 @@ class _Run:
         self.trainer.load_state_dict(state["trainer"])
         self.loader.load_state_dict(state["reader"])
         set_rng_state(state["rng"])
-        self.losses = list(state["losses"])
-        self.samples = int(state["samples"])
-        self.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
-        self.resumed_from = self.saved_step = self.trainer.step
+        self.log_.load_state_dict(state, step=self.trainer.step)
+        self.saved_step = self.trainer.step
         return True
-
-    # -- metrics ------------------------------------------------------------------------------
-    def _open_sinks(self) -> None:
-        """Open where the per-step records go: the ``metrics`` file, TensorBoard."""
-        cfg = self.config
-        if cfg.metrics is not None:
-            self.sinks.append(MetricsFile(cfg.metrics, resume_step=self.resumed_from))
-            _log.info("metrics to %s", cfg.metrics)
-        if cfg.tensorboard is not None:
-            self.sinks.append(TensorBoardLog(cfg.tensorboard))
-            _log.info("TensorBoard logs to %s", cfg.tensorboard)
-
-    def _record(self, record: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.write(record)
 
     def _planned_steps(self, target_steps: int | None, target_epochs: int | None) -> int | None:
         """The run's last step, for the progress bar: ``steps``, or the batches of
@@ -492,13 +585,10 @@ class _Run:
     def run(self) -> TrainResult:
         from tqdm import tqdm
 
-        cfg = self.config
+        cfg, log = self.config, self.log_
         if cfg.resume and self.restore():
             _log.info("resumed from step %d (%s)", self.trainer.step, self.checkpoint_path)
-        target_steps = cfg.steps
-        target_epochs = cfg.epochs if cfg.steps is None else None
-        if target_steps is None and target_epochs is None:
-            target_epochs = 1
+        target_steps, target_epochs = run_targets(cfg)
         start_step = self.trainer.step
         _log.info(
             "training on %s: %d row groups, %d held out; dedup %s",
@@ -517,42 +607,42 @@ class _Run:
             dynamic_ncols=True,
         )
         t0 = time.perf_counter()
-        samples0 = self.samples
-        factors: list[float] = []
+        samples0 = log.samples
         done = self._finished(target_steps, target_epochs)
         empty_passes = 0
         last = t0
         try:
-            self._open_sinks()
+            log.open_sinks()
             while not done:
                 empty_passes += 1
                 for batch in self.loader:
                     empty_passes = 0
-                    factors.append(batch_dedup_factor(batch))
+                    log.factors.append(batch_dedup_factor(batch))
                     loss, logits = self.trainer.train_step(batch)
-                    self.losses.append(float(loss))
-                    self.samples += batch.batch_size
-                    self.window.add(logits, batch.labels)
+                    log.losses.append(float(loss))
+                    log.samples += batch.batch_size
+                    log.window.add(logits, batch.labels)
                     step = self.trainer.step
                     bar.update(1)
                     now = time.perf_counter()
-                    rate = (self.samples - samples0) / max(now - t0, 1e-9)
+                    rate = (log.samples - samples0) / max(now - t0, 1e-9)
                     memory = peak_memory_bytes(self.device)
                     window_auc = None
                     if step % cfg.log_every == 0 or step == target_steps:
-                        window_auc = self.window.auc()
+                        window_auc = log.window.auc()
                         bar.set_postfix(
-                            loss=f"{np.mean(self.losses[-20:]):.4f}",
+                            loss=f"{np.mean(log.losses[-20:]):.4f}",
                             auc=f"{window_auc:.3f}",
                             sps=f"{rate:,.0f}",
                             mem=_fmt_bytes(memory),
                             refresh=False,
                         )
-                    self._record({
+                    log.record({
                         "kind": "train", "step": step, "epoch": self._loader_epoch(),
-                        "samples": self.samples, "loss": self.losses[-1], "auc": window_auc,
-                        "samples_per_s": rate, "step_s": now - last, "dedup_factor": factors[-1],
-                        "peak_memory_bytes": memory, "wall_s": now - t0,
+                        "samples": log.samples, "loss": log.losses[-1], "auc": window_auc,
+                        "samples_per_s": rate, "step_s": now - last,
+                        "dedup_factor": log.factors[-1], "peak_memory_bytes": memory,
+                        "wall_s": now - t0,
                     })  # fmt: skip
                     last = now
                     if cfg.eval_every and step % cfg.eval_every == 0:
@@ -566,31 +656,18 @@ class _Run:
                     msg = f"{cfg.dataset}: the training split yields no batches"
                     raise DataError(msg)
             wall = time.perf_counter() - t0
-            if not self.evals or self.evals[-1][0] != self.trainer.step:
+            if not log.evaluated_at(self.trainer.step):
                 self._evaluate(self.trainer.step)
             path = self.save()
         finally:
             bar.close()
-            for sink in self.sinks:
-                sink.close()
+            log.close()
             for store in self.stores:
                 store.close()
-        done_samples = self.samples - samples0
-        return TrainResult(
-            steps=self.trainer.step,
-            samples=self.samples,
-            losses=self.losses,
-            train_auc=self.window.auc(),
-            evals=self.evals,
-            samples_per_s=done_samples / wall if wall > 0 else float("nan"),
-            peak_memory_bytes=peak_memory_bytes(self.device),
-            dedup_factor=float(np.mean(factors)) if factors else 1.0,
-            wall_s=wall,
-            checkpoint=None if path is None else str(path),
-            resumed_from=self.resumed_from,
-            train_splits=self.train_splits,
-            eval_splits=self.eval_splits,
-        )
+        return log.result(
+            steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,
+            train_splits=self.train_splits, eval_splits=self.eval_splits,
+        )  # fmt: skip
 
     def _finished(self, target_steps: int | None, target_epochs: int | None) -> bool:
         if target_steps is not None:
@@ -599,17 +676,7 @@ class _Run:
 
     def _evaluate(self, step: int) -> None:
         result = self.trainer.evaluate(self._eval_batches(), max_batches=self.config.eval_batches)
-        if result.samples:
-            self.evals.append((step, result))
-            self._record({
-                "kind": "eval", "step": step, "epoch": self._loader_epoch(),
-                "samples": result.samples, "loss": result.loss, "auc": result.auc,
-                "peak_memory_bytes": peak_memory_bytes(self.device),
-            })  # fmt: skip
-            _log.info(
-                "step %d: held-out loss %.4f, AUC %.4f (%d samples)",
-                step, result.loss, result.auc, result.samples,
-            )  # fmt: skip
+        self.log_.add_eval(step, result, epoch=self._loader_epoch())
 
 
 def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = None) -> TrainResult:

@@ -5,6 +5,8 @@
   opens its own connection for its own shard of the epoch.
 * :class:`ServiceStream` - epoch after epoch in the training process, with a position
   (epoch, batches consumed) to checkpoint and resume from, and whole passes for evaluation.
+* :class:`ServiceRankDataset` - one rank of a multi-rank job: the same batches as the
+  in-process :class:`readers.ranks.RankBatchDataset`, with the same position format.
 
 Every client may ask for one :class:`~readers.holdout.Holdout` part of the served dataset (its
 training or its held-out row groups, divided exactly as the in-process trainer divides them)
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from readers.holdout import Holdout
+from readers.ranks import EpochLayout, check_rank_state, rank_state
 from readers.service.config import TOKEN_ENV
 from readers.service.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -46,7 +49,13 @@ from recpipe.errors import DataError
 if TYPE_CHECKING:
     from recpipe.batch import Batch
 
-__all__ = ["ServiceClient", "ServiceDataset", "ServiceStream", "parse_address"]
+__all__ = [
+    "ServiceClient",
+    "ServiceDataset",
+    "ServiceRankDataset",
+    "ServiceStream",
+    "parse_address",
+]
 
 _STATE_VERSION = 1
 
@@ -82,6 +91,8 @@ class ServiceClient:
         holdout: read only this part of the served dataset (``None``: all of it).
         batch_size: the rows per batch expected; a server making another size refuses the
             connection (``None``: whatever it makes).
+        ranks: ``{"rank", "world_size", "state"}``: read as one rank of a multi-rank job
+            (``shard``/``num_shards`` are then ignored; see :class:`ServiceRankDataset`).
         connect_timeout_s: give up connecting and handshaking after this long, in all.
         read_timeout_s: give up when the server sends nothing (not even a heartbeat) this long.
         max_frame_bytes: refuse larger frames.
@@ -99,6 +110,7 @@ class ServiceClient:
         epoch: int = 0,
         holdout: Holdout | None = None,
         batch_size: int | None = None,
+        ranks: Mapping[str, Any] | None = None,
         connect_timeout_s: float = 30.0,
         read_timeout_s: float = 120.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -111,6 +123,7 @@ class ServiceClient:
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.shard, self.num_shards, self.epoch = shard, num_shards, epoch
         self.holdout, self.batch_size = holdout, batch_size
+        self.ranks = None if ranks is None else dict(ranks)
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -179,6 +192,8 @@ class ServiceClient:
             hello["holdout"] = dataclasses.asdict(self.holdout)
         if self.batch_size is not None:
             hello["batch_size"] = self.batch_size
+        if self.ranks is not None:
+            hello["ranks"] = self.ranks
         return hello
 
     def __iter__(self) -> Iterator[Batch]:
@@ -480,6 +495,151 @@ class ServiceStream:
         """Continue from a :meth:`state_dict`."""
         self.epoch = int(state["service_epoch"])
         self.batches = int(state["service_batches"])
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being read (or read next)."""
+        return self.epoch
+
+
+class ServiceRankDataset:
+    """One rank of a multi-rank job reading from ``recpipe serve`` (one client per rank).
+
+    The server runs the in-process rank reader (:class:`readers.ranks.RankBatchDataset`) for
+    this rank, with its own reader config (``--batch-size``, ``--shuffle``, ``--seed``), so the
+    rank gets the batches it would read in-process with that config: every rank the same
+    number per epoch, one global stream cut into equal ranges, the remainder counted. Iterating
+    yields the rest of the current epoch from the position (one connection), then moves to the
+    next epoch. :meth:`state_dict` is the in-process reader's format (saved at any world size,
+    loadable by either), so a job can resume through the service or in-process::
+
+        train = ServiceRankDataset("10.0.0.5:5717", rank=rank, world_size=world,
+                                   holdout=Holdout(0.1), batch_size=1024)
+        for batch in train:  # the same number of batches on every rank
+            ...
+
+    Args:
+        address: ``HOST:PORT`` of the server.
+        rank: this rank.
+        world_size: ranks of the job.
+        token: the shared token (default: ``$RECPIPE_TOKEN`` if set).
+        holdout: read only this part of the served dataset (``None``: all of it).
+        batch_size: rows per batch per rank (the server must make this size).
+        splits: the row groups the part must hold (the trainer's own count): a server that
+            holds another number serves another dataset, and is refused.
+        connect_timeout_s: give up connecting after this long.
+        read_timeout_s: give up when the server is silent this long.
+
+    Raises:
+        DataError: ``address`` is not ``HOST:PORT``, or ``rank`` is not in ``[0, world_size)``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rank: int,
+        world_size: int,
+        token: str | None = None,
+        holdout: Holdout | None = None,
+        batch_size: int,
+        splits: int | None = None,
+        connect_timeout_s: float = 30.0,
+        read_timeout_s: float = 120.0,
+    ) -> None:
+        if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+            msg = f"`rank` must lie in [0, `world_size`={world_size!r}), got {rank!r}"
+            raise DataError(msg)
+        self.host, self.port = parse_address(address)
+        self.rank, self.world_size = rank, world_size
+        self.token, self.holdout, self.batch_size = token, holdout, batch_size
+        self.splits = splits
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self.epoch = 0
+        self.delivered = 0
+        self.layout: EpochLayout | None = None  # this epoch's, once the server sent it
+        self.remainder_rows = 0  # of the last epoch whose layout the server sent
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next, from its beginning."""
+        self.epoch, self.delivered, self.layout = int(epoch), 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch yielded (the in-process rank reader's format)."""
+        return rank_state(epoch=self.epoch, delivered=self.delivered,
+                          batch_size=self.batch_size, layout=self.layout)  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a rank reader state (this class's or the in-process reader's, saved
+        at any world size: the server re-deals what no rank had delivered).
+
+        Raises:
+            DataError: not a rank reader state, or saved with another batch size.
+        """
+        state = check_rank_state(state, batch_size=self.batch_size)
+        self.set_epoch(int(state["epoch"]))
+        if state["layout"] is not None:
+            self.layout = EpochLayout.from_state(state["layout"])
+            self.delivered = int(state["delivered"])
+
+    def _request(self) -> dict[str, Any]:
+        state = None
+        if self.layout is not None:
+            state = self.state_dict()
+        return {"rank": self.rank, "world_size": self.world_size, "state": state}
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch, then the position moves to the next epoch.
+
+        Raises:
+            DataError: the server serves another number of row groups than ``splits``, or
+                ended the epoch early.
+            ServiceError: the server refused, failed or went away.
+        """
+        client = ServiceClient(
+            self.host, self.port, token=self.token, epoch=self.epoch, holdout=self.holdout,
+            batch_size=self.batch_size, ranks=self._request(),
+            connect_timeout_s=self.connect_timeout_s, read_timeout_s=self.read_timeout_s,
+        )  # fmt: skip
+        with client.connect():
+            self._adopt(client)
+            expected = self.layout.batches_per_rank
+            for batch in client:
+                self.delivered += 1
+                yield batch
+        if self.delivered < expected:
+            msg = (
+                f"the reader service at {client.where} ended epoch {self.epoch} of rank "
+                f"{self.rank} after {self.delivered} of its {expected} batches"
+            )
+            raise DataError(msg)
+        self.set_epoch(self.epoch + 1)
+
+    def _adopt(self, client: ServiceClient) -> None:
+        """Take the position the server resolved (the layout for this world size)."""
+        served = client.welcome.get("splits")
+        if self.splits is not None and served is not None and served != self.splits:
+            part = "every" if self.holdout is None else f"the `{self.holdout.part}`"
+            msg = (
+                f"the reader service at {client.where} serves {served} row groups as {part} "
+                f"part, the trainer's dataset has {self.splits}: give the trainer the dataset "
+                f"the server serves"
+            )
+            raise DataError(msg)
+        ranks = client.welcome.get("ranks")
+        if not isinstance(ranks, Mapping) or not isinstance(ranks.get("state"), Mapping):
+            msg = f"the reader service at {client.where} does not serve the ranks of a job"
+            raise ProtocolError(msg)
+        state = check_rank_state(ranks["state"], batch_size=self.batch_size)
+        self.epoch, self.delivered = int(state["epoch"]), int(state["delivered"])
+        self.layout = EpochLayout.from_state(state["layout"])
+        self.remainder_rows = self.layout.remainder_rows
+        if self.layout.world_size != self.world_size:
+            msg = (
+                f"the reader service at {client.where} sent a layout for "
+                f"{self.layout.world_size} ranks, this job has {self.world_size}"
+            )
+            raise ProtocolError(msg)
 
     @property
     def current_epoch(self) -> int:

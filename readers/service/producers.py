@@ -5,6 +5,12 @@ part of one client's shard of an epoch) into batches.
 (:func:`readers.dataset.iter_batches`), optionally over one :class:`~readers.holdout.Holdout`
 part of it (the training or the held-out row groups, as the in-process trainer divides them);
 :class:`SyntheticProducer` makes deterministic batches to exercise the service without one.
+
+A client that is one rank of a multi-rank job asks for its rank instead of a shard
+(:class:`RankRequest`): :class:`DatasetProducer` then runs the in-process rank reader,
+:class:`readers.ranks.RankBatchDataset`, positioned at the client's state, so the rank gets the
+very batches it would read in-process (its readers take every ``num_readers``-th step; the
+session relays them in step order).
 """
 
 from __future__ import annotations
@@ -24,7 +30,24 @@ if TYPE_CHECKING:
     from recpipe.batch import Batch
     from schemas import DatasetSchema
 
-__all__ = ["BatchProducer", "DatasetProducer", "ShardSpec", "SyntheticProducer"]
+__all__ = ["BatchProducer", "DatasetProducer", "RankRequest", "ShardSpec", "SyntheticProducer"]
+
+
+@dataclass(frozen=True)
+class RankRequest:
+    """A client that is rank ``rank`` of a ``world_size``-rank job.
+
+    Attributes:
+        rank: the client's rank.
+        world_size: ranks of the job.
+        state: where the rank reader starts: a :meth:`readers.ranks.RankBatchDataset.state_dict`
+            (saved at any world size), or ``None`` for the start of the requested epoch. The
+            server resolves it (:meth:`DatasetProducer.rank_state`) before readers see it.
+    """
+
+    rank: int
+    world_size: int
+    state: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +58,8 @@ class ShardSpec:
     shard further, reader ``reader`` taking its own part. Flattened, reader ``reader`` of
     shard ``shard`` is part ``shard * num_readers + reader`` of ``num_shards * num_readers``.
     With ``holdout``, the epoch is that part of the dataset only (shards split it as before).
+    With ``ranks``, the client is one rank of a job (``shard``/``num_shards`` are its rank and
+    world size) and reader ``reader`` makes every ``num_readers``-th of the rank's steps.
     """
 
     shard: int = 0
@@ -43,6 +68,7 @@ class ShardSpec:
     num_readers: int = 1
     epoch: int = 0
     holdout: Holdout | None = None
+    ranks: RankRequest | None = None
 
     @property
     def part(self) -> int:
@@ -61,7 +87,8 @@ class BatchProducer(Protocol):
     A producer may also have ``batch_size`` (rows per batch: a client asking for another size
     is refused) and, over a dataset's row groups, ``count_splits(holdout) -> int`` (row groups
     in a :class:`~readers.holdout.Holdout` part; without it, a client asking for a part is
-    refused).
+    refused) and ``rank_state(ranks, epoch=, holdout=) -> state`` (the position a rank client
+    starts at; without it, a client asking for a rank is refused).
     """
 
     def __call__(self, spec: ShardSpec) -> Iterator[Batch]: ...
@@ -84,6 +111,8 @@ class DatasetProducer:
             before its first client (see :meth:`warm_up`); 0 turns it off.
         read_ahead: row groups a reader process decodes ahead in a second thread
             (:class:`readers.source.ReaderConfig`; 0: one thread per reader process).
+        cut: how a rank client's global batches are cut into rank micro-batches
+            (:class:`readers.ranks.RankCut`, picklable; ``None``: contiguous ranges).
     """
 
     dataset: str
@@ -95,6 +124,7 @@ class DatasetProducer:
     seed: int = 0
     warmup_batches: int = 20
     read_ahead: int = 1
+    cut: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_batches, bool) or not (
@@ -118,14 +148,10 @@ class DatasetProducer:
     def __call__(self, spec: ShardSpec) -> Iterator[Batch]:
         """Yield the batches of ``spec``'s part of the epoch."""
         from readers.dataset import iter_batches
-        from readers.source import ReaderConfig
 
-        config = ReaderConfig(
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            read_ahead=self.read_ahead,
-        )
+        if spec.ranks is not None:
+            return self._rank_batches(spec)
+        config = self._reader_config()
         return iter_batches(
             self.dataset,
             schema=self._schema(),
@@ -139,6 +165,56 @@ class DatasetProducer:
             epoch=spec.epoch,
             holdout=spec.holdout,
         )
+
+    def _reader_config(self) -> Any:
+        from readers.source import ReaderConfig
+
+        return ReaderConfig(
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            read_ahead=self.read_ahead,
+        )
+
+    def _rank_reader(self, ranks: RankRequest, holdout: Holdout | None) -> Any:
+        """The in-process rank reader this client's rank would use."""
+        from readers.ranks import RankBatchDataset
+        from readers.source import DatasetSource
+
+        schema = self._schema()
+        splits = DatasetSource(self.dataset, schema=schema).splits
+        if holdout is not None:
+            splits = holdout.select(splits, session_key=schema.session_key)
+        return RankBatchDataset(
+            self.dataset, schema=schema, config=self._reader_config(),
+            transforms=self.preprocess, dedup=self.dedup, rank=ranks.rank,
+            world_size=ranks.world_size, splits=splits, cut=self.cut,
+        )  # fmt: skip
+
+    def rank_state(
+        self, ranks: RankRequest, *, epoch: int, holdout: Holdout | None = None
+    ) -> dict[str, Any]:
+        """Where rank client ``ranks`` starts: its state (or the start of ``epoch``), loaded
+        at its world size (re-dealt if saved at another) with the layout filled in.
+
+        Raises:
+            DataError: a state that is not a rank reader state of this batch size, or a
+                dataset that cannot be read.
+        """
+        reader = self._rank_reader(ranks, holdout)
+        if ranks.state is None:
+            reader.set_epoch(epoch)
+        else:
+            reader.load_state_dict(ranks.state)
+        return reader.state_dict()
+
+    def _rank_batches(self, spec: ShardSpec) -> Iterator[Batch]:
+        """This reader's share (every ``num_readers``-th step) of a rank client's epoch."""
+        assert spec.ranks is not None  # the caller checked
+        reader = self._rank_reader(spec.ranks, spec.holdout)
+        reader.load_state_dict(spec.ranks.state)
+        steps = reader.iter_indexed(worker_id=spec.reader, num_workers=spec.num_readers)
+        return (batch for _, batch in steps)
 
     def count_splits(self, holdout: Holdout) -> int:
         """Row groups in the ``holdout`` part of the dataset.

@@ -1,15 +1,23 @@
 """One client of the reader service: its handshake, then its readers, queue and stream.
 
-**The conversation.** ``client: HELLO{token, shard, num_shards, epoch[, holdout][, batch_size]}``
--> ``server: WELCOME{readers, queue_depth, heartbeat_s, shard, num_shards, epoch[, batch_size]
-[, splits]}`` (or ``ERROR{message[, code]}`` and close: wrong token, bad request, a batch size
-the server does not make, server busy) -> ``BATCH``... with ``HEARTBEAT`` frames while no batch
-is ready -> ``END{batches, samples}``. A reader failure reaches the client as
-``ERROR{message}``; shutting the server down sends ``ERROR`` too. ``holdout`` asks for one part
-of the dataset (``{"fraction", "seed", "part": "train" | "held_out"}``, see
+**The conversation.** ``client: HELLO{token, shard, num_shards, epoch[, holdout][, batch_size]
+[, ranks]}`` -> ``server: WELCOME{readers, queue_depth, heartbeat_s, shard, num_shards, epoch
+[, batch_size][, splits][, ranks]}`` (or ``ERROR{message[, code]}`` and close: wrong token, bad
+request, a batch size the server does not make, server busy) -> ``BATCH``... with ``HEARTBEAT``
+frames while no batch is ready -> ``END{batches, samples}``. A reader failure reaches the
+client as ``ERROR{message}``; shutting the server down sends ``ERROR`` too. ``holdout`` asks
+for one part of the dataset (``{"fraction", "seed", "part": "train" | "held_out"}``, see
 :mod:`readers.holdout`); ``splits`` is how many row groups that part holds. A refusal because
 of a limit carries ``code: "busy"`` (the client raises
 :class:`~readers.service.wire.ServiceBusyError`).
+
+**Ranks.** ``ranks: {rank, world_size, state}`` makes the client rank ``rank`` of a
+multi-rank job (``shard``/``num_shards`` are ignored): ``state`` is its rank reader position
+(:meth:`readers.ranks.RankBatchDataset.state_dict`, saved at any world size) or ``null`` for
+the start of ``epoch``. WELCOME answers ``ranks: {rank, world_size, state}`` with the position
+resolved (the epoch's layout filled in, re-dealt for this world size); the BATCH frames are
+the rank's micro-batches from there to the end of the epoch, in step order (the session relays
+its readers round-robin, reader ``j`` making steps ``j``, ``j + readers``, ...).
 
 **Before HELLO a connection holds nothing** but its socket and the thread reading it
 (:func:`read_hello`): no queue, no semaphore, no shared memory. The whole HELLO must arrive
@@ -42,7 +50,7 @@ from typing import Any, Literal
 
 from readers.holdout import Holdout
 from readers.service.config import TOKEN_ENV, ServiceConfig, SessionStats, fmt_bytes
-from readers.service.producers import BatchProducer, ShardSpec
+from readers.service.producers import BatchProducer, RankRequest, ShardSpec
 from readers.service.reader_process import (
     STOP_GRACE_S,
     PooledReader,
@@ -77,6 +85,7 @@ JOIN_TIMEOUT_S = 10.0
 _LINGER_S = 1.0  # a refused peer has this long to read the ERROR before the socket closes
 _POLL_S = 0.2
 _HOLDOUT_KEYS = frozenset({"fraction", "seed", "part"})
+_RANKS_KEYS = frozenset({"rank", "world_size", "state"})
 
 SessionState = Literal["streaming", "done", "disconnected", "failed", "stopped"]
 
@@ -145,11 +154,33 @@ def _parse_request(meta: dict[str, Any], *, num_readers: int) -> Request:
     ):
         msg = f"HELLO field `batch_size` must be a positive integer, got {batch_size!r:.50}"
         raise ProtocolError(msg)
+    ranks = _parse_ranks(meta.get("ranks"))
+    if ranks is not None:
+        values["shard"], values["num_shards"] = ranks.rank, ranks.world_size
     spec = ShardSpec(
         values["shard"], values["num_shards"], 0, num_readers, values["epoch"],
-        _parse_holdout(meta.get("holdout")),
+        _parse_holdout(meta.get("holdout")), ranks,
     )  # fmt: skip
     return Request(spec, batch_size)
+
+
+def _parse_ranks(value: Any) -> RankRequest | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not set(value) <= _RANKS_KEYS:
+        msg = f"HELLO field `ranks` must be {{rank, world_size, state}}, got {value!r:.100}"
+        raise ProtocolError(msg)
+    rank, world = value.get("rank"), value.get("world_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world)) or not (
+        0 <= rank < world
+    ):
+        msg = f"HELLO field `ranks` needs 0 <= rank < world_size, got {value!r:.100}"
+        raise ProtocolError(msg)
+    state = value.get("state")
+    if state is not None and not isinstance(state, dict):
+        msg = f"HELLO field `ranks.state` must be a rank reader state or null, got {state!r:.100}"
+        raise ProtocolError(msg)
+    return RankRequest(rank, world, state)
 
 
 def _parse_holdout(value: Any) -> Holdout | None:
@@ -182,6 +213,7 @@ def check_request(request: Request, producer: BatchProducer) -> Request:
             f"batches of {made} (`--batch-size`): start both with the same batch size"
         )
         raise ServiceError(msg)
+    request = _check_ranks(request, producer)
     holdout = request.spec.holdout
     if holdout is None:
         return request
@@ -198,6 +230,28 @@ def check_request(request: Request, producer: BatchProducer) -> Request:
         msg = f"cannot serve the `{holdout.part}` part: {type(exc).__name__}: {exc}"
         raise ServiceError(msg) from None
     return dataclasses.replace(request, splits=splits)
+
+
+def _check_ranks(request: Request, producer: BatchProducer) -> Request:
+    """Resolve a rank client's position (its layout for its world size), or refuse it."""
+    spec = request.spec
+    if spec.ranks is None:
+        return request
+    rank_state: Callable[..., dict[str, Any]] | None = getattr(producer, "rank_state", None)
+    if rank_state is None:
+        msg = (
+            f"this server's producer ({type(producer).__name__}) cannot serve the ranks of a "
+            "job: serve a dataset"
+        )
+        raise ServiceError(msg)
+    try:
+        state = rank_state(spec.ranks, epoch=spec.epoch, holdout=spec.holdout)
+    except Exception as exc:  # a foreign state, an unreadable dataset: say so, by name
+        msg = f"cannot serve rank {spec.ranks.rank}: {type(exc).__name__}: {exc}"
+        raise ServiceError(msg) from None
+    ranks = dataclasses.replace(spec.ranks, state=state)
+    spec = dataclasses.replace(spec, epoch=int(state["epoch"]), ranks=ranks)
+    return dataclasses.replace(request, spec=spec)
 
 
 def refuse(conn: socket.socket, message: str, *, busy: bool = False) -> None:
@@ -322,6 +376,10 @@ class ClientSession:
             welcome["batch_size"] = made
         if self.request.splits is not None:
             welcome["splits"] = self.request.splits
+        ranks = self.spec.ranks
+        if ranks is not None:
+            welcome["ranks"] = {"rank": ranks.rank, "world_size": ranks.world_size,
+                                "state": ranks.state}  # fmt: skip
         self._send(encode_frame(FrameKind.WELCOME, welcome))
 
     def _start_readers(self) -> None:
@@ -367,8 +425,12 @@ class ClientSession:
         Items: ``("batch", frame, rows)``, ``("end", reader, batches)``, ``("error", reader,
         message)``. A frame is received only once a credit is free (returned when the frame
         has been sent), so the session never holds more than ``queue_depth`` frames; beyond
-        that the readers block on their sockets.
+        that the readers block on their sockets. A rank client's frames are taken from its
+        readers in turn (:meth:`_collect_in_order`).
         """
+        if self.spec.ranks is not None:
+            self._collect_in_order()
+            return
         with selectors.DefaultSelector() as selector:
             for reader, sock in enumerate(self.socks):
                 selector.register(sock, selectors.EVENT_READ, reader)
@@ -385,6 +447,26 @@ class ClientSession:
                     self.ready.put(item)
                     if item[0] == "error":
                         return
+
+    def _collect_in_order(self) -> None:
+        """Frames from reader 0, 1, ..., 0, 1, ...: reader ``j`` makes the rank's steps ``j``,
+        ``j + readers``, ..., so taking them in turn gives the steps in order. A reader that
+        ended is passed over (the ones after it in the turn end too: they have no later
+        step)."""
+        live = list(range(len(self.socks)))
+        while live and not self.stop.is_set():
+            for reader in list(live):
+                if not self._take_credit():
+                    return
+                item = self._receive(self.socks[reader], reader)
+                if item is None:
+                    return
+                if item[0] != "batch":
+                    self.credits.release()
+                    live.remove(reader)
+                self.ready.put(item)
+                if item[0] == "error":
+                    return
 
     def _take_credit(self) -> bool:
         if self.credits.acquire(blocking=False):

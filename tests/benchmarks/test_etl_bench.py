@@ -39,6 +39,13 @@ def test_tiny_run_writes_results(tmp_path, capsys):
     ):
         assert results[key] > 0, key
     assert results["rows_out"] == results["rows_in"] == 3000
+    # the ratios are medians of alternated rounds, with their spread and CPU-time twin
+    for key in ("build_vs_duckdb_oneliner", "polars_vs_duckdb_build"):
+        spread = results[f"{key}_spread"]
+        assert spread["median"] == results[key] == spread["wall"]["median"]
+        assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] == 1
+        assert spread["cpu"]["median"] > 0
+    assert results["build_s"] == results["build_s_runs"][0] and results["environment"]["cpus"]
     # the Polars engine builds the same part files, byte for byte
     assert results["polars_same_parquet"] is True and results["polars_vs_duckdb_build"] > 0
     clustered, timed = results["dedup_factor_clustered"], results["dedup_factor_time_ordered"]

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -229,7 +230,8 @@ def run_case(comm: Comm, dataset: str, case: tuple, refs: dict) -> dict | None:
 
 
 def matrix(rank: int, world_size: int, dataset: str, out: str) -> None:
-    """Every case at 2, 3 and 4 ranks, in one job of ``world_size`` = 4 processes."""
+    """Every case at 2, 3 and 4 ranks, in one job of ``world_size`` = 4 processes; and at 2
+    ranks, ``recpipe train``'s rank loop in-process and through the reader service."""
     for world in (2, 3, 4):
         comm = subgroup_comm(world)
         if comm is not None:
@@ -237,6 +239,10 @@ def matrix(rank: int, world_size: int, dataset: str, out: str) -> None:
             results = [run_case(comm, dataset, case, refs) for case in CONFIGS]
             if comm.rank == 0:
                 Path(out, f"matrix-{world}.json").write_text(json.dumps(results))
+            if world == 2:
+                served = service_and_in_process(comm, dataset)
+                if comm.rank == 0:
+                    Path(out, "service.json").write_text(json.dumps(served))
         dist.barrier()
 
 
@@ -295,3 +301,43 @@ def checkpoint_tables(root: str) -> dict:
                      "values": torch.cat([p[name]["values"] for p in parts])[order],
                      "state": torch.cat([p[name]["state"] for p in parts])[order]}  # fmt: skip
     return out
+
+
+def service_and_in_process(comm: Comm, dataset: str) -> dict | None:
+    """``train_rank`` on this group twice, reading in-process and through the reader service
+    (one client per rank, rank 0's process hosts the server): the training losses and the
+    remainders (rank 0's record; ``None`` elsewhere)."""
+    import io
+
+    from readers.service import DatasetProducer, ReaderServer, ServiceConfig
+    from trainer.config import TrainConfig
+    from trainer.distributed.config import DistributedConfig
+    from trainer.distributed.run import train_rank
+
+    config = TrainConfig(dataset=dataset, batch_size=BATCH, steps=4, eval_fraction=0.25,
+                         model=SMALL_MODEL, seed=0)  # fmt: skip
+    options = DistributedConfig(hot_rows=16, count_steps=2, probe_rows=256, probe_repeats=1)
+    server = None
+    if comm.rank == 0:
+        producer = DatasetProducer(dataset, batch_size=BATCH, shuffle=True, seed=0,
+                                   warmup_batches=0)  # fmt: skip
+        server = ReaderServer(producer, config=ServiceConfig(readers=0, report_every_s=0),
+                              log=io.StringIO()).start()  # fmt: skip
+    address = [None if server is None else "{}:{}".format(*server.address)]
+    dist.broadcast_object_list(address, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+    try:
+        here, _ = train_rank(config, options, comm=comm, progress=False)
+        served, summary = train_rank(
+            replace(config, service=address[0]), options, comm=comm, progress=False
+        )
+    finally:
+        if server is not None:
+            server.close()
+    if comm.rank != 0:
+        return None
+    return {
+        "in_process": here.losses,
+        "service": served.losses,
+        "evals": [here.final_eval.samples, served.final_eval.samples],
+        "remainder_rows": summary.remainder_rows,
+    }

@@ -3,6 +3,7 @@ worker killed with SIGKILL failing the whole command within a minute."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -37,14 +38,27 @@ def _recpipe() -> str:
     return str(Path(sys.executable).with_name("recpipe"))
 
 
-def test_nproc_then_plain_torchrun_resume_at_three_ranks(dist_dataset, tmp_path):
-    """Save at 2 ranks (`recpipe train --nproc 2`), resume at 3 (plain torchrun): the rows move
-    to their new owners, the hot set comes back, and the losses are those of one process on the
-    same global batches (the 2-rank job's first 3, then the 3-rank job's)."""
+@pytest.fixture
+def server(dist_dataset):
+    """`recpipe serve` of the test dataset, as `--shuffle --seed 0 --batch-size 32` serves it."""
+    from readers.service import DatasetProducer, ReaderServer, ServiceConfig
+
+    producer = DatasetProducer(str(dist_dataset), batch_size=dist_cases.BATCH, shuffle=True,
+                               seed=0, warmup_batches=0)  # fmt: skip
+    config = ServiceConfig(readers=0, report_every_s=0)
+    with ReaderServer(producer, config=config, log=io.StringIO()) as srv:
+        yield "{}:{}".format(*srv.address)
+
+
+def test_nproc_then_plain_torchrun_resume_at_three_ranks(dist_dataset, tmp_path, server):
+    """Save at 2 ranks (`recpipe train --nproc 2`, each rank a client of the reader service),
+    resume at 3 (plain torchrun, reading in-process): the rows move to their new owners, the hot
+    set comes back, and the losses are those of one process on the same global batches (the
+    2-rank job's first 3, then the 3-rank job's)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run.json"
     first = subprocess.run(
         [_recpipe(), "train", str(dist_dataset), "--nproc", "2", "--steps", "3", "--checkpoint",
-         str(ckpt), "--json", str(out), "--hot-rows", "40", *SMALL],
+         str(ckpt), "--json", str(out), "--hot-rows", "40", "--service", server, *SMALL],
         capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]

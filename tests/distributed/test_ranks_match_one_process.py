@@ -30,11 +30,16 @@ STATE_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}  # tables and dense parame
 
 
 @pytest.fixture(scope="module")
-def matrix(dist_dataset, tmp_path_factory):
+def matrix_dir(dist_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix")
     codes = run_ranks(dist_cases.matrix, 4, str(dist_dataset), str(out))
     assert codes == [0, 0, 0, 0], f"the ranks exited with {codes}"
-    return {w: json.loads((out / f"matrix-{w}.json").read_text()) for w in (2, 3, 4)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix(matrix_dir):
+    return {w: json.loads((matrix_dir / f"matrix-{w}.json").read_text()) for w in (2, 3, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -92,3 +97,13 @@ def test_reshard_while_training_loses_no_update(matrix):
         assert len(set(r["hot_rows"])) == dist_cases.STEPS  # R changed before every step
         assert r["loss_dev"] <= r["tolerance"], r
         assert r["table_dev"] <= STATE_TOLERANCE[r["case"][3]], r
+
+
+def test_training_through_the_reader_service_is_training_in_process(matrix_dir):
+    """2 ranks, each one client of `recpipe serve`: the same losses, bit for bit, as the same
+    ranks reading in-process (the server runs the in-process rank reader for each)."""
+    served = json.loads((matrix_dir / "service.json").read_text())
+    assert len(served["in_process"]) == 4
+    assert served["service"] == served["in_process"]
+    assert all(n > 0 for n in served["evals"])  # the held-out part was read both ways
+    assert served["remainder_rows"] >= 0

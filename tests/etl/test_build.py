@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -13,6 +14,14 @@ from etl import reasons
 from etl.build import BuildConfig, build, format_summary
 from recpipe.errors import CorruptInputError, DataError
 from schemas import default_schema
+
+
+def build_lenient(features, out_dir, *, config: BuildConfig | None = None, **kwargs) -> dict:
+    """:func:`etl.build.build` that allows schema features missing from every record: the
+    corpora here carry 4 of the bundled schema's 17 features (the check that refuses them by
+    default is tested in test_build_features.py)."""
+    config = replace(config or BuildConfig(), allow_missing_features=True)
+    return build(features, out_dir, config=config, **kwargs)
 
 
 def _dataset(path: Path):
@@ -87,7 +96,7 @@ BAD_CASES = [
 @pytest.mark.parametrize(("line", "reason", "field"), BAD_CASES)
 def test_each_bad_kind_is_quarantined_with_its_reason(tmp_path, line, reason, field):
     src = _write(tmp_path / "f.jsonl", [*GOOD, line])
-    m = build(src, tmp_path / "out")
+    m = build_lenient(src, tmp_path / "out")
     _reconciles(m)
     assert m["rows_in"] == 4 and m["rows_out"] == 3
     assert m["quarantine_by_reason"][reason] == 1
@@ -102,7 +111,7 @@ def test_each_bad_kind_is_quarantined_with_its_reason(tmp_path, line, reason, fi
 def test_duplicate_request_id_keeps_the_first_in_file_order(tmp_path):
     a = _write(tmp_path / "a.jsonl", [_rec("r1", 10, session="s"), _rec("r2", 11, session="s")])
     b = _write(tmp_path / "b.jsonl.zst", [_rec("r1", 5, session="t"), _rec("r3", 12, session="s")])
-    m = build([a, b], tmp_path / "out")
+    m = build_lenient([a, b], tmp_path / "out")
     _reconciles(m)
     assert m["quarantine_by_reason"][reasons.DUPLICATE_REQUEST_ID] == 1
     (q,) = _quarantine(tmp_path / "out")
@@ -121,7 +130,7 @@ def test_lenient_but_valid_records_are_accepted(tmp_path):
         _rec("d", 5, session="s", sparse={"user_liked_items": list(range(80))}),  # truncated
         _rec("e", 6, session="s", dense={"mystery": 1.0}, sparse={"unknown_list": [1]}),
     ]
-    m = build(_write(tmp_path / "f.jsonl", lines), tmp_path / "out")
+    m = build_lenient(_write(tmp_path / "f.jsonl", lines), tmp_path / "out")
     _reconciles(m)
     assert m["rows_quarantined"] == 0, _quarantine(tmp_path / "out")
     assert m["unknown_features"] == {"dense.mystery": 1, "sparse.unknown_list": 1}
@@ -148,7 +157,7 @@ LABEL_EVENTS = [
 def test_labels_are_the_max_event_and_bad_events_are_quarantined(tmp_path):
     feats = _write(tmp_path / "f.jsonl", [_rec(f"r{i}", i, session="s") for i in range(4)])
     evs = _write(tmp_path / "e.jsonl", LABEL_EVENTS)
-    m = build(feats, tmp_path / "out", events=evs)
+    m = build_lenient(feats, tmp_path / "out", events=evs)
     assert _dataset(tmp_path / "out").column("label").to_pylist() == [1.0, 0.0, 1.0, 0.0]
     assert m["events_in"] == 7 and m["events_quarantined"] == 2
     assert m["events_quarantine_by_reason"][reasons.MALFORMED_JSON] == 1
@@ -168,7 +177,7 @@ def test_sessions_from_user_and_gap_when_no_session_id(tmp_path):
         _rec("d", 1_500, user=2),
         _rec("e", 1_200),  # no session, no user: a session of its own
     ]
-    m = build(_write(tmp_path / "f.jsonl", lines), tmp_path / "out")
+    m = build_lenient(_write(tmp_path / "f.jsonl", lines), tmp_path / "out")
     assert m["sessions"] == 4
     t = _dataset(tmp_path / "out")
     pairs = list(zip(t.column("session_id").to_pylist(), t.column("ts").to_pylist()))
@@ -189,7 +198,7 @@ def test_clustered_sorted_and_row_groups_never_split_a_session(tmp_path):
         ]
     rnd.shuffle(lines)
     src = _write(tmp_path / "f.jsonl.zst", lines)
-    m = build(src, tmp_path / "out", config=BuildConfig(row_group_size=50))
+    m = build_lenient(src, tmp_path / "out", config=BuildConfig(row_group_size=50))
     t = _dataset(tmp_path / "out")
     sid, ts = t.column("session_id").to_pylist(), t.column("ts").to_pylist()
     assert sid == sorted(sid) and m["sessions"] == 60
@@ -215,11 +224,11 @@ def test_clustered_sorted_and_row_groups_never_split_a_session(tmp_path):
 def test_time_order_baseline_and_sampling(tmp_path):
     lines = [_rec(f"r{i}", (i * 37) % 101, session=f"s{i % 7}") for i in range(100)]
     src = _write(tmp_path / "f.jsonl", lines)
-    m = build(src, tmp_path / "t", config=BuildConfig(order="time"))
+    m = build_lenient(src, tmp_path / "t", config=BuildConfig(order="time"))
     ts = _dataset(tmp_path / "t").column("ts").to_pylist()
     assert ts == sorted(ts) and m["order"] == "time"
-    a = build(src, tmp_path / "a", config=BuildConfig(sample_sessions=0.5, seed=3))
-    build(src, tmp_path / "b", config=BuildConfig(sample_sessions=0.5, seed=3))
+    a = build_lenient(src, tmp_path / "a", config=BuildConfig(sample_sessions=0.5, seed=3))
+    build_lenient(src, tmp_path / "b", config=BuildConfig(sample_sessions=0.5, seed=3))
     _reconciles(a)
     assert 0 < a["sessions"] < 7 and a["rows_sampled_out"] > 0
     assert _dataset(tmp_path / "a").equals(_dataset(tmp_path / "b"))
@@ -251,7 +260,7 @@ def test_file_session_counts_match_the_files(tmp_path, order, partition_by, max_
     cfg = BuildConfig(
         order=order, partition_by=partition_by, max_file_bytes=max_file_bytes, row_group_size=8
     )
-    m = build(src, tmp_path / "out", config=cfg)
+    m = build_lenient(src, tmp_path / "out", config=cfg)
     ids = [
         set(pq.read_table(tmp_path / "out" / f["path"]).column("session_id").to_pylist())
         for f in m["files"]
@@ -281,15 +290,15 @@ def test_file_session_counts_match_the_files(tmp_path, order, partition_by, max_
 def test_same_inputs_give_byte_identical_parquet_and_atomic_overwrite(tmp_path):
     lines = [_rec(f"r{i}", 1000 + i, session=f"s{i % 5}", user=i % 3) for i in range(200)]
     src = _write(tmp_path / "f.jsonl.zst", lines)
-    build(src, tmp_path / "a", config=BuildConfig(row_group_size=16))
-    build(src, tmp_path / "b", config=BuildConfig(row_group_size=16))
+    build_lenient(src, tmp_path / "a", config=BuildConfig(row_group_size=16))
+    build_lenient(src, tmp_path / "b", config=BuildConfig(row_group_size=16))
     pa_ = sorted(p.name for p in (tmp_path / "a").glob("part-*.parquet"))
     assert pa_ == sorted(p.name for p in (tmp_path / "b").glob("part-*.parquet"))
     for name in pa_:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     with pytest.raises(DataError, match="already exists"):
-        build(src, tmp_path / "a")
-    m = build(src, tmp_path / "a", overwrite=True, config=BuildConfig(partition_by="hour"))
+        build_lenient(src, tmp_path / "a")
+    m = build_lenient(src, tmp_path / "a", overwrite=True, config=BuildConfig(partition_by="hour"))
     assert [f["path"] for f in m["files"]] == ["dt=1970-01-01-00/part-00000.parquet"]
     assert not list(tmp_path.glob(".a.*"))
     manifest = json.loads((tmp_path / "a" / "_manifest.json").read_text())
@@ -316,7 +325,7 @@ def test_corrupt_inputs_raise_errors_naming_the_file(tmp_path):
         p = tmp_path / name
         p.write_bytes(data)
         with pytest.raises(CorruptInputError, match=name):
-            build(p, tmp_path / f"out-{name}")
+            build_lenient(p, tmp_path / f"out-{name}")
         assert not (tmp_path / f"out-{name}").exists()
         assert not list(tmp_path.glob(f".out-{name}*"))
 
@@ -326,7 +335,7 @@ def test_parquet_input_and_config_errors(tmp_path):
 
     rows = [_rec(f"r{i}", i, session="s") for i in range(5)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "f.parquet")
-    m = build(tmp_path / "f.parquet", tmp_path / "out")
+    m = build_lenient(tmp_path / "f.parquet", tmp_path / "out")
     assert m["rows_out"] == 5 and m["rows_quarantined"] == 0
     assert "rows out" in format_summary(m)
     with pytest.raises(DataError, match="`sample_sessions`"):
@@ -334,18 +343,18 @@ def test_parquet_input_and_config_errors(tmp_path):
     with pytest.raises(DataError, match="`memory_limit`"):
         BuildConfig(memory_limit="lots")
     with pytest.raises(DataError, match="does not exist"):
-        build(tmp_path / "missing.jsonl", tmp_path / "o2")
+        build_lenient(tmp_path / "missing.jsonl", tmp_path / "o2")
 
 
 def test_empty_input_and_mistyped_parquet_column(tmp_path):
     import pyarrow as pa
 
     (tmp_path / "empty.jsonl").write_bytes(b"")
-    m = build(tmp_path / "empty.jsonl", tmp_path / "out")
+    m = build_lenient(tmp_path / "empty.jsonl", tmp_path / "out")
     assert m["rows_in"] == m["rows_out"] == 0 and m["compression_ratio"] is None
     assert "Parquet = n/a" in format_summary(m)
     pq.write_table(pa.table({"request_id": ["a"], "ts": ["noon"]}), tmp_path / "t.parquet")
-    m = build(tmp_path / "t.parquet", tmp_path / "out2")
+    m = build_lenient(tmp_path / "t.parquet", tmp_path / "out2")
     assert m["quarantine_by_reason"][reasons.WRONG_TYPE] == 1
     (bad,) = _quarantine(tmp_path / "out2")
     assert bad["source"].endswith("t.parquet") and bad["line"] == 1
@@ -353,7 +362,7 @@ def test_empty_input_and_mistyped_parquet_column(tmp_path):
 
 
 def test_synth_logs_reconcile_with_the_injected_bad_records(synth_logs, tmp_path):
-    m = build(synth_logs.features, tmp_path / "out", events=synth_logs.events)
+    m = build_lenient(synth_logs.features, tmp_path / "out", events=synth_logs.events)
     _reconciles(m)
     assert m["rows_in"] == synth_logs.num_requests
     for reason, n in synth_logs.num_bad.items():
@@ -375,7 +384,7 @@ def test_unroutable_lines_of_etl_shard_are_validated_with_their_origin(tmp_path)
     (shards / UNROUTABLE_NAME).write_bytes(
         zstandard.ZstdCompressor().compress(b"\n".join(rows) + b"\n")
     )
-    m = build(shards, tmp_path / "out")
+    m = build_lenient(shards, tmp_path / "out")
     _reconciles(m)
     assert (m["rows_in"], m["rows_out"], m["rows_quarantined"]) == (3, 2, 1)
     (q,) = _quarantine(tmp_path / "out")
@@ -387,10 +396,8 @@ def test_cli_builds_and_prints_a_summary(tmp_path, capsys):
 
     src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
     out = tmp_path / "out"
-    assert (
-        main(["etl", "build", str(src), "--out", str(out), "--no-progress", "--session-gap", "10m"])
-        == 0
-    )
+    args = ["etl", "build", str(src), "--out", str(out), "--no-progress"]
+    assert main([*args, "--session-gap", "10m", "--allow-missing-features"]) == 0
     text = capsys.readouterr().out
     assert "rows in" in text and "malformed_json" in text
     assert main(["etl", "build", str(src), "--out", str(out), "--no-progress"]) == 1
@@ -402,14 +409,14 @@ def test_cli_builds_and_prints_a_summary(tmp_path, capsys):
 
 @pytest.mark.parametrize("order", ["session", "time"])
 def test_sorting_in_key_ranges_gives_the_same_files(tmp_path, monkeypatch, order):
-    import etl.build as build_mod
+    from etl.build import engine_duckdb
 
     lines = [_rec(f"r{i}", (i * 7919) % 613, session=f"s{i % 41}") for i in range(600)]
     src = _write(tmp_path / "f.jsonl", lines)
     cfg = BuildConfig(order=order, memory_limit="1GB", row_group_size=64)
-    build(src, tmp_path / "whole", config=BuildConfig(order=order, row_group_size=64))
-    monkeypatch.setattr(build_mod, "_rows_per_sort_chunk", lambda config: 50)
-    m = build(src, tmp_path / "ranges", config=cfg)
+    build_lenient(src, tmp_path / "whole", config=BuildConfig(order=order, row_group_size=64))
+    monkeypatch.setattr(engine_duckdb, "rows_per_sort_chunk", lambda config: 50)
+    m = build_lenient(src, tmp_path / "ranges", config=cfg)
     assert m["rows_out"] == 600
     for f in m["files"]:
         assert (tmp_path / "whole" / f["path"]).read_bytes() == (

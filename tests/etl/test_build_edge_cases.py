@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import json
 
-import duckdb
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-import etl.build as build_mod
-from etl import _build_polars, reasons
-from etl._build_sql import TS_RANGE
-from etl.build import BuildConfig, build
+from etl import reasons
+from etl.build import BuildConfig
+from etl.build import engine_polars as polars_engine
+from etl.build.engine import BuildJob
+from etl.build.engine_duckdb import DuckDBEngine
+from etl.build.validate import TS_RANGE, Validator
 from etl.rawio import UNROUTABLE_NAME, unroutable_record
 from recpipe.errors import RecpipeError
-from tests.etl.test_build import _dataset, _quarantine, _rec, _reconciles, _write
+from schemas import default_schema
+from tests.etl.test_build import (
+    _dataset,
+    _quarantine,
+    _rec,
+    _reconciles,
+    _write,
+    build_lenient,
+)
 
 
 def _rows_written(out) -> int:
@@ -43,7 +52,7 @@ def test_unroutable_records_sharing_a_line_are_each_built_once(tmp_path, bad_sec
         tmp_path,
         [unroutable_record("raw/a.jsonl", 9, "no_key", json.dumps(_rec("b", 2)).encode()), second],
     )
-    m = build(shards, tmp_path / "out")
+    m = build_lenient(shards, tmp_path / "out")
     _reconciles(m)
     assert m["rows_in"] == 3
     assert m["rows_out"] == _rows_written(tmp_path / "out") == (2 if bad_second else 3)
@@ -62,7 +71,7 @@ def test_quarantined_unroutable_records_sharing_a_line_keep_the_files_order(tmp_
         [unroutable_record(s, 4, "malformed_json", b"{" * (i + 1)) for i, s in enumerate(sources)],
     )
     for engine in ("duckdb", "polars"):
-        m = build(shards, tmp_path / engine, config=BuildConfig(engine=engine))
+        m = build_lenient(shards, tmp_path / engine, config=BuildConfig(engine=engine))
         assert m["quarantine_by_reason"][reasons.MALFORMED_JSON] == 4
         q = _quarantine(tmp_path / engine)
         assert [(x["source"], x["line"], x["raw"]) for x in q] == [
@@ -71,15 +80,17 @@ def test_quarantined_unroutable_records_sharing_a_line_keep_the_files_order(tmp_
 
 
 def test_files_holding_other_than_rows_out_is_an_internal_error(tmp_path, monkeypatch):
-    counts = build_mod._counts
+    counts = DuckDBEngine.counts
 
-    def off_by_one(con):
-        return {**(c := counts(con)), "rows_out": c["rows_out"] + 1}
+    def off_by_one(engine):
+        c = counts(engine)
+        c.rows_out += 1
+        return c
 
-    monkeypatch.setattr(build_mod, "_counts", off_by_one)
+    monkeypatch.setattr(DuckDBEngine, "counts", off_by_one)
     src = _write(tmp_path / "f.jsonl", [_rec("a", 1, session="s")])
     with pytest.raises(RecpipeError, match="internal: the files hold 1 rows, the build counted 2"):
-        build(src, tmp_path / "out")
+        build_lenient(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -95,7 +106,7 @@ def test_labels_beyond_float32_are_quarantined_and_other_events_still_count(tmp_
             {"request_id": "r3", "label": 0.5},
         ],
     )
-    m = build(feats, tmp_path / "out", events=evs)
+    m = build_lenient(feats, tmp_path / "out", events=evs)
     _reconciles(m)
     assert m["events_quarantine_by_reason"][reasons.NON_FINITE] == 2
     labels = _dataset(tmp_path / "out").column("label").to_pylist()
@@ -105,19 +116,26 @@ def test_labels_beyond_float32_are_quarantined_and_other_events_still_count(tmp_
     assert all("field `label`: expected a number within float32" in x["detail"] for x in q)
 
 
-def test_user_records_more_than_2_63_ms_apart_start_a_new_session():
+def test_user_records_more_than_2_63_ms_apart_start_a_new_session(tmp_path):
     """Out-of-range ts are quarantined at parse, so the sessionizers are tested directly."""
     import polars as pl
 
     far = [-(2**62) * 3 // 2, 2**62 * 3 // 2, 2**62 * 3 // 2 + 5]  # 2^63 + 2^62 ms apart
-    con = duckdb.connect()
+    schema = default_schema()
+    job = BuildJob(
+        schema, BuildConfig(), [], [], Validator(schema), tmp_path, bar=lambda *a, **k: None
+    )
+    engine = DuckDBEngine(job)
+    con = engine.con
     con.execute(
         "CREATE TABLE feat AS SELECT 0 AS file_id, i::BIGINT + 1 AS line_no, NULL AS reason, "
         "'r' || i AS request_id, NULL::VARCHAR AS session_key, 'u' AS user_key, ts "
         f"FROM (SELECT unnest(range(3)) AS i, unnest({far}::BIGINT[]) AS ts)"
     )
-    build_mod._sessionize(con, BuildConfig())
+    con.execute("CREATE TABLE labels AS SELECT 'r0' AS request_id, 1.0 AS label")
+    engine.sessionize()
     got = con.execute("SELECT line_no, skey FROM rowkeys ORDER BY line_no").fetchall()
+    engine.close()
     assert got == [(1, "u:u:1"), (2, "u:u:2"), (3, "u:u:2")]
     good = pl.DataFrame(
         {
@@ -130,7 +148,7 @@ def test_user_records_more_than_2_63_ms_apart_start_a_new_session():
         },
         schema_overrides={"file_id": pl.Int32, "session_key": pl.String},
     )
-    keys = _build_polars._session_keys(good, BuildConfig().session_gap_ms).sort("line_no")
+    keys = polars_engine._session_keys(good, BuildConfig().session_gap_ms).sort("line_no")
     assert keys.get_column("skey").to_list() == ["u:u:1", "u:u:2", "u:u:2"]
 
 
@@ -140,7 +158,7 @@ def test_ts_outside_the_timestamps_is_quarantined(tmp_path, partition_by):
     lines = [_rec(f"r{i}", ts, session=f"s{i}") for i, ts in enumerate([lo, hi, 0])]
     lines += [_rec("low", lo - 1), _rec("high", hi + 1), _rec("max", 2**63 - 1)]
     src = _write(tmp_path / "f.jsonl", lines)
-    m = build(src, tmp_path / "out", config=BuildConfig(partition_by=partition_by))
+    m = build_lenient(src, tmp_path / "out", config=BuildConfig(partition_by=partition_by))
     _reconciles(m)
     assert m["rows_out"] == _rows_written(tmp_path / "out") == 3
     assert m["quarantine_by_reason"][reasons.TS_OUT_OF_RANGE] == 3

@@ -9,10 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import etl.build as build_mod
-from etl._build_io import LINE_FACT_COLUMNS, line_facts
-from etl._build_sql import PENDING, feature_select, schema_keys
-from etl.build import BuildConfig, build
+from etl.build import BuildConfig, build, engine_duckdb, inputs
+from etl.build._kernels import LINE_FACT_COLUMNS, line_facts
+from etl.build.validate import PENDING, feature_select, schema_keys
 from schemas import default_schema
 
 GOOD = {
@@ -105,6 +104,7 @@ def test_compiled_text_tests_accept_the_same_lines_as_sql():
             "line": lines,
             "source": pa.nulls(len(LINES), pa.string()),
             "source_line": pa.nulls(len(LINES), pa.int64()),
+            "too_long": pa.nulls(len(LINES), pa.int64()),
             **{name: pa.array(facts[name]) for name in LINE_FACT_COLUMNS},
         }
     )
@@ -137,6 +137,7 @@ def test_fast_path_accepts_only_what_the_full_checks_accept_with_equal_values():
             "line": pa.array(lines, pa.string()),
             "source": pa.nulls(len(lines), pa.string()),
             "source_line": pa.nulls(len(lines), pa.int64()),
+            "too_long": pa.nulls(len(lines), pa.int64()),
         }
     )
     con = duckdb.connect()
@@ -176,8 +177,9 @@ def test_fast_path_parallel_files_and_small_batches_give_the_same_dataset(
     """Compiled text tests, 2 files at a time, batches of 1000 lines vs SQL tests, 1 file."""
 
     def run(out, *, facts: bool, threads: int, batch: int):
-        monkeypatch.setattr(build_mod, "_LINE_FACTS", facts)
-        monkeypatch.setattr(build_mod, "_FACT_BATCH_ROWS", batch)
+        monkeypatch.setattr(engine_duckdb, "LINE_FACTS", facts)
+        monkeypatch.setattr(inputs, "CHUNK_BYTES", batch * 1000)
+        monkeypatch.setattr(inputs, "BATCH_LINES", batch)
         cfg = BuildConfig(threads=threads, row_group_size=4_096)
         return build(synth_logs.features, out, events=synth_logs.events, config=cfg)
 

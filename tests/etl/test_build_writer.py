@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from etl._build_io import SessionAlignedWriter, choose_dictionary
+from etl.build.writer import SessionAlignedWriter, choose_dictionary
 
 SCHEMA = pa.schema(
     [

@@ -51,5 +51,5 @@ def test_memory_limited_build_of_logs_larger_than_the_limit(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["reconciles"] and result["rows_out"] == 200_000
-    # DESIGN bound at the 4x scale is 1.5 GB; here the limit is 4x smaller, so is the slack
+    # the target at the 4x scale is 1.5 GB; here the limit is 4x smaller, so is the slack
     assert result["rss"] < 1.0 * 2**30, f"peak RSS {result['rss'] / 2**20:.0f} MB"

@@ -227,7 +227,7 @@ def test_corrupt_zstd_input_names_the_file(tmp_path, make, match):
 
 def test_existing_output_needs_overwrite(logs, sharded):
     out, _ = sharded
-    with pytest.raises(DataError, match="exists and is not empty"):
+    with pytest.raises(DataError, match="already exists"):
         shard(logs.features, out)
 
 

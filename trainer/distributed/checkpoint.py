@@ -27,31 +27,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from recpipe.errors import RecpipeError
+from trainer.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from trainer.checkpoint import save_checkpoint as save_state
 from trainer.distributed.comm import Comm
 from trainer.distributed.exchange import ShardedEmbeddings
 
 __all__ = ["CHECKPOINT_FILE", "load_sparse", "read_checkpoint", "save_checkpoint"]
 
-CHECKPOINT_FILE = "checkpoint.pt"
 KIND = "distributed"
-VERSION = 1
-
-
-def _write(obj: Any, path: Path) -> None:
-    """torch.save to ``path`` atomically and durably (temporary name, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rank_file(folder: Path, rank: int, world_size: int) -> Path:
@@ -77,20 +61,19 @@ def save_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     rows = {"step": step, "rank": comm.rank, "world_size": comm.world_size,
             "rows": sparse.owned_rows()}  # fmt: skip
-    _write(rows, _rank_file(folder, comm.rank, comm.world_size))
+    save_state(rows, _rank_file(folder, comm.rank, comm.world_size))
     comm.barrier(what="the checkpoint's barrier")
     path = root / CHECKPOINT_FILE
     if comm.rank == 0:
         doc = {
             **state,
-            "version": VERSION,
             "kind": KIND,
             "step": step,
             "world_size": comm.world_size,
             "sparse": str(folder.relative_to(root)),
             "hot": dict(zip(sparse.names, sparse.hot_sets(), strict=True)),
         }
-        _write(doc, path)
+        save_state(doc, path)
         for old in (root / "sparse").iterdir():
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
@@ -105,21 +88,12 @@ def read_checkpoint(root: str | os.PathLike[str]) -> dict[str, Any] | None:
         RecpipeError: the file is unreadable or not a multi-rank checkpoint.
     """
     path = Path(root) / CHECKPOINT_FILE
-    if not path.is_file():
-        return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        msg = f"{path}: cannot read the checkpoint: {exc}"
-        raise RecpipeError(msg) from exc
-    if not isinstance(state, dict) or state.get("kind") != KIND:
+    state = load_checkpoint(path)
+    if state is not None and state.get("kind") != KIND:
         msg = (
             f"{path}: not a multi-rank checkpoint (written by a single-process run?); resume it "
             "the way it was written"
         )
-        raise RecpipeError(msg)
-    if state.get("version") != VERSION:
-        msg = f"{path}: checkpoint version {state.get('version')!r}, expected {VERSION}"
         raise RecpipeError(msg)
     return state
 
@@ -134,11 +108,10 @@ def load_sparse(
     parts = []
     for rank in range(saved):
         path = _rank_file(folder, rank, saved)
-        try:
-            part = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:
-            msg = f"{path}: cannot read rank {rank}'s rows of the checkpoint: {exc}"
-            raise RecpipeError(msg) from exc
+        part = load_checkpoint(path)
+        if part is None:
+            msg = f"{path}: rank {rank}'s rows of the checkpoint are missing"
+            raise RecpipeError(msg)
         if part.get("step") != state["step"]:
             msg = f"{path}: rows of step {part.get('step')!r}, the checkpoint is at {state['step']}"
             raise RecpipeError(msg)

@@ -27,15 +27,26 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
+    from trainer.distributed.config import DistributedConfig, LaunchConfig
     from trainer.distributed.run import DistributedSummary
     from trainer.train import TrainResult
 
-__all__ = ["SPEC_FLAG", "add_distributed_arguments", "describe", "dump", "requested", "run"]
+__all__ = [
+    "SPEC_FLAG",
+    "add_distributed_arguments",
+    "describe",
+    "distributed_config",
+    "dump",
+    "launch_config",
+    "requested",
+    "run",
+]
 
 SPEC_FLAG = "--launch-spec"
 
 
 def _hot_rows(text: str) -> str | int:
+    """``--hot-rows``: ``auto`` or a non-negative integer."""
     if text == "auto":
         return text
     try:
@@ -48,78 +59,55 @@ def _hot_rows(text: str) -> str | int:
     return value
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            msg = f"must be a positive number, got {text!r}"
-            raise argparse.ArgumentTypeError(msg)
-        return value
-
-    return parse
-
-
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the multi-rank options to the ``recpipe train`` parser."""
+    """Add the multi-rank options to the ``recpipe train`` parser: the fields of
+    :class:`~trainer.distributed.config.LaunchConfig` and three of
+    :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`)."""
+    from recpipe.config_cli import Option, add_config_options
+    from trainer.distributed.config import DistributedConfig, LaunchConfig
+
     group = parser.add_argument_group(
         "several processes and machines",
         "Launch through torchrun's API (or run under torchrun: `torchrun --nproc-per-node N -m "
         "trainer DATASET ...`). --batch-size is per rank; see docs/distributed.md.",
     )
-    group.add_argument(
-        "--nproc",
-        type=_positive(int),
-        metavar="N",
-        help="train with N processes on this machine (gloo on CPU, NCCL on CUDA)",
+    launch = add_config_options(
+        group,
+        LaunchConfig,
+        overrides={
+            "nproc": Option(metavar="N"),
+            "nnodes": Option(metavar="M"),
+            "node_rank": Option(metavar="K"),
+            "master_addr": Option(metavar="HOST"),
+            "master_port": Option(metavar="PORT"),
+        },
+        owner=parser,
     )
-    group.add_argument(
-        "--nnodes",
-        type=_positive(int),
-        default=1,
-        metavar="M",
-        help="machines in the job (each runs the same command, default 1)",
+    exchange = add_config_options(
+        group,
+        DistributedConfig,
+        include=("hot_rows", "count_steps", "timeout_s"),
+        overrides={
+            "hot_rows": Option(metavar="R", type=_hot_rows),
+            "count_steps": Option(metavar="S"),
+            "timeout_s": Option(flag="--dist-timeout", metavar="SEC"),
+        },
+        owner=parser,
     )
-    group.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        metavar="K",
-        help="this machine's rank among --nnodes (default 0)",
-    )
-    group.add_argument(
-        "--master-addr", metavar="HOST", help="address of node 0 (needed with --nnodes > 1)"
-    )
-    group.add_argument(
-        "--master-port",
-        type=_positive(int),
-        default=29500,
-        metavar="PORT",
-        help="port on node 0 (default 29500)",
-    )
-    group.add_argument(
-        "--hot-rows",
-        type=_hot_rows,
-        default="auto",
-        metavar="R",
-        help="hot rows replicated on every rank: auto (cost model) or a number",
-    )
-    group.add_argument(
-        "--count-steps",
-        type=_positive(int),
-        default=20,
-        metavar="S",
-        help="steps whose id accesses are counted before choosing R (default 20)",
-    )
-    group.add_argument(
-        "--dist-timeout",
-        type=_positive(float),
-        default=300.0,
-        metavar="SEC",
-        help="collective timeout: a hung rank fails the job after it (default 300)",
-    )
+    parser.set_defaults(_launch_options=launch, _exchange_options=exchange)
+
+
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    """The :class:`~trainer.distributed.config.LaunchConfig` of parsed ``recpipe train`` options
+    (a bad value exits with a usage error naming the option)."""
+    return args._launch_options.build(args)
+
+
+def distributed_config(args: argparse.Namespace) -> DistributedConfig:
+    """The :class:`~trainer.distributed.config.DistributedConfig` of parsed options (in a worker
+    started by ``--nproc``: the one the launching process parsed)."""
+    given = getattr(args, "distributed", None)
+    return given if given is not None else args._exchange_options.build(args)
 
 
 def requested(args: argparse.Namespace) -> bool:
@@ -129,28 +117,20 @@ def requested(args: argparse.Namespace) -> bool:
     return getattr(args, "nproc", None) is not None or launched_by_torchrun()
 
 
-def _options(args: argparse.Namespace) -> Any:
-    from trainer.distributed.run import DistributedConfig
-
-    return DistributedConfig(
-        hot_rows=args.hot_rows, count_steps=args.count_steps, timeout_s=args.dist_timeout
-    )
-
-
-def _torchrun_args(args: argparse.Namespace, spec: Path) -> list[str]:
-    nnodes = args.nnodes
-    argv = ["--nproc-per-node", str(args.nproc), "--nnodes", str(nnodes), "--max-restarts", "0"]
-    if nnodes == 1 and args.master_addr is None:
+def _torchrun_args(launch: LaunchConfig, spec: Path) -> list[str]:
+    nnodes = launch.nnodes
+    argv = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(nnodes), "--max-restarts", "0"]
+    if nnodes == 1 and launch.master_addr is None:
         argv.append("--standalone")
     else:
-        if args.master_addr is None:
+        if launch.master_addr is None:
             msg = f"`--master-addr` is needed with --nnodes {nnodes}: the address of node 0"
             raise _error(msg)
-        if not 0 <= args.node_rank < nnodes:
-            msg = f"`--node-rank` must be in [0, {nnodes}), got {args.node_rank!r}"
+        if not 0 <= launch.node_rank < nnodes:
+            msg = f"`--node-rank` must be in [0, {nnodes}), got {launch.node_rank!r}"
             raise _error(msg)
-        argv += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-                 "--master-port", str(args.master_port), "--rdzv-backend", "static"]  # fmt: skip
+        argv += ["--node-rank", str(launch.node_rank), "--master-addr", launch.master_addr,
+                 "--master-port", str(launch.master_port), "--rdzv-backend", "static"]  # fmt: skip
     return [*argv, "-m", "trainer", SPEC_FLAG, str(spec)]
 
 
@@ -160,20 +140,18 @@ def _error(msg: str) -> Exception:
     return DistributedError(msg)
 
 
-def _launch(args: argparse.Namespace, config: TrainConfig) -> None:
-    """Be torchrun's agent for this machine's ``--nproc`` workers (they get ``config`` and the
-    options as parsed here, in a pickle only this user can read)."""
+def _launch(launch: LaunchConfig, worker: argparse.Namespace, config: TrainConfig) -> None:
+    """Be torchrun's agent for this machine's ``--nproc`` workers (they get ``config`` and
+    ``worker``, the options parsed here, in a pickle only this user can read)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
     with tempfile.TemporaryDirectory(prefix="recpipe-launch-") as tmp:
         spec = Path(tmp) / "args.pkl"
-        options = {k: v for k, v in vars(args).items() if k != "func"}  # func: a closure
-        worker = argparse.Namespace(**{**options, "nproc": None})
         spec.write_bytes(pickle.dumps((config, worker)))
         try:
-            torchrun(parse_args(_torchrun_args(args, spec)))
+            torchrun(parse_args(_torchrun_args(launch, spec)))
         except ChildFailedError as exc:
             first = min(exc.failures.items(), key=lambda kv: kv[1].timestamp)
             rank, failure = first
@@ -183,7 +161,7 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> None:
                 else f"killed by signal {-failure.exitcode}"
             )
             msg = (
-                f"{len(exc.failures)} of {args.nproc} worker(s) failed; the first was rank "
+                f"{len(exc.failures)} of {launch.nproc} worker(s) failed; the first was rank "
                 f"{rank} ({why}); its error is above"
             )
             raise _error(msg) from exc
@@ -198,15 +176,17 @@ def run(
     from trainer.distributed.run import check_config, train_rank
 
     check_config(config)
+    options = distributed_config(args)
+    quiet = bool(getattr(args, "quiet", False))
     if not launched_by_torchrun():
-        _launch(args, config)
+        worker = argparse.Namespace(
+            nproc=None, quiet=quiet, json=getattr(args, "json", None), distributed=options
+        )
+        _launch(launch_config(args), worker, config)
         return None
-    options = _options(args)
     comm = init_from_env(device=config.device, timeout_s=options.timeout_s)
     try:
-        result, summary = train_rank(
-            config, options, comm=comm, progress=not getattr(args, "quiet", False)
-        )
+        result, summary = train_rank(config, options, comm=comm, progress=not quiet)
     finally:
         destroy()
     if comm.rank != 0:

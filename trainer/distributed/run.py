@@ -3,7 +3,8 @@
 ::
 
     row groups -> train | held out (whole sessions, as in one process)
-    train -> RankBatchDataset (one global stream, an equal range per rank) -> DistributedTrainer
+    train -> RankBatchDataset, or ServiceRankDataset (one client of `recpipe serve` per rank):
+             one global stream, an equal range per rank -> DistributedTrainer
     start-up: fit the cost model on the job's group (collectives timed at several sizes)
     first --count-steps steps: count accesses; then choose R (cost model or --hot-rows) and
     reshard; every --checkpoint-every steps and at the end: a collective checkpoint
@@ -18,62 +19,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 
 from recpipe.errors import RecpipeError
+from trainer.checkpoint import checkpoint_file
 from trainer.config import TrainConfig
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
 from trainer.distributed.comm import Comm
+from trainer.distributed.config import DistributedConfig
 from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
-from trainer.metrics import PredictionWindow
-from trainer.train import EvalResult, TrainResult, batch_dedup_factor
+from trainer.train import RunLog, TrainResult, batch_dedup_factor, run_targets
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
-
-
-@dataclass
-class DistributedConfig:
-    """How a multi-rank job runs its embedding exchange.
-
-    Args:
-        hot_rows: R, hot rows of all tables together: ``"auto"`` (the cost model's choice) or
-            a number (``0``: no hot set).
-        count_steps: training steps whose accesses are counted before R is chosen.
-        hot_budget_rows: most hot rows the cost model may choose.
-        timeout_s: collective timeout: a rank that hangs makes the others fail after it.
-        probe_repeats: timed calls per size when fitting the cost model at start-up.
-        probe_rows: the largest size probed: hot rows of the all-reduce, ids per rank of the
-            all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it).
-    """
-
-    hot_rows: Literal["auto"] | int = "auto"
-    count_steps: int = 20
-    hot_budget_rows: int = 65536
-    timeout_s: float = 300.0
-    probe_repeats: int = 7
-    probe_rows: int = 65536
-
-    def __post_init__(self) -> None:
-        if self.hot_rows != "auto" and (
-            isinstance(self.hot_rows, bool)
-            or not isinstance(self.hot_rows, int)
-            or self.hot_rows < 0
-        ):
-            msg = f"`hot_rows` must be 'auto' or a non-negative integer, got {self.hot_rows!r}"
-            raise RecpipeError(msg)
-        for name in ("count_steps", "hot_budget_rows", "probe_repeats", "probe_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"`{name}` must be a positive integer, got {value!r}"
-                raise RecpipeError(msg)
-        if not self.timeout_s > 0:
-            msg = f"`timeout_s` must be > 0, got {self.timeout_s!r}"
-            raise RecpipeError(msg)
 
 
 @dataclass
@@ -127,9 +89,6 @@ def check_config(config: TrainConfig) -> None:
     if config.optimizer == "adam":
         msg = "`optimizer` 'adam' with several processes: the sharded tables train with sgd or adagrad"
         raise RecpipeError(msg)
-    if config.service is not None:
-        msg = "`service` with several processes: not supported yet (one client per rank)"
-        raise RecpipeError(msg)
     if config.batch_size < 2:
         msg = (
             f"`batch_size` (per rank) must be >= 2 with several processes, got {config.batch_size}"
@@ -138,7 +97,8 @@ def check_config(config: TrainConfig) -> None:
 
 
 class _RankRun:
-    """The state of one rank's ``train_rank`` call."""
+    """The state of one rank's ``train_rank`` call (its history is a :class:`RunLog`, as in
+    the single-process loop; rank 0 writes the metrics)."""
 
     def __init__(
         self, config: TrainConfig, options: DistributedConfig, comm: Comm, *, progress: bool
@@ -156,11 +116,8 @@ class _RankRun:
             self.resume_state = read_checkpoint(config.checkpoint)
         self.trainer = self._make_trainer()
         self._make_loaders()
-        self.losses: list[float] = []
-        self.samples = 0
-        self.evals: list[tuple[int, EvalResult]] = []
-        self.window = PredictionWindow(config.log_window)
-        self.resumed_from: int | None = None
+        self.log = RunLog(config, device=self.device, write=comm.rank == 0)
+        self.unreduced: list[dict[str, Any]] = []  # metrics records waiting for their loss
         self.saved_step: int | None = None
         self.hot_chosen = False
         self.fit: CostFit | None = None
@@ -184,24 +141,49 @@ class _RankRun:
         )
 
     def _make_loaders(self) -> None:
+        """Training and held-out batches of this rank, in-process or through the service (the
+        row groups divided by :func:`holdout_splits` either way)."""
         from readers.holdout import holdout_splits
-        from readers.ranks import RankBatchDataset, RankLoader
-        from readers.source import DatasetSource, ReaderConfig
+        from readers.source import DatasetSource
 
-        cfg, comm = self.config, self.comm
+        cfg = self.config
         splits = DatasetSource(cfg.dataset, schema=self.schema).splits
         train, held = holdout_splits(
             splits, session_key=self.schema.session_key, fraction=cfg.eval_fraction, seed=cfg.seed
         )
+        self.train_splits, self.eval_splits = len(train), len(held)
+        if cfg.service is not None:
+            self._make_service_loaders(train, held)
+            return
+        from readers.ranks import RankBatchDataset, RankLoader
+        from readers.source import ReaderConfig
+
         common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup,
-                  "rank": comm.rank, "world_size": comm.world_size}  # fmt: skip
+                  "rank": self.comm.rank, "world_size": self.comm.world_size}  # fmt: skip
         reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
         self.train_ds = RankBatchDataset(cfg.dataset, config=reader, splits=train, **common)
         self.eval_ds = RankBatchDataset(
             cfg.dataset, config=ReaderConfig(batch_size=cfg.batch_size), splits=held, **common
         )
-        self.train_splits, self.eval_splits = len(train), len(held)
         self.loader = RankLoader(self.train_ds, num_workers=cfg.workers)
+
+    def _make_service_loaders(self, train: list[Any], held: list[Any]) -> None:
+        """One client of ``recpipe serve`` per rank: the server's training part and held-out
+        part, checked to hold as many row groups as this dataset's."""
+        from readers.holdout import Holdout
+        from readers.service.client import ServiceRankDataset
+
+        cfg, comm = self.config, self.comm
+        holdout = Holdout(cfg.eval_fraction, seed=cfg.seed) if held else None
+        common = {"rank": comm.rank, "world_size": comm.world_size, "batch_size": cfg.batch_size}
+        self.train_ds = ServiceRankDataset(
+            cfg.service, holdout=holdout, splits=len(train), **common
+        )
+        self.eval_ds = None
+        if holdout is not None:
+            part = holdout.other()
+            self.eval_ds = ServiceRankDataset(cfg.service, holdout=part, splits=len(held), **common)
+        self.loader = self.train_ds
 
     # -- hot set ---------------------------------------------------------------------------------
     def _choose_hot_set(self) -> None:
@@ -218,21 +200,26 @@ class _RankRun:
         self.summary.hot_rows = sparse.num_hot
         self.summary.rho = float(rho[min(sparse.num_hot, rho.size - 1)])
 
+    # -- losses and metrics ------------------------------------------------------------------------
+    def _reduce_losses(self) -> None:
+        """The pending steps' losses (one all-reduce for all of them), and their records."""
+        losses = self.trainer.pending_losses()
+        self.log.losses += losses
+        for record, loss in zip(self.unreduced, losses, strict=True):
+            self.log.record({**record, "loss": loss})
+        self.unreduced = []
+
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path | None:
         cfg = self.config
-        self.losses += self.trainer.pending_losses()
+        self._reduce_losses()
         if cfg.checkpoint is None or self.saved_step == self.trainer.step:
-            return None if cfg.checkpoint is None else Path(cfg.checkpoint) / "checkpoint.pt"
+            return None if cfg.checkpoint is None else checkpoint_file(cfg.checkpoint)
         state = {
             "trainer": self.trainer.state_dict(),
             "reader": self.loader.state_dict(),
-            "losses": self.losses,
-            "samples": self.samples,
-            "evals": [(s, asdict(e)) for s, e in self.evals],
+            **self.log.state_dict(),
             "hot_chosen": self.hot_chosen,
-            "config": {k: v for k, v in asdict(cfg).items() if k != "model"},
-            "model_config": asdict(cfg.model),
             "options": asdict(self.options),
         }
         path = save_checkpoint(cfg.checkpoint, comm=self.comm, sparse=self.trainer.sparse,
@@ -247,97 +234,93 @@ class _RankRun:
         self.trainer.load_state_dict(state["trainer"])
         self.loader.load_state_dict(state["reader"])
         load_sparse(self.config.checkpoint, state, sparse=self.trainer.sparse)
-        self.losses = list(state["losses"])
-        self.samples = int(state["samples"])
-        self.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
+        self.log.load_state_dict(state, step=self.trainer.step)
         self.hot_chosen = bool(state["hot_chosen"])
         if self.hot_chosen:
             self.trainer.sparse.count_left = 0
             self.summary.hot_rows = self.trainer.sparse.num_hot
-        self.resumed_from = self.saved_step = self.trainer.step
+        self.saved_step = self.trainer.step
 
     # -- the loop --------------------------------------------------------------------------------
+    def _fit_costs(self) -> None:
+        top = self.options.probe_rows
+        sizes = [max(top // k, 1) for k in (64, 16, 4, 1)]
+        self.fit = fit_costs(self.comm, dim=self.config.model.embedding_dim, ar_rows=sizes,
+                             a2a_rows=sizes, repeats=self.options.probe_repeats)  # fmt: skip
+        self.summary.cost_model_r2 = self.fit.r2
+        self.summary.c_ar, self.summary.c_a2a = self.fit.c_ar, self.fit.c_a2a
+
     def run(self) -> TrainResult:
         from tqdm import tqdm
 
-        cfg, comm = self.config, self.comm
+        cfg, comm, log = self.config, self.comm, self.log
         self.restore()
-        top = self.options.probe_rows
-        self.fit = fit_costs(
-            comm,
-            dim=cfg.model.embedding_dim,
-            ar_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
-            a2a_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
-            repeats=self.options.probe_repeats,
-        )
-        self.summary.cost_model_r2 = self.fit.r2
-        self.summary.c_ar, self.summary.c_a2a = self.fit.c_ar, self.fit.c_a2a
-        target_steps = cfg.steps
-        target_epochs = cfg.epochs if cfg.steps is None else None
-        if target_steps is None and target_epochs is None:
-            target_epochs = 1
+        self._fit_costs()
+        target_steps, target_epochs = run_targets(cfg)
         count_until = self.trainer.step + self.options.count_steps
         bar = tqdm(total=target_steps, initial=self.trainer.step, unit="step", desc="train",
                    file=sys.stderr, disable=not self.progress, dynamic_ncols=True)  # fmt: skip
-        t0, samples0 = time.perf_counter(), self.samples
-        factors: list[float] = []
+        t0 = last = time.perf_counter()
+        samples0 = log.samples
         done = self._finished(target_steps, target_epochs)
         empty = 0
-        while not done:
-            empty += 1
-            for batch in self.loader:
-                empty = 0
-                factors.append(batch_dedup_factor(batch))
-                _, logits = self.trainer.train_step(batch, reduce_loss=False)
-                self.samples += batch.batch_size * comm.world_size
-                self.window.add(logits, batch.labels)
-                step = self.trainer.step
-                bar.update(1)
-                if step % 10 == 0:
-                    self.losses += self.trainer.pending_losses()
-                    rate = (self.samples - samples0) / max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix(loss=f"{np.mean(self.losses[-20:]):.4f}",
-                                    sps=f"{rate:,.0f}", refresh=False)  # fmt: skip
-                if not self.hot_chosen and step >= count_until:
-                    self._choose_hot_set()
-                if cfg.eval_every and step % cfg.eval_every == 0:
-                    self._evaluate(step)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    self.save()
-                if target_steps is not None and step >= target_steps:
-                    break
-            done = self._finished(target_steps, target_epochs)
-            if empty >= 2 and not done:
-                msg = (
-                    f"{cfg.dataset}: the training split yields no batch of {cfg.batch_size} rows "
-                    f"per rank for {comm.world_size} ranks"
-                )
-                raise RecpipeError(msg)
-        self.losses += self.trainer.pending_losses()
-        wall = time.perf_counter() - t0
-        bar.close()
-        if not self.evals or self.evals[-1][0] != self.trainer.step:
-            self._evaluate(self.trainer.step)
-        path = self.save()
+        try:
+            log.open_sinks()
+            while not done:
+                empty += 1
+                for batch in self.loader:
+                    empty = 0
+                    log.factors.append(batch_dedup_factor(batch))
+                    _, logits = self.trainer.train_step(batch, reduce_loss=False)
+                    log.samples += batch.batch_size * comm.world_size
+                    log.window.add(logits, batch.labels)
+                    step = self.trainer.step
+                    bar.update(1)
+                    now = time.perf_counter()
+                    rate = (log.samples - samples0) / max(now - t0, 1e-9)
+                    window_auc = log.window.auc() if step % cfg.log_every == 0 else None
+                    self.unreduced.append({
+                        "kind": "train", "step": step, "epoch": self.loader.epoch,
+                        "samples": log.samples, "auc": window_auc, "samples_per_s": rate,
+                        "step_s": now - last, "dedup_factor": log.factors[-1],
+                        "peak_memory_bytes": _peak_memory(self.device), "wall_s": now - t0,
+                    })  # fmt: skip
+                    last = now
+                    if step % cfg.log_every == 0:
+                        self._reduce_losses()
+                        bar.set_postfix(loss=f"{np.mean(log.losses[-20:]):.4f}",
+                                        sps=f"{rate:,.0f}", refresh=False)  # fmt: skip
+                    if not self.hot_chosen and step >= count_until:
+                        self._choose_hot_set()
+                    if cfg.eval_every and step % cfg.eval_every == 0:
+                        self._evaluate(step)
+                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                        self.save()
+                    if target_steps is not None and step >= target_steps:
+                        break
+                done = self._finished(target_steps, target_epochs)
+                if empty >= 2 and not done:
+                    msg = (
+                        f"{cfg.dataset}: the training split yields no batch of {cfg.batch_size} "
+                        f"rows per rank for {comm.world_size} ranks"
+                    )
+                    raise RecpipeError(msg)
+            self._reduce_losses()
+            wall = time.perf_counter() - t0
+            if not log.evaluated_at(self.trainer.step):
+                self._evaluate(self.trainer.step)
+            path = self.save()
+        finally:
+            bar.close()
+            log.close()
         totals = self.trainer.sparse.stats.as_tensor()
         comm.all_reduce(totals, what="the final counters")
         self.summary.exchange = ExchangeStats.from_tensor(totals)
-        self.summary.remainder_rows = self.train_ds.layout.remainder_rows
-        return TrainResult(
-            steps=self.trainer.step,
-            samples=self.samples,
-            losses=self.losses,
-            train_auc=self.window.auc(),
-            evals=self.evals,
-            samples_per_s=(self.samples - samples0) / wall if wall > 0 else float("nan"),
-            peak_memory_bytes=_peak_memory(self.device),
-            dedup_factor=float(np.mean(factors)) if factors else 1.0,
-            wall_s=wall,
-            checkpoint=None if path is None else str(path),
-            resumed_from=self.resumed_from,
-            train_splits=self.train_splits,
-            eval_splits=self.eval_splits,
-        )
+        self.summary.remainder_rows = self.train_ds.remainder_rows
+        return log.result(
+            steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,
+            train_splits=self.train_splits, eval_splits=self.eval_splits,
+        )  # fmt: skip
 
     def _finished(self, target_steps: int | None, target_epochs: int | None) -> bool:
         if target_steps is not None:
@@ -345,10 +328,11 @@ class _RankRun:
         return self.loader.epoch >= target_epochs
 
     def _evaluate(self, step: int) -> None:
+        if self.eval_ds is None:
+            return
         self.eval_ds.set_epoch(0)
         result = self.trainer.evaluate(iter(self.eval_ds), max_batches=self.config.eval_batches)
-        if result.samples:
-            self.evals.append((step, result))
+        self.log.add_eval(step, result, epoch=self.loader.epoch)
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -2,9 +2,9 @@
 
 ``etl build`` takes its defaults from these measurements (``DEFAULT_ZSTD_LEVEL``,
 ``DEFAULT_ROW_GROUP_SIZE``) and decides dictionary encoding per column at build time with
-:func:`etl._build_io.choose_dictionary`. Re-run on a clustered dataset to re-check them::
+:func:`etl.build.writer.choose_dictionary`. Re-run on a clustered dataset to re-check them::
 
-    python -m etl._build_tune DATASET_DIR [--rows 200000] [--json out.json]
+    python -m etl.build.tune DATASET_DIR [--rows 200000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from etl._build_io import choose_dictionary
+from etl.build.writer import choose_dictionary
 
 __all__ = ["measure_settings"]
 
