@@ -185,7 +185,11 @@ class SynthConfig:
             return RecpipeError(f"`{name}` must be {rule}, got {getattr(self, name)!r}")
 
         for name in (
-            "num_requests", "files", "concurrent_sessions", "seed", "planted_groups",
+            "num_requests",
+            "files",
+            "concurrent_sessions",
+            "seed",
+            "planted_groups",
             "planted_features",
         ):
             value = getattr(self, name)
@@ -362,9 +366,7 @@ class _Planted:
     def lines(self, shown: np.ndarray) -> list[bytes]:
         """The JSON members of each row's planted features (``,"planted_0_0":[id]...``)."""
         snippets = self.snippets
-        return [
-            b"".join([snippets[f][v] for f, v in enumerate(row)]) for row in shown.tolist()
-        ]
+        return [b"".join([snippets[f][v] for f, v in enumerate(row)]) for row in shown.tolist()]
 
 
 class _Model:
@@ -894,6 +896,12 @@ def _write(writers: list, lines: list[bytes], files: np.ndarray) -> None:
             writers[f].write(b"\n".join([lines[i] for i in idx]) + b"\n")
 
 
+def _planted_row(planted: dict[str, Any]) -> list[tuple[str, str]]:
+    groups = planted["groups"]
+    shape = f"{len(groups)} x {len(groups[0])} features (schema: {planted['schema']})"
+    return [("planted groups", shape)]
+
+
 def _format_summary(result: SynthResult) -> str:
     s = result.summary
     sps = s["samples_per_session"]
@@ -914,11 +922,7 @@ def _format_summary(result: SynthResult) -> str:
         ),
         ("label rate", f"{s['label_rate']:.4f}"),
         ("hidden-model AUC", f"{s['hidden_model_auc']:.4f}"),
-        *(
-            [("planted groups", f"{len(s['planted']['groups'])} x "
-              f"{len(s['planted']['groups'][0])} features (schema: {s['planted']['schema']})")]
-            if "planted" in s else []
-        ),  # fmt: skip
+        *(_planted_row(s["planted"]) if "planted" in s else []),
         ("bytes written", f"{s['bytes'] / 1e6:.1f} MB"),
         ("time", f"{s['elapsed_s']:.1f} s"),
     ]

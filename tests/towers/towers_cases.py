@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from readers.dataset import dataset_schema
-from tests.distributed.dist_cases import relative
 from tests.distributed.dist_cases import rank_batches as _rank_batches
+from tests.distributed.dist_cases import relative
 from trainer.config import ModelConfig
 from trainer.distributed.batches import global_batches
 from trainer.distributed.comm import Comm

@@ -30,15 +30,18 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from recpipe.errors import RecpipeError
+from trainer.config import ModelConfig
 
 __all__ = [
     "STRATEGIES",
     "TOWER_KINDS",
+    "PartitionConfig",
     "Strategy",
     "TowerError",
     "TowerKind",
     "TowerModuleConfig",
     "TowerPlan",
+    "TowersConfig",
     "load_plan",
     "plan_from_assignment",
 ]
@@ -147,7 +150,10 @@ class TowerPlan:
 
     def to_toml(self) -> str:
         """TOML text that :meth:`from_toml` reads back to an equal plan."""
-        lines = ["# towers for `recpipe towers train --towers FILE` (docs/towers.md)", "[partition]"]
+        lines = [
+            "# towers for `recpipe towers train --towers FILE` (docs/towers.md)",
+            "[partition]",
+        ]
         lines.append(f"strategy = {_toml_str(self.strategy)}")
         if self.balance is not None:
             lines.append(f"balance = {float(self.balance)!r}")
@@ -299,3 +305,115 @@ def plan_from_assignment(
     for name, t in zip(features, assignment, strict=True):
         groups[int(t)].append(name)
     return TowerPlan(tuple(tuple(g) for g in groups), **meta)
+
+
+def _positive_int(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            msg = f"`{name}` must be a positive integer, got {value!r}"
+            raise TowerError(msg)
+
+
+@dataclass
+class PartitionConfig:
+    """What ``recpipe towers partition`` does.
+
+    Attributes:
+        dataset: clustered dataset directory; the affinities come from a model trained on its
+            training part (the row groups ``recpipe train`` trains on).
+        towers: towers T (an SPTT job puts one on each host).
+        strategy: ``coherent`` (features whose embeddings align share a tower) or ``diverse``
+            (they are spread over the towers).
+        balance: K: the largest tower holds at most K times the features of the smallest.
+        seed: seed of the short training run, the MDS start and the k-means starts.
+        out: the tower plan to write (TOML, read by ``recpipe towers train --towers``).
+        plot: also draw the 2-D MDS embedding, coloured by tower, into this PNG.
+        checkpoint: take the embeddings from this ``recpipe train --checkpoint DIR`` run
+            instead of a short training run.
+        steps: steps of the short training run.
+        batch_size: rows per batch of the short run and of the affinity batches.
+        affinity_batches: training batches the mean of R Rᵀ is taken over.
+        features: partition only these sparse features (default: all of the schema's).
+        dims: dimensions of the MDS embedding (the plot shows the first two).
+        eval_fraction: share of row groups held out (not trained on, not used for affinities).
+        lr: learning rate of the short run (default: adagrad's).
+        model: the short run's model (pooled features only: its ``attention`` is ignored).
+    """
+
+    dataset: str
+    towers: int
+    strategy: Strategy = "coherent"
+    balance: float = 1.5
+    seed: int = 0
+    out: str = "towers.toml"
+    plot: str | None = None
+    checkpoint: str | None = None
+    steps: int = 300
+    batch_size: int = 256
+    affinity_batches: int = 16
+    features: tuple[str, ...] | None = None
+    dims: int = 2
+    eval_fraction: float = 0.1
+    lr: float | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "towers", "steps", "batch_size", "affinity_batches", "dims")
+        if self.strategy not in STRATEGIES:
+            msg = f"`strategy` must be one of {list(STRATEGIES)}, got {self.strategy!r}"
+            raise TowerError(msg)
+        if not (math.isfinite(self.balance) and self.balance >= 1):
+            msg = f"`balance` must be a number >= 1, got {self.balance!r}"
+            raise TowerError(msg)
+        if self.features is not None:
+            self.features = tuple(self.features)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            msg = f"`eval_fraction` must be in [0, 1), got {self.eval_fraction!r}"
+            raise TowerError(msg)
+
+
+@dataclass
+class TowersConfig:
+    """How ``recpipe towers train`` arranges the model and the job.
+
+    Attributes:
+        towers: the tower plan (``recpipe towers partition --out FILE``).
+        tower_module: ``none`` (pass-through: SPTT only moves the pooled embeddings, the model
+            is the flat DLRM), ``dlrm`` or ``dcn`` (see ``docs/towers.md``).
+        compression: each tower's input numbers over its output numbers (must divide every
+            tower's size); the bytes crossing hosts shrink by exactly this.
+        cross_layers: CrossNet layers of the ``dcn`` tower module.
+        ranks_per_host: ranks per host L of a multi-rank job (default: the processes torchrun
+            starts on one machine); on one machine a smaller L makes "hosts" of local ranks.
+            The job needs hosts = towers.
+        schedule: ``sptt``, or ``flat`` (pass-through only: the flat table-wise all-to-all of
+            pooled embeddings, the baseline).
+        features: the model's sparse features (default: every feature of the plan).
+    """
+
+    towers: str
+    tower_module: TowerKind = "none"
+    compression: int = 1
+    cross_layers: int = 1
+    ranks_per_host: int | None = None
+    schedule: Literal["sptt", "flat"] = "sptt"
+    features: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "ranks_per_host")
+        self.module_config()  # checks kind, compression, cross_layers
+        if self.schedule not in ("sptt", "flat"):
+            msg = f"`schedule` must be 'sptt' or 'flat', got {self.schedule!r}"
+            raise TowerError(msg)
+        if self.schedule == "flat" and self.tower_module != "none":
+            msg = f"`schedule` 'flat' moves pooled embeddings: it needs `tower_module` 'none', got {self.tower_module!r}"
+            raise TowerError(msg)
+        if self.features is not None:
+            self.features = tuple(self.features)
+
+    def module_config(self) -> TowerModuleConfig:
+        """The tower modules' config."""
+        return TowerModuleConfig(self.tower_module, self.compression, self.cross_layers)

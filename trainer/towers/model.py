@@ -38,9 +38,30 @@ if TYPE_CHECKING:
 __all__ = ["FlopCount", "TowerDLRM", "model_tables"]
 
 
-def model_tables(schema: DatasetSchema, config: ModelConfig) -> tuple[TableConfig, ...]:
-    """The tables a DLRM of ``config`` builds for ``schema`` (explicit or one per feature)."""
-    return config.tables if config.tables is not None else default_tables(schema, config)
+def model_tables(
+    schema: DatasetSchema, config: ModelConfig, features: Sequence[str] | None = None
+) -> tuple[TableConfig, ...]:
+    """The tables a DLRM of ``config`` builds for ``schema`` (explicit or one per feature),
+    only those of ``features`` when given (every feature of a kept table must be listed).
+
+    Raises:
+        RecpipeError: a listed feature reads no table, or a table is only partly listed.
+    """
+    tables = config.tables if config.tables is not None else default_tables(schema, config)
+    if features is None:
+        return tables
+    wanted = list(features)
+    known = {f for t in tables for f in t.features}
+    unknown = [f for f in wanted if f not in known]
+    if unknown:
+        msg = f"`features` {unknown!r} are not sparse features of the model ({sorted(known)!r})"
+        raise RecpipeError(msg)
+    kept = tuple(t for t in tables if set(t.features) & set(wanted))
+    partial = [t.name for t in kept if not set(t.features) <= set(wanted)]
+    if partial:
+        msg = f"`features` must list every feature of table(s) {partial!r} or none"
+        raise RecpipeError(msg)
+    return kept
 
 
 @dataclass(frozen=True)

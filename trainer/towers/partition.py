@@ -188,7 +188,11 @@ def _kmeanspp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     for _ in range(1, k):
         d2 = np.min(((x[:, None, :] - np.array(centers)[None]) ** 2).sum(-1), axis=1)
         total = d2.sum()
-        pick = int(rng.choice(x.shape[0], p=d2 / total)) if total > 0 else int(rng.integers(x.shape[0]))
+        pick = (
+            int(rng.choice(x.shape[0], p=d2 / total))
+            if total > 0
+            else int(rng.integers(x.shape[0]))
+        )
         centers.append(x[pick])
     return np.array(centers)
 

@@ -377,7 +377,6 @@ class SPTTTrainer:
             return self._flat(pooled, rows=rows)
         layout, groups = self.layout, self.groups
         towers, dim = layout.num_hosts, self.model.config.embedding_dim
-        host = self.tower_index
         x = pooled.index_select(0, self._peer_permute(rows))  # (L·T·B, n_g, N)
         width = towers * rows * dim
         send = [width * len(self.features)] * layout.ranks_per_host
