@@ -34,6 +34,12 @@ MODULES = {
     "dcn2": TowerModuleConfig("dcn", compression=2, cross_layers=1),
 }
 
+TOWER_CASES = (
+    ("dlrm2", "dlrm2", torch.float32),
+    ("dcn2", "dcn2", torch.float32),
+    ("dcn2_float64", "dcn2", torch.float64),
+)
+
 
 def plan_for(dataset: str) -> TowerPlan:
     """Two towers of the dataset's sparse features, strided (6 + 6 for the default synth)."""
@@ -44,18 +50,20 @@ def batches(dataset: str, rank: int) -> list:
     return _rank_batches(dataset, rank=rank, world=WORLD, dedup=True, steps=STEPS)
 
 
-def tower_model(dataset: str, modules: str, opt: str) -> TowerDLRM:
+def tower_model(
+    dataset: str, modules: str, opt: str, dtype: torch.dtype = torch.float32
+) -> TowerDLRM:
     schema = dataset_schema(dataset)
-    factory = sharded_table_factory(optimizer=opt)
+    factory = sharded_table_factory(optimizer=opt, dtype=dtype)
     return TowerDLRM.from_schema(schema, MODEL, plan=plan_for(dataset), towers=MODULES[modules],
-                                 table_factory=factory)  # fmt: skip
+                                 table_factory=factory).to(dtype)  # fmt: skip
 
 
 def sptt(dataset: str, groups: SPTTGroups, *, modules: str = "none", schedule: str = "sptt",
-         opt: str = "adagrad") -> SPTTTrainer:  # fmt: skip
+         opt: str = "adagrad", dtype: torch.dtype = torch.float32) -> SPTTTrainer:  # fmt: skip
     schema = dataset_schema(dataset)
     layout = SPTTLayout(plan_for(dataset), default_tables(schema, MODEL), WORLD, PER_HOST)
-    return SPTTTrainer(tower_model(dataset, modules, opt), layout=layout, groups=groups,
+    return SPTTTrainer(tower_model(dataset, modules, opt, dtype), layout=layout, groups=groups,
                        optimizer=opt, schedule=schedule)  # fmt: skip
 
 
@@ -118,33 +126,34 @@ def case_traffic(groups: SPTTGroups, dataset: str, rank: int) -> dict:
 
 def case_towers(groups: SPTTGroups, dataset: str, rank: int, refs: dict) -> dict:
     """SPTT with tower modules against one process on the global batches: losses, and the
-    tower modules' parameters (equal on the ranks of a host, as one process computes them)."""
+    tower modules' parameters (equal on the ranks of a host, as one process computes them);
+    in float32 and, to show that only rounding differs, in float64."""
     out = {}
-    for name in ("dlrm2", "dcn2"):
-        trainer = sptt(dataset, groups, modules=name)
+    for key, name, dtype in TOWER_CASES:
+        trainer = sptt(dataset, groups, modules=name, dtype=dtype)
         losses = [float(trainer.train_step(b)[0]) for b in batches(dataset, rank)]
         params = torch.cat([p.detach().reshape(-1) for p in trainer.tower.parameters()])
         every = groups.host.all_gather(params, what="test")
         same_on_host = all(torch.equal(every[0], p) for p in every)
-        ref = refs.get(name)
+        ref = refs.get(key)
         if ref is None:
-            ref = refs[name] = reference_towers(dataset, name)
+            ref = refs[key] = reference_towers(dataset, name, dtype)
         ref_params = ref["towers"][trainer.tower_index]
-        out[name] = {
+        out[key] = {
             "losses": losses,
             "reference": ref["losses"],
             "same_on_host": equal_everywhere(groups.world, same_on_host),
             "param_dev": relative(params, ref_params),
         }
-        devs = groups.world.all_gather(torch.tensor([out[name]["param_dev"]]), what="test")
-        out[name]["param_dev"] = max(float(d) for d in devs)
+        devs = groups.world.all_gather(torch.tensor([out[key]["param_dev"]]), what="test")
+        out[key]["param_dev"] = max(float(d) for d in devs)
     return out
 
 
-def reference_towers(dataset: str, modules: str) -> dict:
+def reference_towers(dataset: str, modules: str, dtype: torch.dtype) -> dict:
     """One process on the global batches of the 4-rank job."""
     streams = [batches(dataset, r) for r in range(WORLD)]
-    model = tower_model(dataset, modules, "adagrad")
+    model = tower_model(dataset, modules, "adagrad", dtype)
     trainer = DistributedTrainer(model, comm=Comm.single(), optimizer="adagrad")
     losses = [float(trainer.train_step(b)[0]) for b in global_batches(streams)]
     towers = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in model.towers]
