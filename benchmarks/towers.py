@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--num-embeddings", type=int, default=1000, help="rows per table (ids hashed)")
     add("--partition-steps", type=int, default=300, help="steps of the partitioner's short run")
     add("--traffic-steps", type=int, default=2, help="SPTT steps per config counting bytes")
+    add("--row-group-size", type=int, default=2048, help="rows per row group of the dataset")
     add("--data", type=Path, help="an existing planted dataset (skip synth)")
     add("--work", type=Path, help="working directory (default: a temp dir)")
     add("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
@@ -137,7 +138,7 @@ def build_dataset(work: Path, args: argparse.Namespace) -> tuple[Path, dict[str,
     logs = generate(work / "raw", config, progress=True)
     out = work / "dataset"
     build(logs.features, out, events=logs.events, schema=planted_schema(config),
-          config=BuildConfig(row_group_size=2048), overwrite=True, progress=True)  # fmt: skip
+          config=BuildConfig(row_group_size=args.row_group_size), overwrite=True, progress=True)  # fmt: skip
     return out, logs.summary
 
 
