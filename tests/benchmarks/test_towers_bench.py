@@ -60,6 +60,9 @@ def test_tiny_run_writes_results(tmp_path):
     assert traffic["dlrm_r4"]["total"] < traffic["dlrm_r2"]["total"] < traffic["sptt"]["total"]
     flops = results["flops_per_sample"]
     assert flops["flat"] == flops["sptt"] > 0
+    table = load_benchmark("report").render({"towers": results})
+    assert "**Towers (DMT)**" in table and "| compression 4 − flat (mean AUC) |" in table
+    assert "flat_tablewise:" in table
     assert sorted(t for tower in results["learned_towers"] for t in tower) == sorted(
         f"planted_{g}_{j}" for g in range(2) for j in range(4)
     )

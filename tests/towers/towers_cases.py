@@ -1,6 +1,6 @@
 """What the ranks of the tower tests run (4 spawned processes: 2 "hosts" x 2 ranks); results
-go to a JSON file the tests read. References are computed on rank 0 in the same job: one process
-on the concatenated global batches (``DistributedTrainer`` with a world of one)."""
+go to a JSON file the tests read. Every rank computes the references itself, in the same job: one
+process on the concatenated global batches (``DistributedTrainer`` with a world of one)."""
 
 from __future__ import annotations
 
