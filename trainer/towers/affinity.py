@@ -33,9 +33,11 @@ __all__ = ["gram_matrix", "load_trained", "train_briefly", "training_batches"]
 
 @torch.no_grad()
 def gram_matrix(
-    model: DLRM, batches: Iterable[Batch], *, max_batches: int | None = None
+    model: DLRM, batches: Iterable[Batch], *, max_batches: int | None = None, center: bool = False
 ) -> tuple[tuple[str, ...], np.ndarray, int]:
-    """``mean over samples of R Rᵀ`` of the model's pooled features.
+    """``mean over samples of R Rᵀ`` of the model's pooled features; with ``center``, of
+    ``(R - mean R)(R - mean R)ᵀ`` (``mean R Rᵀ - mean R mean Rᵀ``, each feature's mean embedding
+    taken over the same samples).
 
     Returns:
         the features (in the model's order), the ``[F, F]`` float64 matrix, and the samples
@@ -44,6 +46,7 @@ def gram_matrix(
     model.eval()
     features = tuple(model.ebc.features)
     total = np.zeros((len(features), len(features)), dtype=np.float64)
+    first: np.ndarray | None = None  # sum over samples of R, [F, N]
     samples = 0
     for count, batch in enumerate(batches):
         if max_batches is not None and count >= max_batches:
@@ -51,11 +54,16 @@ def gram_matrix(
         pooled = model.ebc(batch)
         r = torch.stack([pooled[f] for f in features], dim=1).to(torch.float64)  # (B, F, N)
         total += torch.einsum("bfn,bgn->fg", r, r).numpy()
+        first = r.sum(0).numpy() + (0.0 if first is None else first)
         samples += r.shape[0]
     if not samples:
         msg = "no batch to compute the feature affinities on: the dataset's training part is empty"
         raise RecpipeError(msg)
-    return features, total / samples, samples
+    gram = total / samples
+    if center and first is not None:
+        mean = first / samples  # (F, N)
+        gram = gram - mean @ mean.T
+    return features, gram, samples
 
 
 def _model_config(saved: dict[str, Any]) -> ModelConfig:

@@ -336,6 +336,9 @@ class PartitionConfig:
         steps: steps of the short training run.
         batch_size: rows per batch of the short run and of the affinity batches.
         affinity_batches: training batches the mean of R Rᵀ is taken over.
+        center: subtract each feature's mean embedding first (the covariance of the pooled
+            embeddings instead of their raw second moment): the raw mean of R Rᵀ also holds the
+            products of the features' mean embeddings, which can hide the structure.
         features: partition only these sparse features (default: all of the schema's).
         dims: dimensions of the MDS embedding (the plot shows the first two).
         eval_fraction: share of row groups held out (not trained on, not used for affinities).
@@ -354,6 +357,7 @@ class PartitionConfig:
     steps: int = 300
     batch_size: int = 256
     affinity_batches: int = 16
+    center: bool = False
     features: tuple[str, ...] | None = None
     dims: int = 2
     eval_fraction: float = 0.1

@@ -61,7 +61,7 @@ def partition(config: PartitionConfig, *, progress: bool = False) -> Partition:
         model = train_briefly(run, progress=progress)
         source = f"{config.steps} training steps on {config.dataset}"
     features, gram, samples = gram_matrix(
-        model, training_batches(run), max_batches=config.affinity_batches
+        model, training_batches(run), max_batches=config.affinity_batches, center=config.center
     )
     if config.features is not None:
         missing = [f for f in config.features if f not in features]
@@ -72,7 +72,8 @@ def partition(config: PartitionConfig, *, progress: bool = False) -> Partition:
             raise RecpipeError(msg)
         pick = [features.index(f) for f in config.features]
         features, gram = tuple(config.features), gram[np.ix_(pick, pick)]
-    source += f"; mean R Rᵀ over {samples:,} samples"
+    what = "centred R Rᵀ" if config.center else "R Rᵀ"
+    source += f"; mean {what} over {samples:,} samples"
     return partition_features(features, affinity_from_gram(gram), towers=config.towers,
                               strategy=config.strategy, balance=config.balance,
                               seed=config.seed, dims=config.dims, source=source)  # fmt: skip
