@@ -12,7 +12,8 @@ in `_synth.json`), builds the clustered dataset, and trains DLRMs on the G x M p
   dlrm_r<R>    SPTT + DLRM tower modules at compression R (every tower emits n_t / R vectors),
                with the learned partition and with a strided one (feature i in tower i mod T)
 
-The learned partition comes from `recpipe towers partition` (coherent, balance 1) on the
+The learned partition comes from `recpipe towers partition` (coherent, balance 1, centred
+affinities, MDS in `--partition-dims` dimensions, a short run at `--partition-lr`) on the
 training part. Every model trains on the same global batches (the SPTT job's ranks' batches,
 concatenated) for `--steps` steps per seed, and is evaluated on the same held-out rows; the
 single-process runs of the towered models compute what SPTT computes (tests/towers checks it:
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--embedding-dim", type=int, default=16)
     add("--num-embeddings", type=int, default=1000, help="rows per table (ids hashed)")
     add("--partition-steps", type=int, default=300, help="steps of the partitioner's short run")
+    add("--partition-dims", type=int, default=8, help="dimensions of the partitioner's MDS")
     add("--partition-lr", type=float, default=1.0,
         help="Adagrad learning rate of the partitioner's short run (only the embeddings' "
              "alignment matters there; at the default 0.05, 300 steps barely move them)")  # fmt: skip
@@ -344,7 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         part = partition(PartitionConfig(
             str(dataset), towers=args.towers, strategy="coherent", balance=1.0, seed=0,
             steps=args.partition_steps, batch_size=args.batch_size * _world(opts),
-            lr=args.partition_lr,
+            lr=args.partition_lr, center=True, dims=args.partition_dims,
             features=tuple(features), model=ModelConfig(**{**vars(base), "tables": None}),
         ))  # fmt: skip
         plans = {"learned": part.plan, "strided": TowerPlan.strided(features, args.towers)}
@@ -405,6 +407,8 @@ def summarise(args: argparse.Namespace, opts: dict[str, Any], synth: dict[str, A
             "noise": args.noise,
             "partition_steps": args.partition_steps,
             "partition_lr": args.partition_lr,
+            "partition_dims": args.partition_dims,
+            "partition_center": True,
         },
         "environment": environment(),
         "hidden_model_auc": synth.get("hidden_model_auc"),
