@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.common.data import synthetic_dataset
+
 
 @pytest.fixture(scope="session")
 def towers_dataset(tmp_path_factory):
-    from etl.build import BuildConfig, build
-    from etl.synth import SynthConfig, generate
-    from schemas import default_schema
-
-    root = tmp_path_factory.mktemp("towers_data")
-    logs = generate(root / "raw", SynthConfig(num_requests=2000, seed=5))
-    out = root / "dataset"
-    build(
-        logs.features,
-        out,
-        events=logs.events,
-        schema=default_schema(),
-        config=BuildConfig(row_group_size=256),
+    return synthetic_dataset(
+        tmp_path_factory.mktemp("towers_data"), requests=2000, seed=5, row_group_size=256
     )
-    return out
