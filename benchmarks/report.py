@@ -744,7 +744,71 @@ DISPATCH = Table(
     ],
 )
 
-TABLES: tuple[Table, ...] = (ETL, KERNELS, READERS, SERVICE, TRAINER, STORE, DISPATCH)
+
+def _towers_title(d: Results) -> str:
+    c = d["config"]
+    return (
+        f"**Towers (DMT)** (`benchmarks/towers.py`: {c['groups']} planted groups x "
+        f"{c['features_per_group']} features, {c['towers']} towers x {c['ranks_per_host']} "
+        f"rank(s), {c['steps']} steps, {c['seeds']} seeds; held-out AUC mean ± sd):"
+    )
+
+
+def _auc(d: Results, name: str) -> str:
+    s = d["auc"][name]
+    return f"{s['mean']:.4f} ± {s['sd']:.4f}"
+
+
+def _towers_traffic(d: Results) -> str:
+    t, f = d["cross_host_bytes_per_sample"], d["flops_per_sample"]
+    names = [n for n in t if n in f] + [n for n in t if n not in f]
+    return " / ".join(
+        f"{n}: {num(t[n]['total'])} B" + (f", {num(f[n])} FLOPs" if n in f else "") for n in names
+    )
+
+
+TOWERS = Table(
+    "towers",
+    _towers_title,
+    [
+        Row("AUC: flat / SPTT", None, lambda d: f"{_auc(d, 'flat')} / {_auc(d, 'sptt')}"),
+        Row(
+            "SPTT − flat (mean AUC)",
+            "sptt_minus_flat",
+            lambda d: f"{{v}} (flat sd {d['auc']['flat']['sd']:.4f})",
+            fmt=lambda v: f"{v:+.4f}",
+            target_text="within one sd of flat",
+            reference="DMT: 0.8047 -> 0.8053",
+        ),
+        Row(
+            "SPTT + tower modules by compression (learned towers)",
+            None,
+            lambda d: " / ".join(
+                f"{r}: {_auc(d, f'dlrm_r{r}')}" for r in d["config"]["compressions"]
+            ),
+        ),
+        Row(
+            "compression 4 − flat (mean AUC)",
+            "compression4_minus_flat",
+            lambda d: "{v}",
+            fmt=lambda v: f"{v:+.4f}",
+            target=Target(">=", -0.002),
+            reference="DMT: within 0.0002 at -39% FLOPs",
+        ),
+        Row(
+            "learned − strided towers (Mann–Whitney one-sided p)",
+            None,
+            lambda d: " / ".join(
+                f"{r}: {v['learned_minus_strided']:+.4f} (p {v['p_greater']:.3g})"
+                for r, v in d["learned_vs_strided"].items()
+            ),
+            reference="DMT: learned better, p < 0.01",
+        ),
+        Row("cross-host bytes and FLOPs per sample", None, _towers_traffic),
+    ],
+)
+
+TABLES: tuple[Table, ...] = (ETL, KERNELS, READERS, SERVICE, TRAINER, STORE, DISPATCH, TOWERS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,16 @@ Labels come from a hidden logistic model of the features (segment x category aff
 the item's seller is among the user's liked sellers, item CTR, surface). Its own AUC on the
 generated requests, the best any model can reach, is written to ``_synth.json``.
 
+With ``planted_groups`` > 0 (off by default; ``recpipe synth --planted-groups G``) the logs also
+carry G groups of ``planted_features`` one-id features ``planted_<g>_<j>`` with a known
+interaction structure, for feature partitioners to find (``recpipe towers partition``): per
+request each group draws a latent value; each feature of the group shows it (or, with
+probability ``planted_noise``, a random value) as its id; and the label's logit gains
+``planted_strength * sum over group pairs g < h of <U_g[z_g], U_h[z_h]> / sqrt(k)`` with zero-mean
+k-dimensional codes U. Features of one group are interchangeable noisy views of one latent, so a
+model learns aligned embeddings for them; groups are independent. The planted features are
+appended to the schema, written to ``_schema.toml`` for ``recpipe etl build --schema``.
+
 Memory is bounded by one block (~260k requests by default), so tens of millions of requests
 stream through; every random draw comes from ``(seed, block)``-keyed generators or counter-based
 hashes, so the same seed gives byte-identical files.
@@ -34,7 +44,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +54,7 @@ import zstandard
 
 from recpipe.errors import RecpipeError
 from recpipe.kernels.splitmix import splitmix64
-from schemas import default_schema
+from schemas import DatasetSchema, SparseFeature, default_schema
 
 __all__ = [
     "BAD_EVENT_KINDS",
@@ -52,6 +62,8 @@ __all__ = [
     "SynthConfig",
     "SynthResult",
     "generate",
+    "planted_groups",
+    "planted_schema",
     "register_cli",
 ]
 
@@ -79,6 +91,8 @@ _CHUNK_ROWS = 32_768  # rows formatted and compressed at a time
 _N_SEGMENTS, _N_COUNTRIES, _N_DEVICES, _N_SURFACES = 64, 40, 8, 6
 _N_ITEMS, _N_SELLERS, _N_CATEGORIES, _N_TAGS = 2_000_000, 50_000, 200, 5_000
 _N_FOLLOWS, _N_QUERIES = 1_000_000, 500_000
+# The planted interaction groups (off by default): latent values per group, code dimensions.
+_PLANTED_VALUES, _PLANTED_DIMS = 16, 4
 
 _DENSE = ("user_age", "user_tenure_days", "item_price", "item_ctr", "context_hour")
 _SPARSE = (
@@ -143,6 +157,12 @@ class SynthConfig:
         like_shift_prob: per-sample probability that the liked lists shift by one id.
         query_shift_prob: per-sample probability that ``user_recent_queries`` shifts.
         zstd_level: compression level of the output files.
+        planted_groups: groups of planted one-id features with a known interaction structure
+            (0: none, the default; see the module docstring).
+        planted_features: features per planted group.
+        planted_noise: probability that a planted feature shows a random latent value
+            instead of its group's.
+        planted_strength: weight of the planted interactions in the label's logit.
     """
 
     num_requests: int = 200_000
@@ -156,12 +176,23 @@ class SynthConfig:
     like_shift_prob: float = 0.25
     query_shift_prob: float = 0.3
     zstd_level: int = 1
+    planted_groups: int = 0
+    planted_features: int = 4
+    planted_noise: float = 0.3
+    planted_strength: float = 0.5
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> RecpipeError:
             return RecpipeError(f"`{name}` must be {rule}, got {getattr(self, name)!r}")
 
-        for name in ("num_requests", "files", "concurrent_sessions", "seed"):
+        for name in (
+            "num_requests",
+            "files",
+            "concurrent_sessions",
+            "seed",
+            "planted_groups",
+            "planted_features",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "an integer")
@@ -185,6 +216,15 @@ class SynthConfig:
             raise bad("bad_fraction", "<= 0.5")
         if not 1 <= self.zstd_level <= 22:
             raise bad("zstd_level", "in [1, 22]")
+        if not 0 <= self.planted_groups <= 64:
+            raise bad("planted_groups", "in [0, 64]")
+        if not 1 <= self.planted_features <= 256:
+            raise bad("planted_features", "in [1, 256]")
+        if not (isinstance(self.planted_noise, int | float) and 0.0 <= self.planted_noise <= 1.0):
+            raise bad("planted_noise", "in [0, 1]")
+        strength = self.planted_strength
+        if not (isinstance(strength, int | float) and math.isfinite(strength) and strength >= 0):
+            raise bad("planted_strength", "a finite number >= 0")
 
 
 @dataclass
@@ -268,6 +308,68 @@ def _dump_lists(values: np.ndarray, lengths: np.ndarray) -> list[bytes]:
     return orjson.dumps(nested)[1:-1].replace(b"],[", b"]\n[").split(b"\n")
 
 
+def planted_groups(config: SynthConfig) -> list[tuple[str, ...]]:
+    """The planted feature groups of ``config``, in schema order (empty when off).
+
+    >>> planted_groups(SynthConfig(planted_groups=2, planted_features=2))
+    [('planted_0_0', 'planted_0_1'), ('planted_1_0', 'planted_1_1')]
+    """
+    return [
+        tuple(f"planted_{g}_{j}" for j in range(config.planted_features))
+        for g in range(config.planted_groups)
+    ]
+
+
+def planted_schema(config: SynthConfig) -> DatasetSchema:
+    """The schema of the logs ``config`` generates: the bundled synth schema, with the planted
+    features (one id each, ``context`` kind) appended when ``planted_groups`` > 0."""
+    schema = default_schema()
+    names = [name for group in planted_groups(config) for name in group]
+    if not names:
+        return schema
+    extra = tuple(SparseFeature(name, kind="context", max_len=1) for name in names)
+    return replace(schema, sparse=(*schema.sparse, *extra))
+
+
+class _Planted:
+    """The planted interaction groups: latent values per request, ids and the logit term."""
+
+    def __init__(self, cfg: SynthConfig) -> None:
+        self.cfg = cfg
+        self.names = [name for group in planted_groups(cfg) for name in group]
+        rng = np.random.default_rng([cfg.seed, 0x9A7])
+        codes = rng.normal(0, 1, (cfg.planted_groups, _PLANTED_VALUES, _PLANTED_DIMS))
+        self.codes = codes - codes.mean(axis=1, keepdims=True)  # zero mean over the values
+        # the id a feature shows for each latent value: [features, values]
+        slots = np.arange(len(self.names) * _PLANTED_VALUES, dtype=np.uint64)
+        ids = (_hash(slots, 0x9A8) % np.uint64(1 << 31)).astype(np.int64)
+        self.ids = ids.reshape(len(self.names), _PLANTED_VALUES)
+        self.snippets = [
+            [b',"%s":[%d]' % (name.encode(), v) for v in row]
+            for name, row in zip(self.names, self.ids.tolist())
+        ]
+
+    def draw(self, b: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block ``b``'s ``[n, features]`` shown latent values and ``[n]`` logit terms."""
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, 0x9A9, b])
+        groups, per = cfg.planted_groups, cfg.planted_features
+        latent = rng.integers(0, _PLANTED_VALUES, (n, groups))
+        shown = np.repeat(latent, per, axis=1)  # (n, groups * per)
+        noisy = rng.random(shown.shape) < cfg.planted_noise
+        shown = np.where(noisy, rng.integers(0, _PLANTED_VALUES, shown.shape), shown)
+        codes = self.codes[np.arange(groups), latent]  # (n, groups, k)
+        pairs = np.einsum("ngk,nhk->ngh", codes, codes)
+        upper = np.triu(np.ones((groups, groups), dtype=bool), k=1)
+        term = pairs[:, upper].sum(axis=1) * cfg.planted_strength / math.sqrt(_PLANTED_DIMS)
+        return shown, term
+
+    def lines(self, shown: np.ndarray) -> list[bytes]:
+        """The JSON members of each row's planted features (``,"planted_0_0":[id]...``)."""
+        snippets = self.snippets
+        return [b"".join([snippets[f][v] for f, v in enumerate(row)]) for row in shown.tolist()]
+
+
 class _Model:
     """The hidden logistic model that draws labels."""
 
@@ -326,6 +428,7 @@ class _Generator:
         self.cfg = cfg
         self.tags_max_len = _check_schema()
         self.model = _Model(cfg.seed)
+        self.planted = _Planted(cfg) if cfg.planted_groups else None
         self.seedkey = int(_mix(np.array([cfg.seed], dtype=np.uint64))[0])
         n_bad = round(cfg.bad_fraction * cfg.num_requests)
         if 0 < n_bad < len(BAD_KINDS) and cfg.num_requests >= len(BAD_KINDS):
@@ -425,6 +528,10 @@ class _Generator:
         match = np.maximum.reduceat(hit, np.cumsum(s_len) - s_len) > 0
 
         logit = self.model.logit(segment[srow], category, match, ctr, surface)
+        planted_rows: list[bytes] | None = None
+        if self.planted is not None:
+            shown, term = self.planted.draw(b, n)
+            logit = logit + term
         prob = 1.0 / (1.0 + np.exp(-logit))
         label = rng.random(n) < prob
 
@@ -448,6 +555,8 @@ class _Generator:
             b'"user_liked_items":%s,"user_liked_sellers":%s,' % v
             for v in zip(liked_json, sellers_json)
         ]
+        if self.planted is not None:
+            planted_rows = self.planted.lines(shown[order])
         uniq_items, item_inv = np.unique(item, return_inverse=True)
         tags_json = _dump_lists(*self._tags(uniq_items))
         o = order
@@ -470,7 +579,7 @@ class _Generator:
         def render(lo: int, hi: int) -> list[bytes]:
             """Lines of time-ordered rows lo..hi-1."""
             cols = zip(*(c[lo:hi].tolist() for c in columns))
-            return [
+            lines = [
                 _TEMPLATE
                 % (
                     r,
@@ -492,6 +601,9 @@ class _Generator:
                 )
                 for r, s, t, pr, c, h, lk, q, it, sl, ca, ti, sf in cols
             ]
+            if planted_rows is not None:  # before the closing braces of "sparse" and the line
+                lines = [ln[:-2] + p + b"}}" for ln, p in zip(lines, planted_rows[lo:hi])]
+            return lines
 
         line_file = rng.integers(0, cfg.files, n)
         bad = self._plan_bad(rng, n, first_row, line_file)
@@ -755,6 +867,15 @@ def generate(
         "bytes": sum(p.stat().st_size for p in features + events),
         "elapsed_s": round(time.perf_counter() - t0, 3),
     }
+    if cfg.planted_groups:
+        schema_file = root / "_schema.toml"
+        schema_file.write_text(planted_schema(cfg).to_toml())
+        summary["planted"] = {
+            "groups": [list(g) for g in planted_groups(cfg)],
+            "values": _PLANTED_VALUES,
+            "code_dims": _PLANTED_DIMS,
+            "schema": str(schema_file.relative_to(root)),
+        }
     (root / "_synth.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     return SynthResult(
         root=root,
@@ -774,6 +895,12 @@ def _write(writers: list, lines: list[bytes], files: np.ndarray) -> None:
         for f in np.unique(part).tolist():
             idx = (np.flatnonzero(part == f) + start).tolist()
             writers[f].write(b"\n".join([lines[i] for i in idx]) + b"\n")
+
+
+def _planted_row(planted: dict[str, Any]) -> list[tuple[str, str]]:
+    groups = planted["groups"]
+    shape = f"{len(groups)} x {len(groups[0])} features (schema: {planted['schema']})"
+    return [("planted groups", shape)]
 
 
 def _format_summary(result: SynthResult) -> str:
@@ -796,6 +923,7 @@ def _format_summary(result: SynthResult) -> str:
         ),
         ("label rate", f"{s['label_rate']:.4f}"),
         ("hidden-model AUC", f"{s['hidden_model_auc']:.4f}"),
+        *(_planted_row(s["planted"]) if "planted" in s else []),
         ("bytes written", f"{s['bytes'] / 1e6:.1f} MB"),
         ("time", f"{s['elapsed_s']:.1f} s"),
     ]
@@ -815,6 +943,10 @@ def _run_cli(args: argparse.Namespace) -> int:
         with_session_id=not args.no_session_id,
         files=args.files,
         concurrent_sessions=args.concurrent_sessions,
+        planted_groups=args.planted_groups,
+        planted_features=args.planted_features,
+        planted_noise=args.planted_noise,
+        planted_strength=args.planted_strength,
     )
     result = generate(args.out, cfg, progress=not args.quiet)
     print(_format_summary(result))
@@ -860,5 +992,26 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         default=d.concurrent_sessions,
         help="sessions interleaved within one 20-minute block",
     )
+    planted = parser.add_argument_group(
+        "planted interactions",
+        "groups of one-id features with a known interaction structure, for feature "
+        "partitioners (off by default); the schema with them is written to OUT/_schema.toml",
+    )
+    planted.add_argument(
+        "--planted-groups", type=int, default=d.planted_groups, metavar="G",
+        help="groups of planted features (default 0: none)",
+    )  # fmt: skip
+    planted.add_argument(
+        "--planted-features", type=int, default=d.planted_features, metavar="M",
+        help=f"features per planted group (default {d.planted_features})",
+    )  # fmt: skip
+    planted.add_argument(
+        "--planted-noise", type=float, default=d.planted_noise, metavar="P",
+        help=f"chance a planted feature shows a random latent value (default {d.planted_noise})",
+    )  # fmt: skip
+    planted.add_argument(
+        "--planted-strength", type=float, default=d.planted_strength, metavar="W",
+        help=f"weight of the planted interactions in the label (default {d.planted_strength})",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run_cli)

@@ -37,6 +37,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
     ("train", "trainer.cli", "train a DLRM with or without dedup"),
     ("store", "trainer.store.cli", "inspect a hybrid embedding store"),
+    ("towers", "trainer.towers.cli", "partition features into towers; train a towered DLRM (SPTT)"),
 )
 """``(command, module with register_cli, summary)`` in the order ``recpipe --help`` lists them."""
 

@@ -9,7 +9,7 @@ import pytest
 
 from recpipe_cli import build_parser, main
 
-COMMANDS = ["synth", "etl", "stats", "fit", "serve", "train", "store"]
+COMMANDS = ["synth", "etl", "stats", "fit", "serve", "train", "store", "towers"]
 
 
 def test_help_lists_every_subcommand(capsys):

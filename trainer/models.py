@@ -228,18 +228,28 @@ class DLRM(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """``[B]`` logits of a batch (deduplicated or plain)."""
-        dense = torch.nan_to_num(batch.dense, nan=0.0).to(self.bottom[0].weight.dtype)
+        x0 = self.dense_vector(batch.dense)  # (B, D)
+        vectors = list(self.ebc(batch).values())
+        if self.attention is not None:
+            vectors.append(self.attention(self.seq(batch)))
+        return self.interact(x0, vectors)
+
+    def dense_vector(self, dense: torch.Tensor) -> torch.Tensor:
+        """``x0`` [B, D]: the bottom MLP's output for ``[B, F]`` dense features (signed log1p,
+        batch norm)."""
+        dense = torch.nan_to_num(dense, nan=0.0).to(self.bottom[0].weight.dtype)
         dense = torch.sign(dense) * torch.log1p(dense.abs())  # (B, F)
         norm = self.dense_norm
         if norm is not None and self.training and dense.shape[0] < 2:  # one row: no batch stats
             dense = F.batch_norm(dense, norm.running_mean, norm.running_var, training=False)
         elif norm is not None:
             dense = norm(dense)
-        x0 = self.bottom(dense)  # (B, D)
-        vectors = [x0, *self.ebc(batch).values()]
-        if self.attention is not None:
-            vectors.append(self.attention(self.seq(batch)))
-        t = torch.stack(vectors, dim=1)  # (B, n, D)
+        return self.bottom(dense)  # (B, D)
+
+    def interact(self, x0: torch.Tensor, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[B]`` logits: pairwise dots of ``[x0, *vectors]`` (each ``[B, D]``, as many as the
+        model was built for) with ``x0``, through the top MLP."""
+        t = torch.stack([x0, *vectors], dim=1)  # (B, n, D)
         dots = torch.bmm(t, t.transpose(1, 2)).flatten(1)  # (B, n * n)
         z = torch.cat([x0, dots.index_select(1, self._tri)], dim=1)  # (B, D + n(n-1)/2)
         return self.top(z).squeeze(1)  # (B,)

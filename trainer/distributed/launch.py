@@ -38,6 +38,7 @@ __all__ = [
     "distributed_config",
     "dump",
     "launch_config",
+    "launch_workers",
     "requested",
     "run",
 ]
@@ -59,10 +60,14 @@ def _hot_rows(text: str) -> str | int:
     return value
 
 
-def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool = True) -> None:
     """Add the multi-rank options to the ``recpipe train`` parser: the fields of
     :class:`~trainer.distributed.config.LaunchConfig` and five of
-    :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`)."""
+    :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`).
+
+    ``exchange=False`` (a command without the 2FP exchange and the sample dispatch, e.g.
+    ``recpipe towers train``): of :class:`~trainer.distributed.config.DistributedConfig` only
+    ``--dist-timeout``."""
     from recpipe.config_cli import Option, add_config_options
     from trainer.distributed.config import DistributedConfig, LaunchConfig
 
@@ -86,7 +91,11 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     exchange = add_config_options(
         group,
         DistributedConfig,
-        include=("hot_rows", "count_steps", "timeout_s", "dispatch", "alpha"),
+        include=(
+            ("hot_rows", "count_steps", "timeout_s", "dispatch", "alpha")
+            if exchange
+            else ("timeout_s",)
+        ),
         overrides={
             "hot_rows": Option(metavar="R", type=_hot_rows),
             "alpha": Option(metavar="A"),
@@ -118,7 +127,7 @@ def requested(args: argparse.Namespace) -> bool:
     return getattr(args, "nproc", None) is not None or launched_by_torchrun()
 
 
-def _torchrun_args(launch: LaunchConfig, spec: Path) -> list[str]:
+def _torchrun_args(launch: LaunchConfig, spec: Path, *, module: str = "trainer") -> list[str]:
     nnodes = launch.nnodes
     argv = ["--nproc-per-node", str(launch.nproc), "--nnodes", str(nnodes), "--max-restarts", "0"]
     if nnodes == 1 and launch.master_addr is None:
@@ -132,7 +141,7 @@ def _torchrun_args(launch: LaunchConfig, spec: Path) -> list[str]:
             raise _error(msg)
         argv += ["--node-rank", str(launch.node_rank), "--master-addr", launch.master_addr,
                  "--master-port", str(launch.master_port), "--rdzv-backend", "static"]  # fmt: skip
-    return [*argv, "-m", "trainer", SPEC_FLAG, str(spec)]
+    return [*argv, "-m", module, SPEC_FLAG, str(spec)]
 
 
 def _error(msg: str) -> Exception:
@@ -141,9 +150,16 @@ def _error(msg: str) -> Exception:
     return DistributedError(msg)
 
 
-def _launch(launch: LaunchConfig, worker: argparse.Namespace, config: TrainConfig) -> None:
-    """Be torchrun's agent for this machine's ``--nproc`` workers (they get ``config`` and
-    ``worker``, the options parsed here, in a pickle only this user can read)."""
+def launch_workers(
+    launch: LaunchConfig, worker: argparse.Namespace, config: Any, *, module: str = "trainer"
+) -> None:
+    """Be torchrun's agent for this machine's ``--nproc`` workers of ``python -m module
+    --launch-spec FILE``; FILE holds ``(config, worker)`` pickled (``worker``: the options the
+    workers need, parsed here), readable by this user only.
+
+    Raises:
+        DistributedError: a worker failed (naming the first), or the node options are wrong.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -152,7 +168,7 @@ def _launch(launch: LaunchConfig, worker: argparse.Namespace, config: TrainConfi
         spec = Path(tmp) / "args.pkl"
         spec.write_bytes(pickle.dumps((config, worker)))
         try:
-            torchrun(parse_args(_torchrun_args(launch, spec)))
+            torchrun(parse_args(_torchrun_args(launch, spec, module=module)))
         except ChildFailedError as exc:
             first = min(exc.failures.items(), key=lambda kv: kv[1].timestamp)
             rank, failure = first
@@ -183,7 +199,7 @@ def run(
         worker = argparse.Namespace(
             nproc=None, quiet=quiet, json=getattr(args, "json", None), distributed=options
         )
-        _launch(launch_config(args), worker, config)
+        launch_workers(launch_config(args), worker, config)
         return None
     comm = init_from_env(device=config.device, timeout_s=options.timeout_s)
     try:

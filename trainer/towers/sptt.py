@@ -1,0 +1,498 @@
+"""SPTT, DMT's semantic-preserving tower transform, on ``torch.distributed`` subgroups.
+
+Rank ``g`` trains on its micro-batch of B rows; the step's global batch is every rank's, in
+rank order. Tower ``t``'s tables live on host ``t`` (:class:`~trainer.towers.layout.SPTTLayout`).
+One step, every rank calling the same collectives in the same order::
+
+    1. sparse a2a (world)   each rank sends every feature's ids to the rank holding its table:
+                            counts first, then lengths + ids (int64). Rank g now holds its
+                            features' bags for all G·B rows (sources in rank order)
+    2. local lookup         pooled [G·B, n_g, N] (the tables' 2FP exchange on a world of one)
+    3. peer permute         rows reordered by (destination local rank l', peer order of l')
+    4. host a2a (host)      chunk l' -> local rank l': every rank of host t now holds all n_t
+                            features of tower t for its peers' T·B rows
+    5. reshape              (features, peers) -> (peers, features): [T, B, n_t, N]
+    6. tower module         [T·B, n_t, N] -> [T·B, k_t, N]                (before leaving the host)
+    7. peer a2a (peers)     chunk p -> peer p (the L peer groups at once, T ranks each):
+                            rank g now holds every tower's [B, k_t, N] for its own B rows
+    8. head (world, DDP)    bottom MLP, dot interaction, top MLP on the rank's B rows
+
+The backward runs 7, 6, 4 in reverse (gradients take the way back), sums the tower module's
+gradients over the host's ranks (the only ranks that hold that tower), and updates the local
+tables with the pooled rows' gradients of all G·B rows. Only steps 1 and 7 cross hosts; a tower
+module with compression r shrinks step 7's bytes (and its gradients') by exactly r.
+
+``schedule="flat"`` runs the flat model-parallel path instead: steps 1-2, then one world a2a of
+the pooled embeddings straight back to the ranks their rows belong to (TorchRec's table-wise
+sharding). With pass-through towers both deliver the same pooled numbers, bit for bit.
+
+:class:`Traffic` counts every collective of the schedule: bytes each rank sent to other ranks,
+and the part of them that crossed hosts. See ``docs/towers.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from recpipe.errors import RecpipeError
+from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
+from trainer.config import DEFAULT_LR
+from trainer.distributed.comm import Comm
+from trainer.distributed.dense import global_batch_norms, wrap_ddp
+from trainer.distributed.exchange import ShardedEmbeddings
+from trainer.distributed.shard import SparseOptimizer
+from trainer.metrics import auc
+from trainer.modules import PooledEmbeddings
+from trainer.towers.layout import SPTTLayout
+from trainer.towers.model import TowerDLRM
+from trainer.train import EvalResult, make_optimizers
+
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+
+__all__ = ["COLLECTIVES", "SPTTGroups", "SPTTTrainer", "Schedule", "Traffic"]
+
+Schedule = Literal["sptt", "flat"]
+
+COLLECTIVES: tuple[str, ...] = (
+    "sparse_counts",  # 1. sizes of the ids
+    "sparse_ids",  # 1. lengths and ids
+    "host_a2a",  # 4. pooled embeddings inside a host
+    "host_a2a_grad",
+    "peer_a2a",  # 7. tower outputs across hosts
+    "peer_a2a_grad",
+    "flat_a2a",  # the flat path: pooled embeddings to their rows' ranks
+    "flat_a2a_grad",
+    "tower_grads",  # the tower module's gradient all-reduce (host group)
+)
+"""The collectives :class:`Traffic` counts, by name."""
+
+
+# -------------------------------------------------------------------------------------------
+# process groups and traffic
+
+
+@dataclass
+class SPTTGroups:
+    """The process groups of an SPTT job, as seen by this rank.
+
+    Attributes:
+        world: every rank (the sparse ids, the flat path, the loss); its ``dense_group`` is the
+            dense head's DDP group.
+        host: the ranks of this rank's host (the host all-to-all, the tower's gradients).
+        peer: this rank's peers (the peer all-to-all).
+        host_ranks, peer_ranks: the global rank of each group rank of ``host`` and ``peer``.
+    """
+
+    world: Comm
+    host: Comm
+    peer: Comm
+    host_ranks: list[int]
+    peer_ranks: list[int]
+
+    @classmethod
+    def create(
+        cls,
+        layout: SPTTLayout,
+        *,
+        world: Comm | None = None,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 300.0,
+    ) -> SPTTGroups:
+        """Create the groups (collective: every rank of the default group calls it, in the
+        same order): one group per host, one per local rank, and, unless ``world`` is given
+        (e.g. :func:`trainer.distributed.comm.init_from_env`'s), the world twice (exchange,
+        DDP).
+        """
+        from datetime import timedelta
+
+        if not dist.is_initialized():
+            msg = "SPTTGroups.create needs an initialised default process group (torchrun)"
+            raise RecpipeError(msg)
+        if dist.get_world_size() != layout.world_size:
+            msg = f"the job has {dist.get_world_size()} ranks, the layout {layout.world_size}"
+            raise RecpipeError(msg)
+        rank = dist.get_rank()
+        timeout = timedelta(seconds=timeout_s)
+        of = {"device": device, "timeout_s": timeout_s}
+        if world is None:
+            group, dense = dist.new_group(timeout=timeout), dist.new_group(timeout=timeout)
+            world = Comm.of(group, dense_group=dense, **of)
+        hosts = [dist.new_group(layout.host_ranks(h), timeout=timeout)
+                 for h in range(layout.num_hosts)]  # fmt: skip
+        peers = [dist.new_group(layout.peers(k), timeout=timeout)
+                 for k in range(layout.ranks_per_host)]  # fmt: skip
+        host, local = layout.host_of(rank), layout.local_of(rank)
+        return cls(
+            world=world,
+            host=Comm.of(hosts[host], **of),
+            peer=Comm.of(peers[local], **of),
+            host_ranks=_group_members(hosts[host]),
+            peer_ranks=_group_members(peers[local]),
+        )
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> SPTTGroups:
+        """A job of one rank (one host, one tower): every collective a local copy."""
+        one = Comm.single(device)
+        return cls(one, one, one, [0], [0])
+
+
+def _group_members(group: Any) -> list[int]:
+    """The global rank of each rank of ``group``, in group-rank order."""
+    size = dist.get_world_size(group)
+    return [dist.get_global_rank(group, r) for r in range(size)]
+
+
+@dataclass
+class CollectiveTraffic:
+    """One collective's traffic from one rank (or summed over ranks).
+
+    Attributes:
+        calls: times it ran.
+        bytes: bytes sent to other ranks (what stays on the rank is not counted).
+        cross_host: of those, bytes sent to ranks on other hosts.
+    """
+
+    calls: int = 0
+    bytes: int = 0
+    cross_host: int = 0
+
+
+class Traffic:
+    """Bytes per collective of an SPTT job (see :data:`COLLECTIVES`), summed over steps.
+
+    Args:
+        layout: the job's layout (which ranks share a host).
+        rank: this rank.
+    """
+
+    def __init__(self, layout: SPTTLayout, rank: int) -> None:
+        self.layout, self.rank = layout, rank
+        self.by_name = {name: CollectiveTraffic() for name in COLLECTIVES}
+
+    def record(self, name: str, sizes: Sequence[int], ranks: Sequence[int], itemsize: int) -> None:
+        """One call of ``name`` that sent ``sizes[i]`` elements to global rank ``ranks[i]``."""
+        entry = self.by_name[name]
+        entry.calls += 1
+        host = self.layout.host_of(self.rank)
+        for size, to in zip(sizes, ranks, strict=True):
+            if to == self.rank:
+                continue
+            entry.bytes += int(size) * itemsize
+            if self.layout.host_of(to) != host:
+                entry.cross_host += int(size) * itemsize
+
+    def as_tensor(self) -> torch.Tensor:
+        keys = [f.name for f in fields(CollectiveTraffic)]
+        return torch.tensor([[getattr(self.by_name[n], k) for k in keys] for n in COLLECTIVES])
+
+    def merged(self, comm: Comm) -> dict[str, CollectiveTraffic]:
+        """Every rank's counts summed (collective): ``{collective: CollectiveTraffic}``."""
+        total = comm.all_reduce(self.as_tensor(), what="the traffic counters")
+        return {n: CollectiveTraffic(*map(int, row.tolist())) for n, row in zip(COLLECTIVES, total)}
+
+    def reset(self) -> None:
+        """Start counting again."""
+        self.by_name = {name: CollectiveTraffic() for name in COLLECTIVES}
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of a flat tensor (``send[i]`` elements to group rank ``i``);
+    backward sends the gradients back the same way (the sizes swapped). The zero-size
+    ``anchor`` requires grad, so every rank runs the backward collective even when its own
+    part of the input needs no gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, route, send, recv, names):
+        comm, ranks, traffic = route
+        ctx.route, ctx.send, ctx.recv, ctx.names = route, send, recv, names
+        traffic.record(names[0], send, ranks, x.element_size())
+        return comm.all_to_all(x, send, recv, what=f"the {names[0]}")
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, ranks, traffic = ctx.route
+        traffic.record(ctx.names[1], ctx.recv, ranks, grad.element_size())
+        back = comm.all_to_all(grad.contiguous(), ctx.recv, ctx.send, what=f"the {ctx.names[1]}")
+        return None, back, None, None, None, None
+
+
+class _Head(nn.Module):
+    """The dense head of a :class:`TowerDLRM` alone (bottom MLP, batch norm, top MLP), for DDP
+    on every rank: the towers' and tables' parameters stay out of it."""
+
+    def __init__(self, model: TowerDLRM) -> None:
+        super().__init__()
+        self.bottom, self.dense_norm, self.top = model.bottom, model.dense_norm, model.top
+        self._model = [model]  # not a submodule
+
+    def forward(self, dense: torch.Tensor, outputs: list[torch.Tensor]) -> torch.Tensor:
+        return self._model[0].head(dense, outputs)
+
+
+# -------------------------------------------------------------------------------------------
+# the trainer
+
+
+class SPTTTrainer:
+    """One rank of an SPTT job: its tables, its host's tower module, the dense head under DDP.
+
+    Args:
+        model: a :class:`TowerDLRM` built with
+            :func:`trainer.distributed.sharded_table_factory` tables (every rank builds the
+            whole model with the same seed; each uses its tables, its tower, the head).
+        layout: the job's layout.
+        groups: the job's process groups (:meth:`SPTTGroups.create`).
+        optimizer: ``"sgd"`` or ``"adagrad"`` (row-wise for the tables).
+        lr: learning rate (default per optimizer).
+        device: where the model runs.
+        schedule: ``"sptt"``, or ``"flat"`` (pass-through towers only).
+    """
+
+    def __init__(
+        self,
+        model: TowerDLRM,
+        *,
+        layout: SPTTLayout,
+        groups: SPTTGroups,
+        optimizer: Literal["sgd", "adagrad"] = "adagrad",
+        lr: float | None = None,
+        device: torch.device | str = "cpu",
+        schedule: Schedule = "sptt",
+    ) -> None:
+        if schedule not in ("sptt", "flat"):
+            msg = f"`schedule` must be 'sptt' or 'flat', got {schedule!r}"
+            raise RecpipeError(msg)
+        if schedule == "flat" and not model.passthrough:
+            msg = "`schedule` 'flat' moves pooled embeddings: it needs pass-through towers"
+            raise RecpipeError(msg)
+        if optimizer not in ("sgd", "adagrad"):
+            msg = f"`optimizer` must be 'sgd' or 'adagrad' with towers, got {optimizer!r}"
+            raise RecpipeError(msg)
+        self.layout, self.groups, self.schedule = layout, groups, schedule
+        self.rank = groups.world.rank
+        self.device = torch.device(device)
+        self.lr = DEFAULT_LR[optimizer] if lr is None else float(lr)
+        self.model = model.to(self.device)
+        global_batch_norms(self.model, groups.world)
+        self._head = _Head(self.model)
+        self.head = wrap_ddp(self._head, groups.world, device=self.device)
+        self.tower_index = layout.host_of(self.rank)
+        self.tower = self.model.towers[self.tower_index]
+        self.features = layout.features_of(self.rank)
+        self.local: PooledEmbeddings | None = None
+        self.sparse: ShardedEmbeddings | None = None
+        tables = layout.tables_of(self.rank)
+        if tables:
+            mine = self.model.ebc.tables
+            self.local = PooledEmbeddings(tables, table_factory=lambda cfg, _seed: mine[cfg.name])
+            kind = "sgd" if optimizer == "sgd" else "rowwise_adagrad"
+            self.sparse = ShardedEmbeddings(self.local, comm=Comm.single(self.device),
+                                            optimizer=SparseOptimizer(kind, self.lr),
+                                            count_steps=0)  # fmt: skip
+        self.optimizers = make_optimizers(self._head, optimizer, lr=self.lr)
+        if any(p.requires_grad for p in self.tower.parameters()):
+            self.optimizers += make_optimizers(self.tower, optimizer, lr=self.lr)
+        self.traffic = Traffic(layout, self.rank)
+        self._anchor = torch.zeros(0, requires_grad=True)
+        self.step = 0
+        self._pending: list[tuple[torch.Tensor, int]] = []
+        self._perm: dict[int, torch.Tensor] = {}
+
+    # -- the schedule ----------------------------------------------------------------------------
+    def _all_to_all(self, x: torch.Tensor, comm: Comm, ranks: list[int], send: list[int],
+                    recv: list[int], name: str) -> torch.Tensor:  # fmt: skip
+        route = (comm, ranks, self.traffic)
+        return _AllToAll.apply(self._anchor, x, route, send, recv, (name, f"{name}_grad"))
+
+    def route_sparse(self, batch: Batch) -> KeyedJaggedTensor:
+        """Step 1: this rank's features' bags for the global batch (``G·B`` rows, sources in
+        rank order), from every rank's micro-batch."""
+        world, layout = self.groups.world, self.layout
+        kjt = batch.to_plain().kjt
+        parts, counts = [], []
+        for dest in range(layout.world_size):
+            sub = kjt.select(layout.features_of(dest))
+            payload = torch.cat([sub.lengths.to(torch.int64), sub.values.to(torch.int64)])
+            parts.append(payload)
+            counts.append(payload.numel())
+        ranks = list(range(layout.world_size))
+        self.traffic.record("sparse_counts", [1] * len(ranks), ranks, 8)
+        got_counts = world.all_to_all_counts(
+            torch.tensor(counts, dtype=torch.int64).unsqueeze(1), what="the sparse ids' counts"
+        ).squeeze(1)
+        recv = [int(c) for c in got_counts.tolist()]
+        self.traffic.record("sparse_ids", counts, ranks, 8)
+        got = world.all_to_all(torch.cat(parts), counts, recv, what="the sparse ids")
+        return self._bags(got.split(recv), rows=batch.batch_size)
+
+    def _bags(self, chunks: Sequence[torch.Tensor], *, rows: int) -> KeyedJaggedTensor:
+        """This rank's features from every source's chunk (lengths, then ids, key-major)."""
+        n = len(self.features)
+        lengths, values = [], []
+        for chunk in chunks:
+            lens = chunk[: n * rows].view(n, rows)  # (n_g, B)
+            lengths.append(lens)
+            values.append(chunk[n * rows :].split(lens.sum(1).tolist()))
+        jagged = {
+            f: JaggedTensor.from_lengths(
+                torch.cat([v[i] for v in values]),
+                torch.cat([lens[i] for lens in lengths]),
+                validate=False,
+            )
+            for i, f in enumerate(self.features)
+        }
+        return KeyedJaggedTensor.from_jagged_dict(jagged, stride=rows * len(chunks))
+
+    def lookup(self, bags: KeyedJaggedTensor, *, train: bool) -> torch.Tensor:
+        """Step 2: the pooled ``[G·B, n_g, N]`` embeddings of this rank's features."""
+        rows, dim = bags.stride, self.model.config.embedding_dim
+        if self.local is None or self.sparse is None:
+            return torch.zeros(rows, 0, dim, device=self.device)
+        self.sparse.prepare(bags, train=train)
+        pooled = self.local(bags)
+        return torch.stack([pooled[f] for f in self.features], dim=1)  # (G·B, n_g, N)
+
+    def _peer_permute(self, rows: int) -> torch.Tensor:
+        """Step 3's row order: for each local rank l', its peers' rows in peer order."""
+        if rows not in self._perm:
+            layout = self.layout
+            order = [s * rows + i for k in range(layout.ranks_per_host)
+                     for s in layout.peers(k) for i in range(rows)]  # fmt: skip
+            self._perm[rows] = torch.tensor(order, dtype=torch.int64, device=self.device)
+        return self._perm[rows]
+
+    def exchange(self, pooled: torch.Tensor, *, rows: int) -> list[torch.Tensor]:
+        """Steps 3-7 (or the flat path): every tower's ``[B, k_t, N]`` output for this rank's
+        ``rows`` rows."""
+        if self.schedule == "flat":
+            return self._flat(pooled, rows=rows)
+        layout, groups = self.layout, self.groups
+        towers, dim = layout.num_hosts, self.model.config.embedding_dim
+        x = pooled.index_select(0, self._peer_permute(rows))  # (L·T·B, n_g, N)
+        width = towers * rows * dim
+        send = [width * len(self.features)] * layout.ranks_per_host
+        recv = [width * len(layout.features_of(g)) for g in groups.host_ranks]
+        y = self._all_to_all(x.reshape(-1), groups.host, groups.host_ranks, send, recv, "host_a2a")
+        parts = [p.view(towers, rows, -1, dim) for p in y.split(recv)]  # (T, B, n_l, N) each
+        z = torch.cat(parts, dim=2)  # (features, peers) -> (peers, features): (T, B, n_t, N)
+        n_t = z.shape[2]
+        out = self.tower(z.reshape(towers * rows, n_t, dim))  # (T·B, k_t, N)
+        k = out.shape[1]
+        by_peer = out.reshape(towers, rows * k * dim)  # row p: peer p's rows (peer order)
+        peers = layout.peers(layout.local_of(self.rank))
+        order = torch.tensor([peers.index(g) for g in groups.peer_ranks], device=self.device)
+        flat = by_peer.index_select(0, order).reshape(-1)  # in group-rank order
+        vectors = [self.model.vectors[layout.host_of(g)] for g in groups.peer_ranks]
+        send = [rows * k * dim] * len(peers)
+        recv = [rows * v * dim for v in vectors]
+        w = self._all_to_all(flat, groups.peer, groups.peer_ranks, send, recv, "peer_a2a")
+        got = {layout.host_of(g): p.view(rows, v, dim)
+               for g, p, v in zip(groups.peer_ranks, w.split(recv), vectors, strict=True)}  # fmt: skip
+        return [got[t] for t in range(towers)]
+
+    def _flat(self, pooled: torch.Tensor, *, rows: int) -> list[torch.Tensor]:
+        """The flat path: each source rank's rows of the pooled embeddings back to it."""
+        layout, world = self.layout, self.groups.world
+        dim = self.model.config.embedding_dim
+        ranks = list(range(layout.world_size))
+        send = [rows * len(self.features) * dim] * layout.world_size
+        recv = [rows * len(layout.features_of(g)) * dim for g in ranks]
+        y = self._all_to_all(pooled.reshape(-1), world, ranks, send, recv, "flat_a2a")
+        pooled_by_feature = {}
+        for g, part in zip(ranks, y.split(recv), strict=True):
+            feats = layout.features_of(g)
+            view = part.view(rows, len(feats), dim)  # (B, n_g, N)
+            pooled_by_feature.update({f: view[:, j] for j, f in enumerate(feats)})
+        return [self.model.tower_input(pooled_by_feature, t) for t in range(layout.num_hosts)]
+
+    def forward(self, batch: Batch, *, train: bool) -> torch.Tensor:
+        """The ``[B]`` logits of this rank's micro-batch (collective)."""
+        bags = self.route_sparse(batch)
+        pooled = self.lookup(bags, train=train)
+        outputs = self.exchange(pooled, rows=batch.batch_size)
+        return (self.head if train else self._head)(batch.dense, outputs)
+
+    # -- training ---------------------------------------------------------------------------------
+    def _sync_tower_grads(self) -> None:
+        """Sum the tower module's gradients over the host's ranks (the ranks holding it)."""
+        params = [p for p in self.tower.parameters() if p.requires_grad]
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        host = self.groups.host
+        self.traffic.record("tower_grads", [flat.numel()] * host.world_size, self.groups.host_ranks,
+                            flat.element_size())  # fmt: skip
+        host.all_reduce(flat, what="the tower module's gradient all-reduce")
+        at = 0
+        for p in params:
+            p.grad = flat[at : at + p.numel()].view_as(p).clone()
+            at += p.numel()
+
+    def train_step(
+        self, batch: Batch, *, reduce_loss: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One step on this rank's micro-batch (collective); returns the global batch's mean
+        loss (``None`` with ``reduce_loss=False``, see :meth:`pending_losses`) and this rank's
+        logits."""
+        self.model.train()
+        batch = batch.to(self.device, non_blocking=True)
+        global_rows = batch.batch_size * self.layout.world_size
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        logits = self.forward(batch, train=True)
+        loss_sum = F.binary_cross_entropy_with_logits(
+            logits, batch.labels.to(logits.dtype), reduction="sum"
+        )
+        (loss_sum / global_rows).backward()
+        self._sync_tower_grads()
+        for opt in self.optimizers:
+            opt.step()
+        if self.sparse is not None:
+            self.sparse.step()
+        self.step += 1
+        self._pending.append((loss_sum.detach().to(torch.float64), global_rows))
+        if not reduce_loss:
+            return None, logits.detach()
+        return torch.tensor(self.pending_losses()[-1]), logits.detach()
+
+    def pending_losses(self) -> list[float]:
+        """The global mean losses of the steps since the last call, in order (collective)."""
+        if not self._pending:
+            return []
+        sums = torch.stack([s for s, _ in self._pending])
+        self.groups.world.all_reduce(sums, what="the loss all-reduce")
+        out = [float(s) / rows for s, (_, rows) in zip(sums.tolist(), self._pending, strict=True)]
+        self._pending = []
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
+        """Loss and AUC over every rank's ``batches`` (collective: every rank brings the same
+        number of batches of the same size)."""
+        self.model.eval()
+        scores, labels, count = [], [], 0
+        for batch in batches:
+            if max_batches is not None and count >= max_batches:
+                break
+            batch = batch.to(self.device, non_blocking=True)
+            logits = self.forward(batch, train=False)
+            pair = torch.stack([logits.to(torch.float64), batch.labels.to(torch.float64)])
+            every = self.groups.world.all_gather(pair, what="the evaluation gather")
+            scores.extend(p[0] for p in every)
+            labels.extend(p[1] for p in every)
+            count += 1
+        if not scores:
+            return EvalResult(float("nan"), float("nan"), 0, 0)
+        s, y = torch.cat(scores), torch.cat(labels)
+        loss = float(F.binary_cross_entropy_with_logits(s, y, reduction="sum")) / y.numel()
+        return EvalResult(loss, auc(s, y), y.numel(), count)
