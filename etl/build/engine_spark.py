@@ -151,9 +151,7 @@ class SparkEngine(Engine):
             "left",
         )
         cols = [
-            F.coalesce(F.col(f"_d_{c}"), F.col(c)).alias(c)
-            if c in BAD_COLUMNS[2:]
-            else F.col(c)
+            F.coalesce(F.col(f"_d_{c}"), F.col(c)).alias(c) if c in BAD_COLUMNS[2:] else F.col(c)
             for c in feat.columns
         ]
         self.tables["features"] = self._keep(joined.select(*cols))
@@ -194,52 +192,54 @@ class SparkEngine(Engine):
     # -- counts and output ----------------------------------------------------------------------
 
     def counts(self) -> BuildCounts:
+        """The manifest counts, in few Spark jobs (each aggregates one table once)."""
         from pyspark.sql import functions as F
 
         feat, ev = self.tables["features"], self.tables["events"]
         good = feat.where(F.col("reason").isNull())
         ev_good = ev.where(F.col("reason").isNull())
 
-        def reasons_of(df: Any) -> dict[str, int]:
-            rows = _action(df.where(F.col("reason").isNotNull()).groupBy("reason").count().collect)
-            return {r["reason"]: int(r["count"]) for r in rows}
+        def reasons_of(df: Any) -> tuple[int, dict[str, int]]:
+            rows = _action(df.groupBy("reason").count().collect)
+            return sum(int(r["count"]) for r in rows), {
+                r["reason"]: int(r["count"]) for r in rows if r["reason"] is not None
+            }
 
-        q = by_reason(reasons_of(feat))
-        ev_q = by_reason(reasons_of(ev), events=True)
-        rows_in = _action(feat.count)
+        rows_in, q = reasons_of(feat)
+        events_in, ev_q = reasons_of(ev)
+        q, ev_q = by_reason(q), by_reason(ev_q, events=True)
         out = _action(
-            self.keep_rows.agg(F.count(F.lit(1)).alias("n"), F.countDistinct("sid").alias("s"))
-            .collect
+            self.keep_rows.agg(
+                F.count(F.lit(1)).alias("n"), F.countDistinct("sid").alias("s")
+            ).collect
         )[0]
         unlabelled = _action(good.join(self.labels, "request_id", "left_anti").count)
         ids = good.select("request_id")
         ev_unknown = _action(ev_good.join(ids, "request_id", "left_anti").count)
         names = self.job.schema.feature_names
         cols = feature_columns(self.job.schema)
-        present = _action(
-            good.agg(F.count(F.lit(1)), *[F.count(F.col(c)) for c in cols]).collect
-        )[0]
+        present = _action(good.agg(F.count(F.lit(1)), *[F.count(F.col(c)) for c in cols]).collect)[
+            0
+        ]
         missing = {n: present[0] - k for n, k in zip(names, present[1:]) if present[0] - k}
-
-        def listed(column: str) -> dict[str, int]:
-            rows = _action(
-                good.select(F.explode(column).alias("name")).groupBy("name").count().collect
-            )
-            return dict(sorted((r["name"], int(r["count"])) for r in rows))
-
+        listed: dict[str, dict[str, int]] = {"unknown": {}, "unknown_keys": {}}
+        names_of = [good.select(F.lit(c).alias("list"), F.explode(c).alias("name")) for c in listed]
+        found = names_of[0].unionByName(names_of[1]).groupBy("list", "name").count()
+        for r in sorted(_action(found.collect), key=lambda r: (r["list"], r["name"])):
+            listed[r["list"]][r["name"]] = int(r["count"])
         rows_out = int(out["n"])
         return BuildCounts(
-            rows_in=int(rows_in),
+            rows_in=rows_in,
             rows_out=rows_out,
             rows_quarantined=sum(q.values()),
-            rows_sampled_out=int(rows_in) - sum(q.values()) - rows_out,
+            rows_sampled_out=rows_in - sum(q.values()) - rows_out,
             quarantine_by_reason=q,
             sessions=int(out["s"]),
             rows_without_event=int(unlabelled),
-            unknown_features=listed("unknown"),
-            unknown_keys=listed("unknown_keys"),
+            unknown_features=listed["unknown"],
+            unknown_keys=listed["unknown_keys"],
             features_missing={k: int(v) for k, v in missing.items()},
-            events_in=int(_action(ev.count)),
+            events_in=events_in,
             events_quarantined=sum(ev_q.values()),
             events_quarantine_by_reason=ev_q,
             events_unknown_request=int(ev_unknown),
@@ -360,9 +360,7 @@ def _write_partition(
                 continue
             if first is None:
                 first = [batch.column(k)[0].as_py() for k in order]
-            out = pa.RecordBatch.from_arrays(
-                [batch.column(c) for c in columns], names=columns
-            )
+            out = pa.RecordBatch.from_arrays([batch.column(c) for c in columns], names=columns)
             if writer is None:
                 writer = pa.ipc.new_file(path, out.schema)
             for piece in pa.Table.from_batches([out]).to_batches(_WRITE_ROWS):
@@ -454,4 +452,3 @@ def _action(fn: Any) -> Any:
             first = text.strip().splitlines()[0] if text.strip() else name
             raise RecpipeError(f"the Spark job failed: {first}") from exc
         raise
-
