@@ -104,7 +104,9 @@ class SparkEngine(Engine):
         schema, limit = self.job.schema, self.job.config.max_line_bytes
         arrow_schema = _plain_schema(_validate(schema, limit, kind, empty_lines()).schema)
         ids = self.spark.createDataFrame([(i,) for i in range(len(files))], "file_id int")
-        ids = ids.repartition(max(1, len(files)), "file_id")
+        # whole files per task (lines numbered as if each file were read whole), at most one
+        # task per partition: each task builds one validator
+        ids = ids.repartition(max(1, min(len(files), self.partitions)), "file_id")
 
         def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
             return _parse_files(batches, files, schema, limit, kind, arrow_schema)

@@ -152,10 +152,14 @@ from etl.build.engine_spark import SparkEngine
 rows, ready = SparkEngine.rows, Path(sys.argv[2])
 
 def rows_then_hang(self):
-    for i, batch in enumerate(rows(self)):
+    for batch in rows(self):
         yield batch
-        ready.touch()  # the writer has the first rows: stop here until killed
-        threading.Event().wait()
+        # the writer has the first rows: once a part file is on disk, stop here until killed
+        never = threading.Event()
+        while not list(self.job.work_dir.rglob("part-*.parquet")):
+            never.wait(0.05)
+        ready.touch()
+        never.wait()
 
 SparkEngine.rows = rows_then_hang
 config = BuildConfig(
