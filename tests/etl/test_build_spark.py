@@ -21,8 +21,8 @@ import pytest
 from etl import reasons
 from etl.build import BuildConfig, build
 from etl.spark_env import bundled_java_home, java_version
-from recpipe.errors import DataError
-from tests.etl.test_build import GOOD, _rec, _write, build_lenient
+from recpipe.errors import CorruptInputError, DataError
+from tests.etl.test_build import GOOD, _rec, _write, build_lenient, corrupt_inputs
 from tests.etl.test_build_polars import (
     _MAX_LINE,
     _RUN_KEYS,
@@ -239,4 +239,20 @@ def test_spark_options_belong_to_the_spark_engine(tmp_path):
     src = _write(tmp_path / "f.jsonl", [_rec("a", 1, session="s")])
     with pytest.raises(DataError, match="`memory_limit` is an option of engine 'duckdb'"):
         build(src, tmp_path / "o", config=BuildConfig(engine="spark", memory_limit="1GB"))
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+@pytest.mark.slow
+def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(spark, tmp_path):
+    """Found by the driver's checks or inside a Spark task: the same error, naming the file."""
+    for name, data in corrupt_inputs().items():
+        (tmp_path / name).write_bytes(data)
+    names = list(corrupt_inputs())
+    with pytest.raises(CorruptInputError, match=names[0]):
+        build_lenient(tmp_path / names[0], tmp_path / "o", config=BuildConfig(engine="spark"))
+    # a late bad byte: only a task reading the file meets it
+    with pytest.raises(CorruptInputError, match=r"late_binary\.jsonl"):
+        build_lenient(
+            tmp_path / "late_binary.jsonl", tmp_path / "o", config=BuildConfig(engine="spark")
+        )
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
