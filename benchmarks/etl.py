@@ -644,27 +644,18 @@ def format_results(results: dict[str, Any]) -> str:
             ),
             ("build_peak_rss_mb", f"{r['build_peak_rss_mb']:,.0f}", rss_other),
         ]
-        if r.get("polars_vs_duckdb_build") is not None:
-            same = "byte-identical parts" if r["polars_same_parquet"] else "PARTS DIFFER"
-            rows.append(
-                (
-                    "polars_vs_duckdb_build",
-                    f"{r['polars_vs_duckdb_build']:.2f}x",
-                    f"{_spread_text(r['polars_vs_duckdb_build_spread'])}; "
-                    f"{r['build_polars_peak_rss_mb']:,.0f} MB; {same}",
-                )
-            )
-        if r.get("spark_local_vs_duckdb_build") is not None:
-            same = "byte-identical parts" if r["spark_same_parquet"] else "PARTS DIFFER"
-            rows.append(
-                (
-                    "spark_local_vs_duckdb_build",
-                    f"{r['spark_local_vs_duckdb_build']:.2f}x",
-                    f"{_spread_text(r['spark_local_vs_duckdb_build_spread'])}; "
-                    f"{r['spark_master']}, JVM start {r['build_spark_startup_s']:.1f} s apart; "
-                    f"{same}",
-                )
-            )
+        for engine, key, detail in (
+            ("polars", "polars_vs_duckdb_build", "{build_polars_peak_rss_mb:,.0f} MB"),
+            (
+                "spark",
+                "spark_local_vs_duckdb_build",
+                "{spark_master}, JVM start {build_spark_startup_s:.1f} s apart",
+            ),
+        ):
+            if r.get(key) is not None:
+                same = "byte-identical parts" if r[f"{engine}_same_parquet"] else "PARTS DIFFER"
+                spread = _spread_text(r[f"{key}_spread"])
+                rows.append((key, f"{r[key]:.2f}x", f"{spread}; {detail.format(**r)}; {same}"))
         rows += [
             (
                 "dedup factor, all sparse",
