@@ -180,16 +180,31 @@ def _child_build(spec: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         spark_session(master=config.master)
         startup = time.perf_counter() - start
-    cpu, start = time.process_time(), time.perf_counter()
+    cpu, start = _tree_cpu_s(), time.perf_counter()
     manifest = build(
         spec["features"], spec["out"], events=spec["events"], config=config, overwrite=True
     )
     return {
         "elapsed_s": time.perf_counter() - start,
-        "cpu_s": time.process_time() - cpu,
+        "cpu_s": _tree_cpu_s() - cpu,
         "manifest": manifest,
         "spark_startup_s": startup,
     }
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and its live descendants (a Spark engine's JVM and its
+    Python workers run there)."""
+    import psutil
+
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _child_oneliner(spec: dict[str, Any]) -> dict[str, Any]:
