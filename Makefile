@@ -46,14 +46,14 @@ help:  ## list targets and knobs
 	@echo "knobs (make <target> NAME=value):"
 	@grep -E '^## [A-Z_]+ ' $(MAKEFILE_LIST) | sed -E 's/^## /  /'
 
-setup: $(STAMP)  ## create .venv (torch==2.13.0 CPU first, then recpipe[dev,cuda,torchrec])
+setup: $(STAMP)  ## create .venv (torch==2.13.0 CPU first, then recpipe[dev,cuda,torchrec,spark])
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: anything else would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,cuda,torchrec]'
+	$(PY) -m pip install -q -e '.[dev,cuda,torchrec,spark]'
 	# torchrec's metadata asks for the CUDA fbgemm-gpu; its CPU build comes with the extra above.
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0
 	@touch $(STAMP)

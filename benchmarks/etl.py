@@ -15,6 +15,10 @@ Default mode, on ``--requests`` synthetic requests (1M by default, ``--quick``: 
    DuckDB's, and ``polars_same_parquet`` whether its part files are byte-identical to the DuckDB
    engine's. Skipped with ``--threads`` (the Polars engine takes no thread count) or
    ``--no-polars``.
+7. with ``--spark``: ``build --engine spark`` (``--spark-master``, default ``local[*]``) of the
+   clustered dataset, alternated with the others: ``spark_local_vs_duckdb_build`` = its time /
+   DuckDB's (the JVM's start-up is timed apart, ``build_spark_startup_s``) and
+   ``spark_same_parquet`` whether its part files are byte-identical to the DuckDB engine's.
 
 The clustered build, the one-liner and the Polars build are timed as every benchmark here times
 (``benchmarks/_common.py``): one untimed warm-up run each, then ``--repeat`` (3) rounds with
@@ -26,8 +30,14 @@ Out-of-core mode (``--memory-limit 512MB``): synth, then only the clustered buil
 DuckDB memory limit in a child process; reports its peak RSS and how much larger than the limit
 the raw logs are (size ``--requests`` so that they are at least 4x the limit).
 
+Scale mode (``--scale 1000000,4000000``): for each size, synth that many requests and build
+them with each engine (DuckDB, Polars unless ``--no-polars``, Spark with ``--spark``),
+alternated; reports seconds per million input rows per engine and size, and how that figure
+grows from the smallest size to the largest (1.0: cost linear in the input).
+
 Results go to ``benchmarks/results/etl.json`` (the out-of-core run under the key
-``out_of_core``, kept across default runs and vice versa) and are printed as a table.
+``out_of_core``, the scale run under ``scale``, each kept across the other modes' runs) and are
+printed as a table.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ TARGETS = {
 }
 PEAK_RSS_TARGET_MB = 1536.0
 
-__all__ = ["main", "run_benchmark", "run_out_of_core"]
+__all__ = ["main", "run_benchmark", "run_out_of_core", "run_scale"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,6 +113,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip the `--engine polars` builds",
     )
+    parser.add_argument(
+        "--spark",
+        action="store_true",
+        help="also build with `--engine spark` (needs recpipe[spark]): spark_local_vs_duckdb_build",
+    )
+    parser.add_argument(
+        "--spark-master", default=None, help="Spark master of the Spark builds (local[*])"
+    )
+    parser.add_argument(
+        "--scale",
+        default=None,
+        metavar="SIZES",
+        help="scale mode: requests per run, comma-separated (e.g. 1000000,4000000): seconds "
+        "per million rows per engine and size",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON ({RESULTS})")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -112,6 +137,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"`--requests` must be >= 1, got {args.requests}")
     if args.repeat < 1:
         parser.error(f"`--repeat` must be >= 1, got {args.repeat}")
+    if args.scale is not None:
+        try:
+            args.scale = [int(v) for v in args.scale.split(",")]
+        except ValueError:
+            parser.error(
+                f"`--scale` must be request counts like 1000000,4000000, got {args.scale!r}"
+            )
+        if not args.scale or min(args.scale) < 1:
+            parser.error(f"`--scale` sizes must be >= 1, got {args.scale}")
     return args
 
 
@@ -134,15 +168,38 @@ def _child_build(spec: dict[str, Any]) -> dict[str, Any]:
     from etl.build import BuildConfig, build
 
     config = BuildConfig(**spec["config"])
-    cpu, start = time.process_time(), time.perf_counter()
+    startup = None
+    if config.engine == "spark":  # the JVM's start-up, timed apart from the build
+        from etl.spark_env import spark_session
+
+        start = time.perf_counter()
+        spark_session(master=config.master)
+        startup = time.perf_counter() - start
+    cpu, start = _tree_cpu_s(), time.perf_counter()
     manifest = build(
         spec["features"], spec["out"], events=spec["events"], config=config, overwrite=True
     )
     return {
         "elapsed_s": time.perf_counter() - start,
-        "cpu_s": time.process_time() - cpu,
+        "cpu_s": _tree_cpu_s() - cpu,
         "manifest": manifest,
+        "spark_startup_s": startup,
     }
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and its live descendants (a Spark engine's JVM and its
+    Python workers run there)."""
+    import psutil
+
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _child_oneliner(spec: dict[str, Any]) -> dict[str, Any]:
@@ -306,6 +363,11 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     if polars:
         specs["polars"] = (polars_spec, "build --engine polars")
+    if args.spark:
+        specs["spark"] = (
+            {**polars_spec, "out": str(work / "clustered_spark"), "config": _spark_config(args)},
+            "build --engine spark",
+        )
     runs = _alternated(specs, work, repeat=args.repeat)
     clustered, oneliner = runs["clustered"], runs["oneliner"]
     vs_oneliner = timing_ratio(runs, "clustered", "oneliner")
@@ -319,6 +381,20 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "polars_vs_duckdb_build": vs_duckdb["median"],
             "polars_vs_duckdb_build_spread": vs_duckdb,
             "polars_same_parquet": _same_parts(work / "clustered", work / "clustered_polars"),
+        }
+    if args.spark:
+        vs_duckdb = timing_ratio(runs, "spark", "clustered")
+        engines |= {
+            "build_spark_s": _median_wall(runs["spark"]),
+            "build_spark_s_runs": [t.wall_s for t in runs["spark"]],
+            "build_spark_startup_s": statistics.median(
+                t.value["spark_startup_s"] for t in runs["spark"]
+            ),
+            "build_spark_peak_rss_mb": max(t.value["peak_rss_mb"] for t in runs["spark"]),
+            "spark_master": _spark_config(args)["master"],
+            "spark_local_vs_duckdb_build": vs_duckdb["median"],
+            "spark_local_vs_duckdb_build_spread": vs_duckdb,
+            "spark_same_parquet": _same_parts(work / "clustered", work / "clustered_spark"),
         }
     print("[etl bench] build time-ordered", file=sys.stderr)
     timed = _require(_run_child(build_spec("time", "time_ordered"), work), "build time-ordered")
@@ -389,6 +465,69 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "proposed_groups_time_ordered": [list(g) for g in st_timed.proposed_groups],
         "parquet_settings": manifest.get("parquet"),
         **engines,
+    }
+
+
+def _spark_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"order": "session", "engine": "spark", "master": args.spark_master or "local[*]"}
+
+
+def run_scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Scale mode: each engine's seconds per million input rows at each of ``args.scale``."""
+    from etl.synth import SynthConfig, generate
+
+    engines = ["duckdb", *(["polars"] if args.polars else []), *(["spark"] if args.spark else [])]
+    configs = {
+        "duckdb": _build_config(args, order="session"),
+        "polars": {"order": "session", "engine": "polars"},
+        "spark": _spark_config(args) if args.spark else {},
+    }
+    per_engine: dict[str, dict[str, Any]] = {e: {} for e in engines}
+    for size in args.scale:
+        raw = generate(
+            work / f"raw-{size}", SynthConfig(num_requests=size, seed=args.seed), progress=True
+        )
+        inputs = {
+            "features": [str(p) for p in raw.features],
+            "events": [str(p) for p in raw.events],
+        }
+        specs = {
+            e: (
+                {
+                    "kind": "build",
+                    **inputs,
+                    "out": str(work / f"scale-{size}-{e}"),
+                    "config": configs[e],
+                },
+                f"scale {size:,}: build --engine {e}",
+            )
+            for e in engines
+        }
+        runs = _alternated(specs, work, repeat=args.repeat)
+        for e in engines:
+            rows = int(runs[e][-1].value["manifest"]["rows_in"])
+            wall = _median_wall(runs[e])
+            cpu = statistics.median(t.cpu_s for t in runs[e])
+            per_engine[e][str(size)] = {
+                "rows_in": rows,
+                "s": wall,
+                "cpu_s": cpu,
+                "s_runs": [t.wall_s for t in runs[e]],
+                "s_per_million_rows": wall / (rows / 1e6),
+                "cpu_s_per_million_rows": cpu / (rows / 1e6),
+            }
+        for e in engines:
+            shutil.rmtree(work / f"scale-{size}-{e}", ignore_errors=True)
+        shutil.rmtree(work / f"raw-{size}", ignore_errors=True)
+    lo, hi = str(min(args.scale)), str(max(args.scale))
+    return {
+        "sizes": list(args.scale),
+        "repeat": args.repeat,
+        "engines": per_engine,
+        "growth": {
+            e: per_engine[e][hi]["s_per_million_rows"] / per_engine[e][lo]["s_per_million_rows"]
+            for e in engines
+        },
     }
 
 
@@ -517,16 +656,18 @@ def format_results(results: dict[str, Any]) -> str:
             ),
             ("build_peak_rss_mb", f"{r['build_peak_rss_mb']:,.0f}", rss_other),
         ]
-        if r.get("polars_vs_duckdb_build") is not None:
-            same = "byte-identical parts" if r["polars_same_parquet"] else "PARTS DIFFER"
-            rows.append(
-                (
-                    "polars_vs_duckdb_build",
-                    f"{r['polars_vs_duckdb_build']:.2f}x",
-                    f"{_spread_text(r['polars_vs_duckdb_build_spread'])}; "
-                    f"{r['build_polars_peak_rss_mb']:,.0f} MB; {same}",
-                )
-            )
+        for engine, key, detail in (
+            ("polars", "polars_vs_duckdb_build", "{build_polars_peak_rss_mb:,.0f} MB"),
+            (
+                "spark",
+                "spark_local_vs_duckdb_build",
+                "{spark_master}, JVM start {build_spark_startup_s:.1f} s apart",
+            ),
+        ):
+            if r.get(key) is not None:
+                same = "byte-identical parts" if r[f"{engine}_same_parquet"] else "PARTS DIFFER"
+                spread = _spread_text(r[f"{key}_spread"])
+                rows.append((key, f"{r[key]:.2f}x", f"{spread}; {detail.format(**r)}; {same}"))
         rows += [
             (
                 "dedup factor, all sparse",
@@ -560,6 +701,22 @@ def format_results(results: dict[str, Any]) -> str:
             for name in r["dedup_factor_clustered"]
         ]
         lines += _aligned(("feature", "clustered", "time-ordered"), feats)
+    scale = r.get("scale")
+    if scale:
+        sizes = [str(n) for n in scale["sizes"]]
+        lines += ["", "scale: seconds per million input rows (wall; CPU in parentheses)"]
+        rows = [
+            (
+                engine,
+                *[
+                    f"{v[n]['s_per_million_rows']:.2f} ({v[n]['cpu_s_per_million_rows']:.2f})"
+                    for n in sizes
+                ],
+                f"{scale['growth'][engine]:.2f}x",
+            )
+            for engine, v in scale["engines"].items()
+        ]
+        lines += _aligned(("engine", *[f"{int(n):,} req" for n in sizes], "growth"), rows)
     ooc = r.get("out_of_core")
     if ooc:
         met = "met" if ooc["peak_rss_mb"] < ooc["peak_rss_target_mb"] else "MISSED"
@@ -637,10 +794,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_limit is not None:
             results = {k: v for k, v in previous.items() if k != "out_of_core"}
             results["out_of_core"] = run_out_of_core(args, work)
+        elif args.scale is not None:
+            results = {k: v for k, v in previous.items() if k != "scale"}
+            results["scale"] = run_scale(args, work)
         else:
             results = run_benchmark(args, work)
-            if "out_of_core" in previous:
-                results["out_of_core"] = previous["out_of_core"]
+            for kept in ("out_of_core", "scale"):
+                if kept in previous:
+                    results[kept] = previous[kept]
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)

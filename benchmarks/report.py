@@ -270,6 +270,32 @@ ETL = Table(
             reference="report",
         ),
         Row(
+            "`spark_local_vs_duckdb_build` (`--engine spark` on one machine / the DuckDB engine, "
+            "interleaved runs; the JVM's start-up timed apart)",
+            "spark_local_vs_duckdb_build",
+            lambda d: (
+                f"{{v}} ({d['build_spark_s']:.1f} s + {d['build_spark_startup_s']:.1f} s start-up, "
+                f"{d['spark_master']}); part files "
+                f"{'byte-identical' if d['spark_same_parquet'] else 'DIFFERENT'}"
+            ),
+            reference="report",
+        ),
+        Row(
+            "scale: seconds per million input rows per engine (`--scale`), and its growth from "
+            "the smallest size to the largest",
+            None,
+            lambda d: "; ".join(
+                f"{engine} "
+                + " / ".join(
+                    f"{v[str(n)]['s_per_million_rows']:.1f} s at {num(n)}"
+                    for n in d["scale"]["sizes"]
+                )
+                + f" ({x(d['scale']['growth'][engine])})"
+                for engine, v in d["scale"]["engines"].items()
+            ),
+            reference="report",
+        ),
+        Row(
             "dedup factor over all sparse features at the batch size, clustered / time-ordered",
             "dedup_factor_all_sparse_clustered",
             lambda d: f"{{v}} / {x(d['dedup_factor_all_sparse_time_ordered'])}",

