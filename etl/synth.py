@@ -35,11 +35,13 @@ appended to the schema, written to ``_schema.toml`` for ``recpipe etl build --sc
 Memory is bounded by one block (~260k requests by default), so tens of millions of requests
 stream through; every random draw comes from ``(seed, block)``-keyed generators or counter-based
 hashes, so the same seed gives byte-identical files.
+
+One concept, over 600 lines: the generator (its config, and the sessions, blocks and lines it
+writes); the command is :mod:`etl.synth_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -64,7 +66,6 @@ __all__ = [
     "generate",
     "planted_groups",
     "planted_schema",
-    "register_cli",
 ]
 
 #: Kinds of bad feature records injected; the strings are the build's quarantine reasons.
@@ -895,123 +896,3 @@ def _write(writers: list, lines: list[bytes], files: np.ndarray) -> None:
         for f in np.unique(part).tolist():
             idx = (np.flatnonzero(part == f) + start).tolist()
             writers[f].write(b"\n".join([lines[i] for i in idx]) + b"\n")
-
-
-def _planted_row(planted: dict[str, Any]) -> list[tuple[str, str]]:
-    groups = planted["groups"]
-    shape = f"{len(groups)} x {len(groups[0])} features (schema: {planted['schema']})"
-    return [("planted groups", shape)]
-
-
-def _format_summary(result: SynthResult) -> str:
-    s = result.summary
-    sps = s["samples_per_session"]
-    bad = sum(result.num_bad.values())
-    rows = [
-        ("output", str(result.root)),
-        ("requests", f"{s['num_requests']:,} ({bad:,} bad)"),
-        ("events", f"{s['num_events']:,} ({sum(result.num_bad_events.values()):,} bad)"),
-        ("sessions", f"{s['num_sessions']:,}"),
-        (
-            "samples/session",
-            f"mean {sps['mean']:.2f}  p50 {sps['p50']:.0f}  p90 {sps['p90']:.0f}  "
-            f"p99 {sps['p99']:.0f}  max {sps['max']}",
-        ),
-        (
-            "samples/session per 4096 batch",
-            f"{s['samples_per_session_in_time_batch_4096'] or 0:.3f}",
-        ),
-        ("label rate", f"{s['label_rate']:.4f}"),
-        ("hidden-model AUC", f"{s['hidden_model_auc']:.4f}"),
-        *(_planted_row(s["planted"]) if "planted" in s else []),
-        ("bytes written", f"{s['bytes'] / 1e6:.1f} MB"),
-        ("time", f"{s['elapsed_s']:.1f} s"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _run_cli(args: argparse.Namespace) -> int:
-    from etl.paths import check_output
-
-    check_output(args.out, kind="synth")
-    cfg = SynthConfig(
-        num_requests=args.requests,
-        seed=args.seed,
-        mean_session_len=args.mean_session_len,
-        bad_fraction=args.bad_fraction,
-        with_session_id=not args.no_session_id,
-        files=args.files,
-        concurrent_sessions=args.concurrent_sessions,
-        planted_groups=args.planted_groups,
-        planted_features=args.planted_features,
-        planted_noise=args.planted_noise,
-        planted_strength=args.planted_strength,
-    )
-    result = generate(args.out, cfg, progress=not args.quiet)
-    print(_format_summary(result))
-    return 0
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``recpipe synth``."""
-    d = SynthConfig()
-    parser = subparsers.add_parser(
-        "synth",
-        help="generate deterministic synthetic session logs",
-        description=(
-            "Write synthetic feature and event logs (.jsonl.zst, the raw-log format of "
-            "docs/data-contract.md) following "
-            "schemas/examples/synth.toml: interleaved sessions with a long-tailed length, static "
-            "and slowly shifting user features, labels from a hidden model. The same seed gives "
-            "byte-identical files. --out must be new, empty, or an earlier synth output (it has "
-            "_synth.json), which is rewritten."
-        ),
-    )
-    parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--requests", type=int, default=d.num_requests, help="feature lines")
-    parser.add_argument("--seed", type=int, default=d.seed, help="random seed")
-    parser.add_argument(
-        "--mean-session-len", type=float, default=d.mean_session_len, help="mean samples/session"
-    )
-    parser.add_argument(
-        "--bad-fraction",
-        type=float,
-        default=d.bad_fraction,
-        help="fraction of bad records, spread over every quarantine reason",
-    )
-    parser.add_argument(
-        "--no-session-id",
-        action="store_true",
-        help="omit session_id (sessions then follow from user_id and a 30-minute gap)",
-    )
-    parser.add_argument("--files", type=int, default=d.files, help="files per log stream")
-    parser.add_argument(
-        "--concurrent-sessions",
-        type=int,
-        default=d.concurrent_sessions,
-        help="sessions interleaved within one 20-minute block",
-    )
-    planted = parser.add_argument_group(
-        "planted interactions",
-        "groups of one-id features with a known interaction structure, for feature "
-        "partitioners (off by default); the schema with them is written to OUT/_schema.toml",
-    )
-    planted.add_argument(
-        "--planted-groups", type=int, default=d.planted_groups, metavar="G",
-        help="groups of planted features (default 0: none)",
-    )  # fmt: skip
-    planted.add_argument(
-        "--planted-features", type=int, default=d.planted_features, metavar="M",
-        help=f"features per planted group (default {d.planted_features})",
-    )  # fmt: skip
-    planted.add_argument(
-        "--planted-noise", type=float, default=d.planted_noise, metavar="P",
-        help=f"chance a planted feature shows a random latent value (default {d.planted_noise})",
-    )  # fmt: skip
-    planted.add_argument(
-        "--planted-strength", type=float, default=d.planted_strength, metavar="W",
-        help=f"weight of the planted interactions in the label (default {d.planted_strength})",
-    )  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.set_defaults(func=_run_cli)

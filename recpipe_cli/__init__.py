@@ -30,7 +30,7 @@ PACKAGES: tuple[str, ...] = ("recpipe", "recpipe_cli", "schemas", "etl", "reader
 _HANDLER_NAME = "recpipe-cli"
 
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("synth", "etl.synth", "generate deterministic synthetic session logs"),
+    ("synth", "etl.synth_cli", "generate deterministic synthetic session logs"),
     ("etl", "etl.cli", "shard and build: raw logs -> session-clustered zstd Parquet"),
     ("stats", "etl.stats", "DuckDB duplication statistics and dedup proposals"),
     ("fit", "readers.fit", "fit preprocessing (vocabularies, mean/std, buckets) on training rows"),

@@ -258,7 +258,10 @@ class SparkEngine(Engine):
         from pyspark.sql import functions as F
 
         schema, config = self.job.schema, self.job.config
-        wide = self.tables["features"].select("file_id", "line_no", *feature_columns(schema))
+        passthrough = [f"p{i}" for i in range(len(schema.passthrough))]
+        wide = self.tables["features"].select(
+            "file_id", "line_no", "user_key", "session_key", *feature_columns(schema), *passthrough
+        )
         k = self.keep_rows
         cols = [
             F.col("sid").alias(schema.session_key),
@@ -271,6 +274,13 @@ class SparkEngine(Engine):
             *[
                 F.coalesce(F.col(f"s{i}"), F.array().cast("array<bigint>")).alias(s.name)
                 for i, s in enumerate(schema.sparse)
+            ],
+            F.col("request_id"),
+            F.col("user_key").alias("user_id"),
+            F.col("session_key").alias("session_id_raw"),
+            *[
+                F.col(p).alias(name)
+                for p, name in zip(passthrough, schema.passthrough, strict=True)
             ],
         ]
         if config.partition_by == "hour":

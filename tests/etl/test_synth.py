@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from etl.rawio import iter_lines
-from etl.synth import BAD_KINDS, SynthConfig, SynthResult, generate, register_cli
+from etl.synth import BAD_KINDS, SynthConfig, SynthResult, generate
+from etl.synth_cli import register_cli
 from recpipe.errors import RecpipeError
 from schemas import default_schema
 
