@@ -141,3 +141,39 @@ def test_etl_build_refuses_a_bad_value_as_a_usage_error(capsys):
         main(["etl", "build", "IN", "--out", "O", "--master", "local[2]"])
     assert exc.value.code == 2
     assert "`--master` is an option of engine 'spark'" in capsys.readouterr().err
+
+
+# `recpipe serve`'s options before the server's were generated from ServiceConfig.
+SERVE_OPTIONS_BEFORE = {
+    "--host": "127.0.0.1", "--port": 0, "--token": None, "--token-file": None,
+    "--insecure": False, "--max-clients": 64, "--max-readers": None, "--max-pending": 32,
+    "--handshake-timeout": 10.0, "--readers": 2, "--idle-readers": None,
+    "--warmup-batches": 20, "--read-ahead": 1, "--batch-size": 4096, "--queue-depth": 8,
+    "--dedup": "on", "--dedup-groups": None, "--extras": "", "--preprocess": None,
+    "--schema": None, "--shuffle": False, "--seed": 0, "--dispatch": "contiguous",
+    "--alpha": 1.0, "--report-every": 10.0, "--synthetic": None,
+}  # fmt: skip
+
+
+def test_serve_keeps_every_option_and_default(monkeypatch):
+    import readers.service.server
+    from readers.service.config import ServiceConfig
+
+    by_flag = _options("serve")
+    for flag, default in SERVE_OPTIONS_BEFORE.items():
+        assert flag in by_flag, flag
+        assert by_flag[flag].default == default, flag
+    monkeypatch.delenv("RECPIPE_TOKEN", raising=False)
+    served = []
+    monkeypatch.setattr(readers.service.server, "serve", lambda p, config: served.append(config))
+    assert main(["serve", "--synthetic", "1"]) == 0
+    assert main(["serve", "--synthetic", "1", "--host", "0.0.0.0", "--port", "9", "--readers",
+                 "3", "--idle-readers", "1", "--queue-depth", "4", "--max-clients", "5",
+                 "--max-readers", "6", "--max-pending", "7", "--handshake-timeout", "2.5",
+                 "--report-every", "0", "--insecure", "--token", "t"]) == 0  # fmt: skip
+    assert served == [
+        ServiceConfig(),
+        ServiceConfig(host="0.0.0.0", port=9, readers=3, idle_readers=1, queue_depth=4,
+                      max_clients=5, max_readers=6, max_pending=7, handshake_timeout_s=2.5,
+                      report_every_s=0.0, insecure=True, token="t"),
+    ]  # fmt: skip
