@@ -177,3 +177,27 @@ def test_serve_keeps_every_option_and_default(monkeypatch):
                       max_clients=5, max_readers=6, max_pending=7, handshake_timeout_s=2.5,
                       report_every_s=0.0, insecure=True, token="t"),
     ]  # fmt: skip
+
+
+# `recpipe etl shard`'s options before they were generated from ShardConfig.
+SHARD_OPTIONS_BEFORE = ["--out", "--num-shards", "--by", "--zstd-level", "--schema", "--buffer-mb",
+                        "--no-group", "--no-compare", "--max-line-bytes", "--overwrite", "--json",
+                        "--quiet"]  # fmt: skip
+
+
+def test_etl_shard_keeps_every_option_and_default(monkeypatch):
+    import etl.shard
+
+    assert set(SHARD_OPTIONS_BEFORE) <= set(_options("etl", "shard"))
+    built = []
+    run = lambda args, config: built.append((config, args.quiet)) or 0  # noqa: E731
+    monkeypatch.setattr(etl.shard, "_run_cli", run)
+    assert main(["etl", "shard", "IN", "--out", "O"]) == 0
+    assert main(["etl", "shard", "IN", "--out", "O", "--num-shards", "3", "--by", "request",
+                 "--zstd-level", "5", "--buffer-mb", "2", "--no-group", "--no-compare",
+                 "--max-line-bytes", "100", "--quiet"]) == 0  # fmt: skip
+    assert built == [
+        (etl.shard.ShardConfig(), False),
+        (etl.shard.ShardConfig(num_shards=3, by="request", zstd_level=5, buffer_mb=2,
+                               group=False, compare=False, max_line_bytes=100), True),
+    ]  # fmt: skip
