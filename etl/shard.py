@@ -51,6 +51,7 @@ from etl.rawio import (
     iter_raw_lines,
     unroutable_record,
 )
+from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
@@ -76,13 +77,15 @@ class ShardConfig:
     Args:
         num_shards: number of output shards.
         by: routing key: ``"session"`` (RecD O1) or ``"request"`` (the baseline).
-        zstd_level: compression level of the shards.
-        group: group each shard's buffered lines by session before compressing them.
-        buffer_mb: raw bytes buffered across all shards before a flush (memory bound).
+        zstd_level: zstd compression level of the shards, 1..22.
+        group: group each shard's buffered lines by session before compressing them (off:
+            arrival order inside each shard).
+        buffer_mb: raw megabytes buffered across all shards before a flush (memory bound).
         compare: also compress the same lines routed the other ways (in memory, counting bytes
-            only) and report ``shard_ratio_session_vs_request``.
-        max_line_bytes: a longer line goes to the unroutable records as ``line_too_long`` (its
-            first bytes and its length), never held whole.
+            only) and report ``shard_ratio_session_vs_request`` (off: skip the comparison
+            with routing by request).
+        max_line_bytes: a longer line goes to the unroutable records (``_unroutable``) as
+            ``line_too_long`` (its first 1 KB and its length), never held whole.
     """
 
     num_shards: int = 8
@@ -456,16 +459,7 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def _run_cli(args: argparse.Namespace) -> int:
-    cfg = ShardConfig(
-        num_shards=args.num_shards,
-        by=args.by,
-        zstd_level=args.zstd_level,
-        group=not args.no_group,
-        buffer_mb=args.buffer_mb,
-        compare=not args.no_compare,
-        max_line_bytes=args.max_line_bytes,
-    )
+def _run_cli(args: argparse.Namespace, cfg: ShardConfig) -> int:
     schema = load_schema(args.schema) if args.schema else None
     report = shard(
         args.inputs,
@@ -484,7 +478,6 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 def register_cli(stages: argparse._SubParsersAction) -> None:
     """Add ``recpipe etl shard`` to the ``etl`` stage parsers."""
-    d = ShardConfig()
     parser = stages.add_parser(
         "shard",
         help="route feature logs to N zstd shards by session (RecD O1)",
@@ -500,30 +493,11 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="feature-log files/dirs/globs")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--num-shards", type=int, default=d.num_shards, help="number of shards")
-    parser.add_argument(
-        "--by", choices=get_args(RouteBy), default=d.by, help="routing key (default: session)"
+    options = add_config_options(
+        parser, ShardConfig, overrides={"max_line_bytes": Option(metavar="BYTES")}
     )
-    parser.add_argument("--zstd-level", type=int, default=d.zstd_level, help="zstd level")
     parser.add_argument("--schema", type=Path, help="schema TOML naming the session/user keys")
-    parser.add_argument(
-        "--buffer-mb", type=int, default=d.buffer_mb, help="raw MB buffered before a flush"
-    )
-    parser.add_argument(
-        "--no-group", action="store_true", help="keep arrival order inside each shard"
-    )
-    parser.add_argument(
-        "--no-compare", action="store_true", help="skip the routing-by-request comparison"
-    )
-    parser.add_argument(
-        "--max-line-bytes",
-        type=int,
-        default=d.max_line_bytes,
-        metavar="BYTES",
-        help="a longer line goes to _unroutable as line_too_long, its first 1 KB kept "
-        f"(default {d.max_line_bytes:,})",
-    )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.set_defaults(func=_run_cli)
+    add_quiet_option(parser)
+    parser.set_defaults(func=lambda args: _run_cli(args, options.build(args)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,116 @@ def test_train_keeps_every_option_and_default(monkeypatch):
     monkeypatch.setattr(trainer.cli, "run", lambda config, args: built.append(config) or 0)
     assert main(["train", "DS"]) == 0
     assert built == [TrainConfig(dataset="DS")]  # the options' defaults are the config's
+
+
+def _options(*path: str) -> dict[str, object]:
+    """Option string -> its action, of the subcommand ``path``."""
+    parser = build_parser(path[0])
+    for name in path:
+        parser = next(a for a in parser._actions if a.choices and name in a.choices).choices[name]
+    return {flag: action for action in parser._actions for flag in action.option_strings}
+
+
+# `recpipe etl build`'s options before they were generated from BuildConfig, with their defaults.
+BUILD_OPTIONS_BEFORE = {
+    "--events": None, "--out": None, "--schema": None, "--memory-limit": None,
+    "--spill-dir": None, "--threads": None, "--session-gap": 1_800_000, "--sample-sessions": 1.0,
+    "--seed": 0, "--zstd-level": 3, "--row-group-size": 65_536, "--min-row-groups": 8,
+    "--order": "session", "--engine": "duckdb", "--master": None, "--spark-partitions": None,
+    "--partition-by": "none", "--max-line-bytes": 64 << 20, "--fail-missing-share": 1.0,
+    "--allow-missing-features": False, "--overwrite": False, "--no-progress": False,
+    "--json": False,
+}  # fmt: skip
+
+
+def test_etl_build_keeps_every_option_and_default(monkeypatch):
+    import etl.build.cli
+    from etl.build.config import BuildConfig
+
+    by_flag = _options("etl", "build")
+    for flag, default in BUILD_OPTIONS_BEFORE.items():
+        assert flag in by_flag, flag
+        assert by_flag[flag].default == default, flag
+    built = []
+    run = lambda args, config: built.append((config, args.quiet)) or 0  # noqa: E731
+    monkeypatch.setattr(etl.build.cli, "_run_cli", run)
+    assert main(["etl", "build", "IN", "--out", "O"]) == 0
+    assert main(["etl", "build", "IN", "--out", "O", "--session-gap", "2h", "--seed", "3",
+                 "--max-line-bytes", "1KB", "--spill-dir", "S", "--sample-sessions", "0.5",
+                 "--order", "time", "--engine", "spark", "--master", "local[2]",
+                 "--spark-partitions", "4", "--partition-by", "hour", "--no-progress",
+                 "--allow-missing-features", "--fail-missing-share", "0.5"]) == 0  # fmt: skip
+    assert built == [
+        (BuildConfig(), False),
+        (BuildConfig(session_gap_ms=7_200_000, seed=3, max_line_bytes=1000, spill_dir=Path("S"),
+                     sample_sessions=0.5, order="time", engine="spark", master="local[2]",
+                     spark_partitions=4, partition_by="hour", allow_missing_features=True,
+                     fail_missing_share=0.5), True),
+    ]  # fmt: skip
+
+
+def test_etl_build_refuses_a_bad_value_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["etl", "build", "IN", "--out", "O", "--master", "local[2]"])
+    assert exc.value.code == 2
+    assert "`--master` is an option of engine 'spark'" in capsys.readouterr().err
+
+
+# `recpipe serve`'s options before the server's were generated from ServiceConfig.
+SERVE_OPTIONS_BEFORE = {
+    "--host": "127.0.0.1", "--port": 0, "--token": None, "--token-file": None,
+    "--insecure": False, "--max-clients": 64, "--max-readers": None, "--max-pending": 32,
+    "--handshake-timeout": 10.0, "--readers": 2, "--idle-readers": None,
+    "--warmup-batches": 20, "--read-ahead": 1, "--batch-size": 4096, "--queue-depth": 8,
+    "--dedup": "on", "--dedup-groups": None, "--extras": "", "--preprocess": None,
+    "--schema": None, "--shuffle": False, "--seed": 0, "--dispatch": "contiguous",
+    "--alpha": 1.0, "--report-every": 10.0, "--synthetic": None,
+}  # fmt: skip
+
+
+def test_serve_keeps_every_option_and_default(monkeypatch):
+    import readers.service.server
+    from readers.service.config import ServiceConfig
+
+    by_flag = _options("serve")
+    for flag, default in SERVE_OPTIONS_BEFORE.items():
+        assert flag in by_flag, flag
+        assert by_flag[flag].default == default, flag
+    monkeypatch.delenv("RECPIPE_TOKEN", raising=False)
+    served = []
+    monkeypatch.setattr(readers.service.server, "serve", lambda p, config: served.append(config))
+    assert main(["serve", "--synthetic", "1"]) == 0
+    assert main(["serve", "--synthetic", "1", "--host", "0.0.0.0", "--port", "9", "--readers",
+                 "3", "--idle-readers", "1", "--queue-depth", "4", "--max-clients", "5",
+                 "--max-readers", "6", "--max-pending", "7", "--handshake-timeout", "2.5",
+                 "--report-every", "0", "--insecure", "--token", "t"]) == 0  # fmt: skip
+    assert served == [
+        ServiceConfig(),
+        ServiceConfig(host="0.0.0.0", port=9, readers=3, idle_readers=1, queue_depth=4,
+                      max_clients=5, max_readers=6, max_pending=7, handshake_timeout_s=2.5,
+                      report_every_s=0.0, insecure=True, token="t"),
+    ]  # fmt: skip
+
+
+# `recpipe etl shard`'s options before they were generated from ShardConfig.
+SHARD_OPTIONS_BEFORE = ["--out", "--num-shards", "--by", "--zstd-level", "--schema", "--buffer-mb",
+                        "--no-group", "--no-compare", "--max-line-bytes", "--overwrite", "--json",
+                        "--quiet"]  # fmt: skip
+
+
+def test_etl_shard_keeps_every_option_and_default(monkeypatch):
+    import etl.shard
+
+    assert set(SHARD_OPTIONS_BEFORE) <= set(_options("etl", "shard"))
+    built = []
+    run = lambda args, config: built.append((config, args.quiet)) or 0  # noqa: E731
+    monkeypatch.setattr(etl.shard, "_run_cli", run)
+    assert main(["etl", "shard", "IN", "--out", "O"]) == 0
+    assert main(["etl", "shard", "IN", "--out", "O", "--num-shards", "3", "--by", "request",
+                 "--zstd-level", "5", "--buffer-mb", "2", "--no-group", "--no-compare",
+                 "--max-line-bytes", "100", "--quiet"]) == 0  # fmt: skip
+    assert built == [
+        (etl.shard.ShardConfig(), False),
+        (etl.shard.ShardConfig(num_shards=3, by="request", zstd_level=5, buffer_mb=2,
+                               group=False, compare=False, max_line_bytes=100), True),
+    ]  # fmt: skip

@@ -7,8 +7,9 @@ import json
 import re
 from pathlib import Path
 
-from etl.build.config import ENGINES, MIN_ROW_GROUP_ROWS, BuildConfig, parse_bytes
+from etl.build.config import BuildConfig, parse_bytes
 from etl.build.driver import build
+from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from recpipe.errors import DataError
 from schemas import default_schema, load_schema
 
@@ -100,7 +101,6 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
             "they guarantee: docs/etl-engines.md."
         ),
     )
-    d = BuildConfig()
     p.add_argument(
         "inputs", nargs="+", metavar="INPUT", help="feature logs: files, directories or globs"
     )
@@ -112,125 +112,36 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", required=True, type=Path, help="dataset directory to create")
     p.add_argument("--schema", help="dataset schema TOML (default: the bundled example)")
-    p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 512MB")
-    p.add_argument("--spill-dir", type=Path, help="where DuckDB spills when over the limit")
-    p.add_argument("--threads", type=int, help="DuckDB threads (default: all cores)")
-    p.add_argument(
-        "--session-gap",
-        type=_parse_gap,
-        default=d.session_gap_ms,
-        metavar="GAP",
-        help="inactivity gap splitting a user's sessions when records have no session_id (default 30m)",
-    )
-    p.add_argument(
-        "--sample-sessions",
-        type=float,
-        default=1.0,
-        metavar="P",
-        help="keep a seeded fraction P of whole sessions (default 1.0)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of --sample-sessions")
-    p.add_argument(
-        "--zstd-level", type=int, default=d.zstd_level, help=f"default {d.zstd_level} (measured)"
-    )
-    p.add_argument(
-        "--row-group-size",
-        type=int,
-        default=d.row_group_size,
-        help=f"most rows per row group, cut at session boundaries (default {d.row_group_size}, "
-        "measured); smaller datasets get smaller groups, see --min-row-groups",
-    )
-    p.add_argument(
-        "--min-row-groups",
-        type=int,
-        default=d.min_row_groups,
-        help=f"row groups to aim at when the rows allow (default {d.min_row_groups}): a dataset "
-        "with fewer rows than this many full groups gets smaller ones (at least "
-        f"{MIN_ROW_GROUP_ROWS} rows); 1: groups of --row-group-size",
-    )
-    p.add_argument(
-        "--order",
-        choices=["session", "time"],
-        default="session",
-        help="session: clustered (default); time: the pre-RecD baseline, rows by ts",
-    )
-    p.add_argument(
-        "--engine",
-        choices=list(ENGINES),
-        default="duckdb",
-        help="duckdb (default): out of core; polars: in memory; spark: a Spark job, local or on "
-        "a cluster (--master); the same dataset from each (polars and spark take no "
-        "--memory-limit, --spill-dir or --threads)",
-    )
-    p.add_argument(
-        "--master",
-        metavar="URL",
-        help="Spark master of --engine spark, e.g. spark://host:7077 (default local[*]); inputs "
-        "and --out must be on a filesystem every executor sees under the same path",
-    )
-    p.add_argument(
-        "--spark-partitions",
-        type=int,
-        metavar="N",
-        help="partitions of --engine spark's shuffles and sort (default: Spark's parallelism; "
-        "the output does not depend on it)",
-    )
-    p.add_argument(
-        "--partition-by",
-        choices=["none", "hour"],
-        default="none",
-        help="hour: write dt=YYYY-MM-DD-HH/ folders",
-    )
-    p.add_argument(
-        "--max-line-bytes",
-        type=_parse_line_bytes,
-        default=d.max_line_bytes,
-        metavar="SIZE",
-        help="a longer input line is quarantined as line_too_long (its first 1 KB kept), e.g. "
-        "16MB (default 64MiB)",
-    )
-    p.add_argument(
-        "--fail-missing-share",
-        type=float,
-        default=d.fail_missing_share,
-        metavar="P",
-        help="fail when a schema feature is missing from at least a share P of the valid records "
-        "(default 1.0: from every one)",
-    )
-    p.add_argument(
-        "--allow-missing-features",
-        action="store_true",
-        help="build even when schema features are missing (they are still counted and reported)",
+    options = add_config_options(
+        p,
+        BuildConfig,
+        exclude=("max_file_bytes", "dictionary"),
+        overrides={
+            "spill_dir": Option(type=Path),
+            "session_gap_ms": Option(
+                flag="--session-gap",
+                metavar="GAP",
+                type=_parse_gap,
+                help="inactivity gap splitting a user's sessions when records have no "
+                "session_id: 30m, 90s, 2h, 1500ms or milliseconds (default 30m)",
+            ),
+            "sample_sessions": Option(metavar="P"),
+            "master": Option(metavar="URL"),
+            "spark_partitions": Option(metavar="N"),
+            "max_line_bytes": Option(metavar="SIZE", type=_parse_line_bytes),
+            "fail_missing_share": Option(metavar="P"),
+        },
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_quiet_option(p)
     p.add_argument(
         "--json", action="store_true", help="print the manifest as JSON instead of the summary"
     )
-    p.set_defaults(func=_run_cli)
+    p.set_defaults(func=lambda args: _run_cli(args, options.build(args)))
 
 
-def _run_cli(args: argparse.Namespace) -> int:
+def _run_cli(args: argparse.Namespace, config: BuildConfig) -> int:
     schema = load_schema(args.schema) if args.schema else default_schema()
-    config = BuildConfig(
-        memory_limit=args.memory_limit,
-        spill_dir=args.spill_dir,
-        threads=args.threads,
-        session_gap_ms=args.session_gap,
-        sample_sessions=args.sample_sessions,
-        zstd_level=args.zstd_level,
-        row_group_size=args.row_group_size,
-        min_row_groups=args.min_row_groups,
-        order=args.order,
-        engine=args.engine,
-        seed=args.seed,
-        partition_by=args.partition_by,
-        max_line_bytes=args.max_line_bytes,
-        fail_missing_share=args.fail_missing_share,
-        allow_missing_features=args.allow_missing_features,
-        master=args.master,
-        spark_partitions=args.spark_partitions,
-    )
     manifest = build(
         args.inputs,
         args.out,
@@ -238,7 +149,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         schema=schema,
         config=config,
         overwrite=args.overwrite,
-        progress=not args.no_progress,
+        progress=not args.quiet,
     )
     print(json.dumps(manifest, indent=2) if args.json else format_summary(manifest, args.out))
     return 0

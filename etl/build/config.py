@@ -87,19 +87,21 @@ class BuildConfig:
         session_gap_ms: inactivity gap that splits a user's records into sessions when they
             carry no ``session_id``.
         sample_sessions: keep this fraction of sessions (whole sessions, seeded by ``seed``).
-        zstd_level: zstd compression level of the Parquet files.
-        row_group_size: the most rows per row group (cut at session boundaries): the target,
-            unless the dataset is too small to fill ``min_row_groups`` groups of it
-            (:meth:`row_group_rows`).
-        min_row_groups: with fewer rows than ``min_row_groups * row_group_size``, row groups
-            get ``ceil(rows / min_row_groups)`` rows (at least :data:`MIN_ROW_GROUP_ROWS`), so
-            that a small dataset still has enough splits for workers, clients and ranks
-            (1: one group when the rows fit in ``row_group_size``).
+        zstd_level: zstd compression level of the Parquet files, 1..22 (the default was
+            measured on synthetic data).
+        row_group_size: the most rows per row group (cut at session boundaries; the default
+            was measured): the target, unless the dataset is too small to fill
+            ``min_row_groups`` groups of it, which then get smaller ones (:meth:`row_group_rows`).
+        min_row_groups: row groups to aim at: with fewer rows than this many full groups of
+            ``row_group_size``, row groups get ceil(rows / min_row_groups) rows (at least
+            :data:`MIN_ROW_GROUP_ROWS` = 64), so that a small dataset still has enough splits
+            for workers, clients and ranks (1: one group when the rows fit in
+            ``row_group_size``).
         order: ``"session"`` (clustered) or ``"time"`` (the pre-RecD baseline: rows by ts only).
-        engine: a name of :data:`ENGINES`: ``"duckdb"`` (out of core) or ``"polars"`` (in
-            memory, the same dataset, quarantine and counts; refuses ``memory_limit``,
-            ``spill_dir`` and ``threads``) or ``"spark"`` (a Spark job, local or on a cluster:
-            the same dataset, quarantine and counts; refuses the same three).
+        engine: ``"duckdb"`` (out of core) or ``"polars"`` (in memory, the same dataset,
+            quarantine and counts; refuses ``memory_limit``, ``spill_dir`` and ``threads``) or
+            ``"spark"`` (a Spark job, local or on a cluster, see ``master``: the same dataset,
+            quarantine and counts; refuses the same three); the names of :data:`ENGINES`.
         seed: seed of ``sample_sessions``.
         partition_by: ``"none"`` or ``"hour"`` (``dt=YYYY-MM-DD-HH/`` folders, by the session's
             first ts in session order, by the row's ts in time order).
@@ -107,13 +109,15 @@ class BuildConfig:
         dictionary: ``"auto"`` (measured per column on the first row group), ``"all"`` or
             ``"none"``.
         max_line_bytes: a longer input line is quarantined as ``line_too_long`` (its first
-            bytes kept), never read whole.
+            1 KB kept), never read whole; on the command line a size such as ``16MB``
+            (default 64MiB).
         fail_missing_share: the build fails when a schema feature is missing (absent or null)
             from at least this share of the valid records (1.0: only from every one of them).
         allow_missing_features: never fail for missing features (they are still counted and
             reported).
         master: the Spark master URL of engine ``"spark"`` (None: the active session, else
-            ``local[*]``), e.g. ``"spark://host:7077"``.
+            ``local[*]``), e.g. ``"spark://host:7077"``; the inputs and the output must be on a
+            filesystem every executor sees under the same path.
         spark_partitions: partitions of the Spark engine's shuffles and final sort (None: the
             session's default parallelism); the output does not depend on it.
     """

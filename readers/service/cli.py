@@ -13,12 +13,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from readers.service.config import DEFAULT_MAX_READERS, TOKEN_ENV, ServiceConfig
+from readers.service.config import TOKEN_ENV, ServiceConfig
+from recpipe.config_cli import ConfigOptions, Option, add_config_options
 from recpipe.errors import DataError
 
 __all__ = ["read_token", "register_cli"]
 
-_DEFAULTS = ServiceConfig()
+# ServiceConfig's fields `recpipe serve` exposes (the rest keep their defaults).
+_SERVER_OPTIONS = (
+    "host", "port", "readers", "idle_readers", "queue_depth", "max_clients", "max_readers",
+    "max_pending", "handshake_timeout_s", "report_every_s", "insecure",
+)  # fmt: skip
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -35,21 +40,21 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("dataset", nargs="?", help="clustered dataset directory (etl build output)")
-    _add_network_options(parser)
-    _add_limit_options(parser)
+    options = add_config_options(
+        parser,
+        ServiceConfig,
+        include=_SERVER_OPTIONS,
+        overrides={
+            "handshake_timeout_s": Option(flag="--handshake-timeout", metavar="S"),
+            "report_every_s": Option(flag="--report-every", metavar="S"),
+        },
+    )
+    _add_token_options(parser)
     _add_reader_options(parser)
-    parser.set_defaults(func=_cli_serve)
+    parser.set_defaults(func=lambda args: _cli_serve(args, options))
 
 
-def _add_network_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--host",
-        default=_DEFAULTS.host,
-        help="address to listen on (default: loopback); anything else needs a token or --insecure",
-    )
-    parser.add_argument(
-        "--port", type=int, default=_DEFAULTS.port, help="TCP port; 0 picks a free one (printed)"
-    )
+def _add_token_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
         default=None,
@@ -63,57 +68,9 @@ def _add_network_options(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help=f"read the token from FILE (surrounding whitespace is dropped; default: ${TOKEN_ENV})",
     )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow listening beyond loopback without a token (anyone who reaches the port "
-        "can read the data)",
-    )
-
-
-def _add_limit_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-clients",
-        type=int,
-        default=_DEFAULTS.max_clients,
-        help=f"clients served at once; more are refused as busy (default {_DEFAULTS.max_clients})",
-    )
-    parser.add_argument(
-        "--max-readers",
-        type=int,
-        default=None,
-        help="reader processes in all, lent to clients or kept idle; a client that would need "
-        f"more is refused as busy (default {DEFAULT_MAX_READERS}, or --readers / --idle-readers "
-        "if larger; each reader process holds its pipeline's memory)",
-    )
-    parser.add_argument(
-        "--max-pending",
-        type=int,
-        default=_DEFAULTS.max_pending,
-        help="connections waiting for their handshake at once; more are refused at once "
-        f"(default {_DEFAULTS.max_pending})",
-    )
-    parser.add_argument(
-        "--handshake-timeout",
-        type=float,
-        default=_DEFAULTS.handshake_timeout_s,
-        metavar="S",
-        help="seconds a connection has, in all, to complete its HELLO "
-        f"(default {_DEFAULTS.handshake_timeout_s:g})",
-    )
 
 
 def _add_reader_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--readers", type=int, default=2, help="reader processes per client (default 2)"
-    )
-    parser.add_argument(
-        "--idle-readers",
-        type=int,
-        default=None,
-        help="reader processes kept running, warm, between clients: started with the server, "
-        "handed to the next client (default: --readers; 0: each client's start and stop with it)",
-    )
     parser.add_argument(
         "--warmup-batches",
         type=int,
@@ -130,9 +87,6 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-size", type=int, default=4096, help="rows per batch (default 4096)"
-    )
-    parser.add_argument(
-        "--queue-depth", type=int, default=8, help="encoded batches buffered per client (default 8)"
     )
     parser.add_argument(
         "--dedup",
@@ -186,13 +140,6 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         "0: greedy by regret; default 1)",
     )
     parser.add_argument(
-        "--report-every",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="seconds between progress lines (0: off)",
-    )
-    parser.add_argument(
         "--synthetic",
         type=int,
         default=None,
@@ -236,10 +183,11 @@ def read_token(*, token: str | None, token_file: Path | None) -> str | None:
     return token if token is not None else os.environ.get(TOKEN_ENV) or None
 
 
-def _cli_serve(args: argparse.Namespace) -> int:
+def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
     from readers.service.producers import BatchProducer, DatasetProducer, SyntheticProducer
     from readers.service.server import serve
 
+    config = options.build(args, token=read_token(token=args.token, token_file=args.token_file))
     dedup = args.dedup == "on"
     if args.synthetic is not None and args.dispatch != "contiguous":
         msg = f"`--dispatch {args.dispatch}` needs a dataset, not --synthetic"
@@ -280,18 +228,4 @@ def _cli_serve(args: argparse.Namespace) -> int:
         if args.dedup_groups is not None:  # "auto" runs the stats once, not in every reader
             groups = producer.read_schema().dedup_groups
             producer = dataclasses.replace(producer, dedup_groups=[list(g) for g in groups])
-    config = ServiceConfig(
-        host=args.host,
-        port=args.port,
-        readers=args.readers,
-        idle_readers=args.idle_readers,
-        queue_depth=args.queue_depth,
-        token=read_token(token=args.token, token_file=args.token_file),
-        max_clients=args.max_clients,
-        max_readers=args.max_readers,
-        max_pending=args.max_pending,
-        handshake_timeout_s=args.handshake_timeout,
-        report_every_s=args.report_every,
-        insecure=args.insecure,
-    )
     return serve(producer, config=config)

@@ -57,9 +57,10 @@ class ServiceConfig:
     """Settings of a :class:`~readers.service.server.ReaderServer`.
 
     Attributes:
-        host: address to listen on (loopback by default; anything else needs ``token`` or
-            ``insecure``).
-        port: TCP port; 0 picks a free one (see :attr:`ReaderServer.address`).
+        host: address to listen on (loopback by default; anything else needs a ``token``
+            or ``insecure``).
+        port: TCP port; 0 picks a free one (printed by ``recpipe serve``; see
+            ``ReaderServer.address``).
         readers: reader processes per client; 0 produces in one thread of the server process
             (no extra processes: for tests and debugging).
         idle_readers: reader processes kept running between clients, warm: started with the
@@ -71,17 +72,20 @@ class ServiceConfig:
         max_frame_bytes: largest frame produced or accepted.
         max_clients: authenticated clients served at once; more are refused as busy.
         max_readers: reader processes (threads with ``readers=0``) in all, lent to clients or
-            kept idle; a client that would need more is refused as busy. ``None``:
-            :data:`DEFAULT_MAX_READERS`, or ``readers`` and ``idle_readers`` if larger.
+            kept idle; a client that would need more is refused as busy; each reader process
+            holds its pipeline's memory. ``None``: :data:`DEFAULT_MAX_READERS` (8), or
+            ``readers`` and ``idle_readers`` if larger.
         max_pending: connections waiting for their HELLO at once; more are refused at once.
         heartbeat_s: a client hears from the server at least this often (HEARTBEAT frames).
-        handshake_timeout_s: a connection whose HELLO is not complete this long after it was
-            accepted is dropped (one deadline for the whole HELLO, not per read).
+        handshake_timeout_s: seconds a connection has, in all, to complete its HELLO: one
+            whose HELLO is not complete this long after it was accepted is dropped (one
+            deadline for the whole HELLO, not per read).
         report_every_s: seconds between progress lines on stderr; 0 turns them off.
         send_buffer_bytes: the sockets' ``SO_SNDBUF``, or ``None`` for the system default.
         narrow: send int64 tensors that fit as int32 (exact; see
             :func:`readers.service.wire.batch_to_frame`).
-        insecure: allow a non-loopback ``host`` without a ``token``.
+        insecure: allow a non-loopback ``host`` without a ``token`` (anyone who reaches the
+            port can read the data).
     """
 
     host: str = "127.0.0.1"
