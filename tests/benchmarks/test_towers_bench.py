@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _bench import BENCHMARKS, load_benchmark
+from _bench import load_benchmark
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_and_mann_whitney(capsys):
@@ -35,15 +37,15 @@ def test_help_and_mann_whitney(capsys):
 def test_tiny_run_writes_results(tmp_path):
     out = tmp_path / "towers.json"
     argv = [
-        sys.executable, str(BENCHMARKS / "towers.py"), "--requests", "1500", "--groups", "2",
+        sys.executable, "-m", "benchmarks.towers", "--requests", "1500", "--groups", "2",
         "--features-per-group", "4", "--towers", "2", "--ranks-per-host", "1",
         "--compressions", "2,4", "--seeds", "2", "--steps", "3", "--batch-size", "16",
         "--embedding-dim", "4", "--num-embeddings", "64", "--partition-steps", "4",
         "--traffic-steps", "1", "--row-group-size", "256", "--work", str(tmp_path / "work"), "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("NUMBA_CACHE_DIR", str(Path(BENCHMARKS).parent / ".numba_cache"))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, env=env)
+    env.setdefault("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(out.read_text())
     models = {"flat", "sptt", "dlrm_r2", "dlrm_r4", "dlrm_r2_strided", "dlrm_r4_strided"}
