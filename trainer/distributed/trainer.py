@@ -37,9 +37,31 @@ from trainer.train import make_optimizers
 if TYPE_CHECKING:
     from recpipe.batch import Batch
 
-__all__ = ["DistributedTrainer", "sharded_table_factory"]
+__all__ = ["DistributedTrainer", "PendingLosses", "sharded_table_factory"]
 
 SparseKind = Literal["sgd", "adagrad"]
+
+
+class PendingLosses:
+    """Each step's local loss sum and global row count, kept until :meth:`reduce` turns them into
+    global mean losses with one all-reduce for all of them (not one per step)."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, int]] = []
+
+    def add(self, loss_sum: torch.Tensor, global_rows: int) -> None:
+        """Keep a step's local ``loss_sum`` (summed over this rank's rows)."""
+        self._items.append((loss_sum.detach().to(torch.float64), global_rows))
+
+    def reduce(self, comm: Comm) -> list[float]:
+        """The global mean losses of the steps kept since the last call, in order (collective)."""
+        if not self._items:
+            return []
+        sums = torch.stack([s for s, _ in self._items])
+        comm.all_reduce(sums, what="the loss all-reduce")
+        out = [float(s) / rows for s, (_, rows) in zip(sums.tolist(), self._items, strict=True)]
+        self._items = []
+        return out
 
 
 def sharded_table_factory(
@@ -110,7 +132,7 @@ class DistributedTrainer:
         self.optimizers = make_optimizers(self.module, optimizer, lr=self.lr)
         self.model = wrap_ddp(self.module, comm, device=self.device)
         self.step = 0
-        self._pending: list[tuple[torch.Tensor, int]] = []  # (local loss sum, global rows)
+        self._pending = PendingLosses()
 
     @property
     def tables(self) -> list[ShardedTable]:
@@ -141,7 +163,7 @@ class DistributedTrainer:
             opt.step()
         self.sparse.step()
         self.step += 1
-        self._pending.append((loss_sum.detach().to(torch.float64), global_rows))
+        self._pending.add(loss_sum, global_rows)
         if not reduce_loss:
             return None, logits.detach()
         return torch.tensor(self.pending_losses()[-1]), logits.detach()
@@ -149,13 +171,7 @@ class DistributedTrainer:
     def pending_losses(self) -> list[float]:
         """The global mean losses of the steps since the last call, in order (collective: one
         all-reduce of all of them)."""
-        if not self._pending:
-            return []
-        sums = torch.stack([s for s, _ in self._pending])
-        self.comm.all_reduce(sums, what="the loss all-reduce")
-        out = [float(s) / rows for s, (_, rows) in zip(sums.tolist(), self._pending, strict=True)]
-        self._pending = []
-        return out
+        return self._pending.reduce(self.comm)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:

@@ -160,8 +160,8 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
     """Train (launching torchrun's workers with ``--nproc``), print the summary, write
     ``--json``; the exit code. A worker of ``--nproc`` enters here too."""
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
+    from trainer.runlog import format_summary
     from trainer.towers.run import train_towers
-    from trainer.train import format_summary
 
     config, towers = configs
     timeout_s = launch.distributed_config(args).timeout_s

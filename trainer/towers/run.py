@@ -24,11 +24,11 @@ from recpipe.errors import RecpipeError
 from trainer.config import ModelConfig, TrainConfig
 from trainer.distributed.comm import Comm
 from trainer.metrics import PredictionWindow, peak_memory_bytes
+from trainer.runlog import TrainResult, batch_dedup_factor
 from trainer.towers.config import PartitionConfig, TowerPlan, TowersConfig, load_plan
 from trainer.towers.model import FlopCount, TowerDLRM, model_tables
 from trainer.towers.partition import Partition, affinity_from_gram, partition_features
 from trainer.towers.sptt import CollectiveTraffic
-from trainer.train import TrainResult, batch_dedup_factor
 
 __all__ = ["TowersSummary", "describe_partition", "model_config", "partition", "train_towers"]
 

@@ -48,11 +48,13 @@ from trainer.distributed.comm import Comm
 from trainer.distributed.dense import global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings
 from trainer.distributed.shard import SparseOptimizer
+from trainer.distributed.trainer import PendingLosses
 from trainer.metrics import auc
 from trainer.modules import PooledEmbeddings
+from trainer.runlog import EvalResult
 from trainer.towers.layout import SPTTLayout
 from trainer.towers.model import TowerDLRM
-from trainer.train import EvalResult, make_optimizers
+from trainer.train import make_optimizers
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
@@ -304,7 +306,7 @@ class SPTTTrainer:
         self.traffic = Traffic(layout, self.rank)
         self._anchor = torch.zeros(0, requires_grad=True)
         self.step = 0
-        self._pending: list[tuple[torch.Tensor, int]] = []
+        self._pending = PendingLosses()
         self._perm: dict[int, torch.Tensor] = {}
 
     # -- the schedule ----------------------------------------------------------------------------
@@ -460,20 +462,14 @@ class SPTTTrainer:
         if self.sparse is not None:
             self.sparse.step()
         self.step += 1
-        self._pending.append((loss_sum.detach().to(torch.float64), global_rows))
+        self._pending.add(loss_sum, global_rows)
         if not reduce_loss:
             return None, logits.detach()
         return torch.tensor(self.pending_losses()[-1]), logits.detach()
 
     def pending_losses(self) -> list[float]:
         """The global mean losses of the steps since the last call, in order (collective)."""
-        if not self._pending:
-            return []
-        sums = torch.stack([s for s, _ in self._pending])
-        self.groups.world.all_reduce(sums, what="the loss all-reduce")
-        out = [float(s) / rows for s, (_, rows) in zip(sums.tolist(), self._pending, strict=True)]
-        self._pending = []
-        return out
+        return self._pending.reduce(self.groups.world)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
