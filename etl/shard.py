@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -56,6 +57,8 @@ from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
 __all__ = ["ShardConfig", "format_report", "register_cli", "shard", "shard_path"]
+
+_log = logging.getLogger(__name__)
 
 RouteBy = Literal["session", "request"]
 
@@ -297,6 +300,7 @@ def shard(
         raise
     report["out_dir"] = str(out)
     report["shards"] = [str(shard_path(out, i)) for i in range(n)]
+    _log.info("sharded %d input file(s) into %d shard(s) at %s", len(files), n, out)
     return report
 
 

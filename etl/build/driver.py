@@ -9,6 +9,7 @@ order of the phases and their timing, the check of missing features, and the sha
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -35,6 +36,8 @@ from recpipe.errors import DataError
 from schemas import DatasetSchema, default_schema
 
 __all__ = ["build", "check_missing_features"]
+
+_log = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
@@ -103,6 +106,11 @@ def build(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     manifest["elapsed_s"] = round(time.perf_counter() - t_start, 3)
+    _log.info(
+        "built %s: %d rows out of %d in, %d quarantined, %.1f s",
+        out_dir, manifest["rows_out"], manifest["rows_in"], manifest["rows_quarantined"],
+        manifest["elapsed_s"],
+    )  # fmt: skip
     return manifest
 
 
