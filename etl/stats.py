@@ -37,13 +37,12 @@ On a time-ordered dataset ``S`` is close to 1, so the model and the measured fac
 session-driven features collapse to ~1 even though ``d(f)`` is unchanged: clustering by session
 is what lets deduplication pay.
 
-This module computes the figures (and runs the command); the report they fill is
-:class:`etl.stats_report.StatsReport`.
+This module computes the figures; the report they fill is
+:class:`etl.stats_report.StatsReport`, and the command is :mod:`etl.stats_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -69,7 +68,6 @@ __all__ = [
     "compute_stats",
     "dataset_files",
     "dedupe_factor_model",
-    "register_cli",
 ]
 
 FACTOR_THRESHOLD = 1.5
@@ -501,111 +499,3 @@ def _schema_from_manifest(root: Path, manifest: dict[str, Any] | None) -> Datase
         )
         raise DataError(msg)
     return parse_schema(text, source=f"{root / '_manifest.json'} [schema]")
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``recpipe stats``."""
-    parser = subparsers.add_parser(
-        "stats",
-        help="DuckDB duplication statistics and dedup proposals",
-        description=(
-            "Measure how much duplication a clustered dataset holds, with DuckDB SQL over its "
-            "Parquet files: samples per session; per feature the exact- and partial-duplicate %, "
-            "average length, byte share, d(f), and RecD's DedupeFactor model next to the factor "
-            "measured in real batches of --batch-size rows in file order. Proposes the sparse "
-            "features to deduplicate (measured factor > 1.5) and groups of features that change "
-            "together, as a schema [dedup] snippet. Writes stats.json and PNG plots to --out. "
-            "First, every part file's size and sha256 are compared with the manifest (DuckDB "
-            "does not check Parquet page checksums, so a corrupt page would skew the figures "
-            "silently); `recpipe etl verify` also checks every page."
-        ),
-    )
-    parser.add_argument("dataset", type=Path, help="clustered dataset directory (etl build output)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="directory for stats.json and the plots (default: DATASET/_stats); not the "
-        "dataset, nor a folder in it unless its name starts with `_` or `.`",
-    )
-    parser.add_argument(
-        "--schema", default=None, help="schema TOML (default: the one in DATASET/_manifest.json)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=4096, help="batch size B of the dedup factors (4096)"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all)")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="skip the check of every part file's size and sha256 against the manifest (DuckDB "
-        "does not check Parquet page checksums, so without it a corrupt page can skew the "
-        "figures silently; `recpipe etl verify` also checks every page)",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print the JSON report instead of the table"
-    )
-    parser.set_defaults(func=_main)
-
-
-def _verify_digests(dataset: Path) -> None:
-    """Sizes and sha256 of the part files against the manifest, before DuckDB reads them."""
-    from etl.verify import verify_digests
-
-    if not dataset.is_dir():
-        return  # compute_stats says what is wrong
-    report = verify_digests(dataset, progress=sys.stderr.isatty())
-    if report is None:
-        print(
-            f"stats: {dataset} not verified: its manifest records no sha256 digests (or it has "
-            "no manifest); a corrupt page would go unnoticed",
-            file=sys.stderr,
-        )
-        return
-    report.raise_if_failed(hint=f"`recpipe etl verify {dataset}` checks every page too")
-
-
-def _main(args: argparse.Namespace) -> int:
-    from etl.paths import check_output
-
-    out = args.out if args.out is not None else Path(args.dataset) / "_stats"
-    check_output(out, kind="stats", inputs=[args.dataset, args.schema])
-    if not args.no_verify:
-        _verify_digests(args.dataset)
-    schema = None
-    if args.schema is not None:
-        from schemas import load_schema
-
-        schema = load_schema(args.schema)
-    if args.batch_size < 1:
-        msg = f"`--batch-size` must be a positive integer, got {args.batch_size!r}"
-        raise DataError(msg)
-    report = compute_stats(
-        args.dataset,
-        schema=schema,
-        batch_size=args.batch_size,
-        threads=args.threads,
-        progress=sys.stderr.isatty(),
-    )
-    written = [report.write_json(out / "stats.json")]
-    if not args.no_plots:
-        written += report.plot(out)
-        if not report.rows:
-            print("stats: no plots: the dataset holds no rows", file=sys.stderr)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(report.format_table())
-        print()
-    print(
-        f"stats: {report.rows:,} samples, {len(report.features)} features, "
-        f"{report.elapsed_s:.1f}s; wrote {', '.join(str(p) for p in written)}",
-        file=sys.stderr,
-    )
-    return 0

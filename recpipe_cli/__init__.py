@@ -32,7 +32,7 @@ _HANDLER_NAME = "recpipe-cli"
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("synth", "etl.synth_cli", "generate deterministic synthetic session logs"),
     ("etl", "etl.cli", "shard and build: raw logs -> session-clustered zstd Parquet"),
-    ("stats", "etl.stats", "DuckDB duplication statistics and dedup proposals"),
+    ("stats", "etl.stats_cli", "DuckDB duplication statistics and dedup proposals"),
     ("fit", "readers.fit", "fit preprocessing (vocabularies, mean/std, buckets) on training rows"),
     ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
     ("train", "trainer.cli", "train a DLRM with or without dedup"),
