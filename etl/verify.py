@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recpipe.config_cli import add_quiet_option
 from recpipe.errors import CorruptInputError
 from recpipe.integrity import (
     MANIFEST_NAME,
@@ -289,12 +290,12 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the page checksums (sizes, sha256 and strays only: no decoding)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_quiet_option(parser)
     parser.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    report = verify_dataset(args.dataset, pages=not args.no_pages, progress=not args.no_progress)
+    report = verify_dataset(args.dataset, pages=not args.no_pages, progress=not args.quiet)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.ok else 1

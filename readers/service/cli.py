@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from readers.service.config import TOKEN_ENV, ServiceConfig
-from recpipe.config_cli import ConfigOptions, Option, add_config_options
+from recpipe.config_cli import ConfigOptions, Option, add_config_options, add_quiet_option
 from recpipe.errors import DataError
 
 __all__ = ["read_token", "register_cli"]
@@ -51,6 +51,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_token_options(parser)
     _add_reader_options(parser)
+    add_quiet_option(parser)
     parser.set_defaults(func=lambda args: _cli_serve(args, options))
 
 
@@ -188,6 +189,8 @@ def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
     from readers.service.server import serve
 
     config = options.build(args, token=read_token(token=args.token, token_file=args.token_file))
+    if args.quiet:  # no progress lines; the summary at the end stays
+        config = dataclasses.replace(config, report_every_s=0.0)
     dedup = args.dedup == "on"
     if args.synthetic is not None and args.dispatch != "contiguous":
         msg = f"`--dispatch {args.dispatch}` needs a dataset, not --synthetic"
