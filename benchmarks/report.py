@@ -45,24 +45,29 @@ _OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": oper
 # number formats
 
 
+def med(value: Any) -> float:
+    """A figure's value: itself, or the ``median`` of a spread (``{"median": ..., "wall": ...}``)."""
+    return value["median"] if isinstance(value, Mapping) else value
+
+
 def x(value: float, digits: int = 2) -> str:
     """A ratio: ``3.72x``."""
-    return f"{value:.{digits}f}x"
+    return f"{med(value):.{digits}f}x"
 
 
 def mega(value: float, digits: int = 1) -> str:
     """Millions: ``20.9M``."""
-    return f"{value / 1e6:.{digits}f}M"
+    return f"{med(value) / 1e6:.{digits}f}M"
 
 
 def mb(num_bytes: float) -> str:
     """Bytes as MB (10**6): ``50.9 MB``."""
-    return f"{num_bytes / 1e6:.1f} MB"
+    return f"{med(num_bytes) / 1e6:.1f} MB"
 
 
 def num(value: float) -> str:
     """An integer with thousands separators: ``104,065``."""
-    return f"{value:,.0f}"
+    return f"{med(value):,.0f}"
 
 
 def _get(results: Results, path: str) -> Any:
@@ -77,7 +82,7 @@ def _get(results: Results, path: str) -> Any:
 
 
 def _spread_of(
-    results: Results, key: str
+    results: Results, key: str, value: Any = None
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
     """``(the headline's spread, the other time's spread, its name)`` of figure ``key``.
 
@@ -86,12 +91,16 @@ def _spread_of(
     ``None``.
     """
     spread = results.get(f"{key}_spread")
+    if spread is None and isinstance(value, Mapping):
+        spread = value  # the figure is its own spread ({"median", "wall", "cpu"})
     if isinstance(spread, Mapping):
         if "wall" in spread and "cpu" in spread:
             if spread.get("headline") == "cpu":
                 return dict(spread["cpu"]), dict(spread["wall"]), "wall-time ratio"
             return dict(spread["wall"]), dict(spread["cpu"]), "CPU-time ratio"
-        return dict(spread), None, ""
+        if "min" in spread:
+            return dict(spread), None, ""
+        return None, None, ""  # spreads of several parts (e.g. host and hot): shown by the row
     repeats = results.get(f"{key}_repeats")
     if isinstance(repeats, Sequence) and repeats and not isinstance(repeats, str):
         vals = [float(v) for v in repeats]
@@ -158,7 +167,8 @@ class Row:
         """The markdown row, or ``""`` when its figures are not in the results."""
         try:
             value = self.value(results)
-            headline = None if self.key is None else float(_get(results, self.key))
+            raw = None if self.key is None else _get(results, self.key)
+            headline = None if raw is None else float(med(raw))
         except (KeyError, TypeError):
             return ""
         target = None if self.target is None else self.target.resolve(results)
@@ -166,7 +176,7 @@ class Row:
         if bound is not None and target is not None:
             target = Target(target.op, float(bound))
         if headline is not None:
-            main, other, other_name = _spread_of(results, self.key)
+            main, other, other_name = _spread_of(results, self.key, raw)
             extra = []
             if main is not None:
                 extra.append(_range(main, self.fmt))
@@ -679,8 +689,8 @@ STORE = Table(
             "each)",
             "recovery_speedup",
             lambda d: (
-                f"{{v}} ({d['recovery_seconds']['dump_warm']:.2f} s / "
-                f"{d['recovery_seconds']['open_warm']:.2f} s); cold page cache "
+                f"{{v}} ({med(d['recovery_seconds']['dump_warm']):.2f} s / "
+                f"{med(d['recovery_seconds']['open_warm']):.2f} s); cold page cache "
                 f"{x(d['recovery_speedup_cold_cache'], 1)}; `open_store(verify=True)` "
                 f"{x(d['recovery_speedup_verify_all_rows'], 1)}"
             ),
@@ -698,6 +708,60 @@ STORE = Table(
         ),
     ],
     notes=_store_notes,
+)
+
+
+def _distributed_title(d: Results) -> str:
+    c = d["config"]
+    return (
+        f"**Training on {d['world_size']} ranks** (`benchmarks/distributed.py`, gloo on CPU, "
+        f"{c['requests']:,} requests, {c['batch_size']:,} rows per rank, {c['steps']} steps x "
+        f"{c['repeats']} alternated repeats; {d['all_rows']:,} rows in all tables):"
+    )
+
+
+DISTRIBUTED = Table(
+    "distributed",
+    _distributed_title,
+    [
+        Row(
+            "`best_r_vs_r0` (samples/s at the best hot-set size R measured / at R = 0)",
+            "best_r_vs_r0",
+            lambda d: f"{{v}} (best R = {d['best_measured_r']:,}, chosen R = {d['chosen_r']:,})",
+            reference="HypeReca 1.6x-7.8x on GPUs",
+        ),
+        Row(
+            "`cost_model_r2` (worst r² of the fitted step-time lines)",
+            "cost_model_r2",
+            lambda d: "{v}",
+            fmt=lambda v: f"{v:.3f}",
+            target=Target(">=", 0.9),
+        ),
+        Row(
+            "`chosen_vs_best_measured` (step time at the chosen R / at the best R measured)",
+            "chosen_vs_best_measured",
+            lambda d: "{v}",
+            target=Target("<=", 1.05),
+        ),
+        Row(
+            "`a2a_bytes_ratio` (all-to-all bytes per step at R = 0 / at the chosen R)",
+            "a2a_bytes_ratio",
+            lambda d: "{v}",
+            reference="report",
+        ),
+        Row(
+            "`vs_torchrec_dmp` (our samples/s / TorchRec DMP's on the same batches)",
+            "vs_torchrec_dmp",
+            lambda d: f"{{v}} (dedup off: {x(d['vs_torchrec_dmp_dedup_off'])})",
+            target=Target(">=", 1.0),
+        ),
+        Row(
+            "`scaling_2_ranks` (samples/s of 2 ranks / 1 rank, same batch per rank; 2 cores)",
+            "scaling_2_ranks",
+            lambda d: "{v}",
+            reference="report",
+        ),
+    ],
 )
 
 
@@ -834,7 +898,17 @@ TOWERS = Table(
     ],
 )
 
-TABLES: tuple[Table, ...] = (ETL, KERNELS, READERS, SERVICE, TRAINER, STORE, DISPATCH, TOWERS)
+TABLES: tuple[Table, ...] = (
+    ETL,
+    KERNELS,
+    READERS,
+    SERVICE,
+    TRAINER,
+    STORE,
+    DISTRIBUTED,
+    DISPATCH,
+    TOWERS,
+)
 
 
 # --------------------------------------------------------------------------------------------
