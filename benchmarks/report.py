@@ -771,7 +771,8 @@ def _dispatch_title(d: Results) -> str:
         f"**Sample dispatch** (`benchmarks/dispatch.py`, simulated: {s['ranks']} ranks, "
         f"{s['fast_ranks']} at {s['fast_factor']:g}x the bandwidth, {s['micro_batch']} samples "
         f"per rank, caches {s['cache_share']:.0%} of the cold rows, "
-        f"{s['headline_order']} order):"
+        f"{d['orders'][s['headline_order']]['dataset']['global_batches']} global batches of "
+        f"{s['requests']:,} requests, {s['headline_order']} order):"
     )
 
 
