@@ -110,9 +110,16 @@ def string_keys(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def _integer_keys(name: str, array: pa.ChunkedArray) -> np.ndarray:
-    keys = array.cast(pa.int64()).fill_null(NULL_KEY).to_numpy()
-    if array.null_count != (keys == NULL_KEY).sum():
-        row = int(np.flatnonzero(keys == NULL_KEY)[0])
+    try:
+        values = array.cast(pa.int64())  # safe cast: a uint64 above int64 max raises
+    except pa.ArrowInvalid as exc:
+        msg = f"extras column `{name}` holds a value outside int64: {exc}"
+        raise DataError(msg) from None
+    keys = values.fill_null(NULL_KEY).to_numpy()
+    valid = ~values.is_null().to_numpy(zero_copy_only=False)
+    clash = np.flatnonzero((keys == NULL_KEY) & valid)
+    if clash.size:
+        row = int(clash[0])
         msg = (
             f"extras column `{name}` row {row} holds int64 min ({NULL_KEY}), the value that "
             "stands for NULL in `Batch.extras`"

@@ -479,15 +479,7 @@ class ServiceStream:
             batch_size=self.batch_size, read_timeout_s=self.read_timeout_s,
         )  # fmt: skip
         with client.connect():
-            served = client.welcome.get("splits")
-            if self.splits is not None and served is not None and served != self.splits:
-                part = "every" if self.holdout is None else f"the `{self.holdout.part}`"
-                msg = (
-                    f"the reader service at {client.where} serves {served} row groups as "
-                    f"{part} part, the trainer's dataset has {self.splits}: give the trainer "
-                    f"the dataset the server serves"
-                )
-                raise DataError(msg)
+            _check_served_splits(client, self.splits, self.holdout)
             yield from client
 
     def state_dict(self) -> dict[str, int]:
@@ -620,15 +612,7 @@ class ServiceRankDataset:
 
     def _adopt(self, client: ServiceClient) -> None:
         """Take the position the server resolved (the layout for this world size)."""
-        served = client.welcome.get("splits")
-        if self.splits is not None and served is not None and served != self.splits:
-            part = "every" if self.holdout is None else f"the `{self.holdout.part}`"
-            msg = (
-                f"the reader service at {client.where} serves {served} row groups as {part} "
-                f"part, the trainer's dataset has {self.splits}: give the trainer the dataset "
-                f"the server serves"
-            )
-            raise DataError(msg)
+        _check_served_splits(client, self.splits, self.holdout)
         ranks = client.welcome.get("ranks")
         if not isinstance(ranks, Mapping) or not isinstance(ranks.get("state"), Mapping):
             msg = f"the reader service at {client.where} does not serve the ranks of a job"
@@ -648,3 +632,19 @@ class ServiceRankDataset:
     def current_epoch(self) -> int:
         """The epoch being read (or read next)."""
         return self.epoch
+
+
+def _check_served_splits(
+    client: ServiceClient, splits: int | None, holdout: Holdout | None
+) -> None:
+    """Refuse a server whose part spans another number of row groups than the trainer's dataset
+    (``splits``: the trainer's count, ``None``: unknown) — it serves another dataset."""
+    served = client.welcome.get("splits")
+    if splits is not None and served is not None and served != splits:
+        part = "every" if holdout is None else f"the `{holdout.part}`"
+        msg = (
+            f"the reader service at {client.where} serves {served} row groups as {part} "
+            f"part, the trainer's dataset has {splits}: give the trainer the dataset "
+            f"the server serves"
+        )
+        raise DataError(msg)

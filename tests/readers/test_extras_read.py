@@ -79,6 +79,13 @@ def test_integer_columns_keep_their_values_and_nulls_become_the_sentinel():
         extra_column_keys("f", pa.array([1.5]))
 
 
+def test_integer_values_outside_int64_and_the_sentinel_behind_a_null_are_named():
+    with pytest.raises(DataError, match="`u` holds a value outside int64"):
+        extra_column_keys("u", pa.array([1, 2**63], type=pa.uint64()))
+    with pytest.raises(DataError, match="`n` row 1 holds int64 min"):
+        extra_column_keys("n", pa.array([None, NULL_KEY], type=pa.int64()))
+
+
 # -- a built dataset -------------------------------------------------------------------------
 
 
