@@ -161,6 +161,24 @@ class RunLog:
         for sink in self.sinks:
             sink.write(record)
 
+    def add_batch(self, batch: Batch, logits: torch.Tensor, *, samples: int) -> None:
+        """Count a trained batch: its dedup factor, ``samples`` (the step's global rows) and its
+        predictions for the running AUC."""
+        self.factors.append(batch_dedup_factor(batch))
+        self.samples += samples
+        self.window.add(logits, batch.labels)
+
+    def train_record(
+        self, *, step: int, epoch: int, auc: float | None, samples_per_s: float, step_s: float,
+        memory: int, wall_s: float,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The metrics record of a training step just counted by :meth:`add_batch`."""
+        return {
+            "kind": "train", "step": step, "epoch": epoch, "samples": self.samples, "auc": auc,
+            "samples_per_s": samples_per_s, "step_s": step_s, "dedup_factor": self.factors[-1],
+            "peak_memory_bytes": memory, "wall_s": wall_s,
+        }  # fmt: skip
+
     def add_eval(self, step: int, result: EvalResult, *, epoch: int) -> None:
         """Keep (and record, and log) an evaluation that saw samples."""
         if not result.samples:

@@ -56,7 +56,6 @@ from trainer.runlog import (
     EvalResult,
     RunLog,
     TrainResult,
-    batch_dedup_factor,
     format_bytes,
     run_targets,
 )
@@ -455,11 +454,9 @@ class _Run:
                 empty_passes += 1
                 for batch in self.loader:
                     empty_passes = 0
-                    log.factors.append(batch_dedup_factor(batch))
                     loss, logits = self.trainer.train_step(batch)
                     log.losses.append(float(loss))
-                    log.samples += batch.batch_size
-                    log.window.add(logits, batch.labels)
+                    log.add_batch(batch, logits, samples=batch.batch_size)
                     step = self.trainer.step
                     bar.update(1)
                     now = time.perf_counter()
@@ -475,13 +472,11 @@ class _Run:
                             mem=format_bytes(memory),
                             refresh=False,
                         )
-                    log.record({
-                        "kind": "train", "step": step, "epoch": self._loader_epoch(),
-                        "samples": log.samples, "loss": log.losses[-1], "auc": window_auc,
-                        "samples_per_s": rate, "step_s": now - last,
-                        "dedup_factor": log.factors[-1], "peak_memory_bytes": memory,
-                        "wall_s": now - t0,
-                    })  # fmt: skip
+                    record = log.train_record(
+                        step=step, epoch=self._loader_epoch(), auc=window_auc,
+                        samples_per_s=rate, step_s=now - last, memory=memory, wall_s=now - t0,
+                    )  # fmt: skip
+                    log.record({**record, "loss": log.losses[-1]})
                     last = now
                     if cfg.eval_every and step % cfg.eval_every == 0:
                         self._evaluate(step)

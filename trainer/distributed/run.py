@@ -34,7 +34,8 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
-from trainer.runlog import RunLog, TrainResult, batch_dedup_factor, run_targets
+from trainer.metrics import peak_memory_bytes
+from trainer.runlog import RunLog, TrainResult, run_targets
 from trainer.train import read_schema
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
@@ -287,21 +288,17 @@ class _RankRun:
                 empty += 1
                 for batch in self.loader:
                     empty = 0
-                    log.factors.append(batch_dedup_factor(batch))
                     _, logits = self.trainer.train_step(batch, reduce_loss=False)
-                    log.samples += batch.batch_size * comm.world_size
-                    log.window.add(logits, batch.labels)
+                    log.add_batch(batch, logits, samples=batch.batch_size * comm.world_size)
                     step = self.trainer.step
                     bar.update(1)
                     now = time.perf_counter()
                     rate = (log.samples - samples0) / max(now - t0, 1e-9)
                     window_auc = log.window.auc() if step % cfg.log_every == 0 else None
-                    self.unreduced.append({
-                        "kind": "train", "step": step, "epoch": self.loader.epoch,
-                        "samples": log.samples, "auc": window_auc, "samples_per_s": rate,
-                        "step_s": now - last, "dedup_factor": log.factors[-1],
-                        "peak_memory_bytes": _peak_memory(self.device), "wall_s": now - t0,
-                    })  # fmt: skip
+                    self.unreduced.append(log.train_record(
+                        step=step, epoch=self.loader.epoch, auc=window_auc, samples_per_s=rate,
+                        step_s=now - last, memory=peak_memory_bytes(self.device), wall_s=now - t0,
+                    ))  # fmt: skip
                     last = now
                     if step % cfg.log_every == 0:
                         self._reduce_losses()
@@ -350,12 +347,6 @@ class _RankRun:
         self.eval_ds.set_epoch(0)
         result = self.trainer.evaluate(iter(self.eval_ds), max_batches=self.config.eval_batches)
         self.log.add_eval(step, result, epoch=self.loader.epoch)
-
-
-def _peak_memory(device: torch.device) -> int:
-    from trainer.metrics import peak_memory_bytes
-
-    return peak_memory_bytes(device)
 
 
 def train_rank(
