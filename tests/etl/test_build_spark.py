@@ -229,6 +229,24 @@ def test_the_bundled_java_runs_and_drops_the_absent_vector_module(tmp_path):
     assert bundled_java_home(tmp_path / "cache") == home  # made once, then reused
 
 
+def test_a_local_session_gets_a_driver_heap_unless_the_user_sized_one(monkeypatch, tmp_path):
+    from etl.spark_env import _driver_memory_set
+
+    for name in ("SPARK_DRIVER_MEMORY", "PYSPARK_SUBMIT_ARGS", "SPARK_CONF_DIR", "SPARK_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    assert not _driver_memory_set()
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--driver-memory 2g pyspark-shell")
+    assert _driver_memory_set()
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--conf spark.executor.memory=2g pyspark-shell")
+    assert not _driver_memory_set()
+    (tmp_path / "spark-defaults.conf").write_text("spark.driver.memory  6g\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    assert _driver_memory_set()
+    monkeypatch.delenv("SPARK_CONF_DIR")
+    monkeypatch.setenv("SPARK_DRIVER_MEMORY", "3g")
+    assert _driver_memory_set()
+
+
 def test_spark_options_belong_to_the_spark_engine(tmp_path):
     with pytest.raises(DataError, match="`master` is an option of engine 'spark'"):
         BuildConfig(master="local[2]")
