@@ -22,6 +22,10 @@ Routing by session puts them in the same shard; on top of that, each shard buffe
 and writes them *grouped by session* (first-seen order, stable within a session) before they
 reach the compressor, so the repeats are adjacent instead of thousands of lines apart.
 ``compare`` measures this against routing by ``request_id`` with the same N and zstd level.
+
+Two engines run it: ``local`` (this process) and ``spark`` (:mod:`etl.shard_spark`, a Spark job
+running this module's reader, router and writer in its tasks), which writes the same shard
+files and ``_unroutable.jsonl.zst`` byte for byte and the same counts.
 """
 
 from __future__ import annotations
@@ -56,15 +60,33 @@ from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
-__all__ = ["ShardConfig", "format_report", "register_cli", "shard", "shard_path"]
+__all__ = [
+    "READ_STEP",
+    "READ_WIDTH",
+    "ShardConfig",
+    "ShardSink",
+    "format_report",
+    "make_report",
+    "raw_lines",
+    "read_position",
+    "register_cli",
+    "route_line",
+    "shard",
+    "shard_path",
+    "sink_specs",
+    "unroutable_line",
+    "unroutable_writer",
+]
 
 _log = logging.getLogger(__name__)
 
 RouteBy = Literal["session", "request"]
 Engine = Literal["local", "spark"]
 
-READ_STEP = 4096  # lines taken from each input file in turn
-READ_WIDTH = 16  # input files read side by side
+#: lines taken from each input file in turn
+READ_STEP = 4096
+#: input files read side by side
+READ_WIDTH = 16
 _MALFORMED = "malformed_json"
 _NO_KEY = "missing_session_key"
 
@@ -595,13 +617,20 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
             "user_id), grouping each shard's lines by session so zstd sees the repeats side by "
             "side. Lines that cannot be routed go to _unroutable.jsonl.zst with their file and "
             "line number; _shard.json reconciles the counts and reports the compression ratio "
-            "against routing by request."
+            "against routing by request. --engine spark runs it as a Spark job (--master, on a "
+            "cluster) writing the same files byte for byte."
         ),
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="feature-log files/dirs/globs")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     options = add_config_options(
-        parser, ShardConfig, overrides={"max_line_bytes": Option(metavar="BYTES")}
+        parser,
+        ShardConfig,
+        overrides={
+            "max_line_bytes": Option(metavar="BYTES"),
+            "master": Option(metavar="URL"),
+            "spark_partitions": Option(metavar="N"),
+        },
     )
     parser.add_argument("--schema", type=Path, help="schema TOML naming the session/user keys")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

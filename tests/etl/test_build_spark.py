@@ -21,7 +21,7 @@ import pytest
 from etl import reasons
 from etl.build import BuildConfig, build
 from etl.spark_env import bundled_java_home, java_version
-from recpipe.errors import CorruptInputError, DataError
+from recpipe.errors import CorruptInputError, DataError, RecpipeError
 from tests.etl.test_build import GOOD, _rec, _write, build_lenient, corrupt_inputs
 from tests.etl.test_build_polars import (
     _MAX_LINE,
@@ -256,3 +256,125 @@ def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(spark, tmp_pat
             tmp_path / "late_binary.jsonl", tmp_path / "o", config=BuildConfig(engine="spark")
         )
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+# -- etl shard --engine spark ---------------------------------------------------------------------
+# here, not in a file of their own, so that they share this file's Spark session (one JVM) under
+# `pytest --dist loadfile`
+
+#: the report keys that may differ between the shard engines
+_SHARD_RUN_KEYS = {"elapsed_s", "config", "out_dir", "shards"}
+
+
+def _shard_parity(tmp: Path, inputs, *, partitions=(2,), **options) -> dict:
+    """Shard locally, then with Spark once per partition count; assert the same files byte for
+    byte and the same report. Returns the local report."""
+    from etl.shard import ShardConfig, shard
+
+    want = shard(inputs, tmp / "local", config=ShardConfig(**options))
+    for n in partitions:
+        out = tmp / f"spark-{n}"
+        got = shard(inputs, out, config=ShardConfig(engine="spark", spark_partitions=n, **options))
+        assert {k: v for k, v in got.items() if k not in _SHARD_RUN_KEYS} == {
+            k: v for k, v in want.items() if k not in _SHARD_RUN_KEYS
+        }, n
+        assert list(got["unroutable_by_reason"]) == list(want["unroutable_by_reason"])  # order
+        names = sorted(p.name for p in (tmp / "local").iterdir())
+        assert sorted(p.name for p in out.iterdir()) == names  # no scratch files left
+        for name in names:
+            if name != "_shard.json":
+                assert (out / name).read_bytes() == (tmp / "local" / name).read_bytes(), (n, name)
+        assert got["config"]["spark_partitions"] == n
+    return want
+
+
+@pytest.mark.slow
+def test_spark_shard_writes_the_local_shards_byte_for_byte_for_any_partition_count(spark, tmp_path):
+    """Several files of more than one read step each, and a buffer that several flushes fill:
+    the Spark form replays the local engine's read order and flushes exactly."""
+    from etl.shard import READ_STEP, ShardConfig, shard
+    from etl.synth import SynthConfig, generate
+
+    logs = generate(
+        tmp_path / "raw", SynthConfig(num_requests=9_000, seed=5, files=2, bad_fraction=0.02)
+    )
+    options = {"num_shards": 5, "buffer_mb": 1}
+    want = _shard_parity(tmp_path / "flushes", logs.features, partitions=(1, 3), **options)
+    assert want["lines_in"] > 2 * READ_STEP and want["bytes_raw"] > 4 << 20
+    assert want["lines_unroutable"] and want["compare"]["bytes_by_session_ungrouped"]
+    # the flushes matter: one flush at the end groups the sessions differently
+    once = shard(logs.features, tmp_path / "once", config=ShardConfig(num_shards=5))
+    assert once["bytes_per_shard"] != want["bytes_per_shard"]
+    _shard_parity(tmp_path / "by-request", logs.features, num_shards=3, by="request", buffer_mb=2)
+
+
+@pytest.mark.slow
+def test_spark_shard_matches_local_on_every_bad_input_corpus(spark, tmp_path):
+    features, _ = _all_corpora(tmp_path / "in")
+    extra = tmp_path / "in" / "shard"
+    extra.mkdir()
+    (extra / "notes.jsonl").write_bytes(b"hello\n\x00\x01 control bytes are UTF-8 \xc3\xa9\n")
+    (extra / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"request_id": "r-1", "user_id": 3, "ts": 1}\n')
+    (extra / "keys.jsonl").write_bytes(
+        b'{"request_id": "r-2", "ts": 2}\n[1, 2]\n{"request_id": "r-3", "session_id": ["x"]}\n'
+        b'{"request_id": "r-4", "ts": 4, "user_id": 7}\n{"session_id": "s-9", "ts": NaN}\n'
+    )
+    inputs = [*features, *sorted(extra.iterdir())]
+    want = _shard_parity(
+        tmp_path / "a", inputs, num_shards=3, max_line_bytes=_MAX_LINE, group=False
+    )
+    assert set(want["unroutable_by_reason"]) == {
+        "malformed_json",
+        "missing_session_key",
+        reasons.LINE_TOO_LONG,
+    }
+    assert set(want["routed_by_key"]) == {"session_id", "user_id"}
+    _shard_parity(tmp_path / "b", inputs, num_shards=4, by="request", max_line_bytes=_MAX_LINE)
+
+
+@pytest.mark.slow
+def test_spark_shard_refuses_corrupt_inputs_with_the_local_error(spark, tmp_path):
+    from etl.shard import ShardConfig, shard
+
+    good = _write(tmp_path / "good.jsonl", [_rec("a", 1, session="s")])
+    kept = tmp_path / "kept"
+    shard(good, kept, config=ShardConfig(num_shards=2))
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    for name, data in corrupt_inputs().items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CorruptInputError) as local:
+            shard([good, tmp_path / name], tmp_path / "local")
+        cfg = ShardConfig(engine="spark", spark_partitions=2)
+        with pytest.raises(CorruptInputError) as remote:
+            shard([good, tmp_path / name], kept, config=cfg, overwrite=True)
+        assert str(remote.value) == str(local.value), name
+        assert name in str(remote.value)
+        assert {p.name: p.read_bytes() for p in kept.iterdir()} == before  # kept whole
+        assert not list(tmp_path.glob(".kept.tmp-*")) and not (tmp_path / "local").exists()
+
+
+@pytest.mark.slow
+def test_cli_shards_with_the_spark_engine(spark, tmp_path, capsys):
+    from recpipe_cli import main
+
+    src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
+    args = ["etl", "shard", str(src), "--quiet", "--engine", "spark", "--master", "local[2]"]
+    args += ["--spark-partitions", "3", "--num-shards", "2", "--out", str(tmp_path / "o")]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["engine"] == "spark" and report["config"]["spark_partitions"] == 3
+    assert report["lines_routed"] == len(GOOD) and report["unroutable_by_reason"] == {
+        "malformed_json": 1
+    }
+    assert json.loads((tmp_path / "o" / "_shard.json").read_text())["lines_in"] == len(GOOD) + 1
+
+
+def test_spark_shard_options_belong_to_the_spark_engine():
+    from etl.shard import ShardConfig
+
+    with pytest.raises(RecpipeError, match="`master` is an option of engine 'spark'"):
+        ShardConfig(master="local[2]")
+    with pytest.raises(RecpipeError, match="`spark_partitions` must be a positive integer"):
+        ShardConfig(engine="spark", spark_partitions=0)
+    with pytest.raises(RecpipeError, match="`engine` must be one of"):
+        ShardConfig(engine="duckdb")  # type: ignore[arg-type]
