@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -61,6 +62,7 @@ from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
 __all__ = [
+    "ENGINES",
     "READ_STEP",
     "READ_WIDTH",
     "ShardConfig",
@@ -82,6 +84,9 @@ _log = logging.getLogger(__name__)
 
 RouteBy = Literal["session", "request"]
 Engine = Literal["local", "spark"]
+#: engine name -> ``"module:function"`` running a shard into a temporary directory
+#: (``(files, tmp, schema, config) -> report``); ``local`` is :func:`shard`'s own loop
+ENGINES = {"spark": "etl.shard_spark:run"}
 
 #: lines taken from each input file in turn
 READ_STEP = 4096
@@ -386,12 +391,11 @@ def shard(
     t0 = time.perf_counter()
     n = cfg.num_shards
     try:
-        if cfg.engine == "spark":
-            from etl.shard_spark import run
-
-            report = run(files, tmp, schema, cfg)
-        else:
+        if cfg.engine == "local":
             report = _run(files, tmp, schema, cfg, progress)
+        else:  # an engine module, imported when chosen (it imports this one)
+            module, _, name = ENGINES[cfg.engine].partition(":")
+            report = getattr(importlib.import_module(module), name)(files, tmp, schema, cfg)
         report["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "_shard.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
         if out.exists():
