@@ -185,7 +185,14 @@ def _key_hash(kind: bytes, value: Any) -> int | None:
 
 
 class ShardSink:
-    """N compressed streams: to files, or to byte counters (for comparisons)."""
+    """N compressed streams: to files, or to byte counters (for comparisons).
+
+    ``add`` buffers a line for a shard; ``flush`` compresses each shard's buffered lines (with
+    ``group``, a session's lines together, sessions in first-seen order) into that shard's one
+    zstd stream; ``close`` flushes and ends the streams. The bytes depend only on the lines
+    added to each shard and on where the flushes fall, so the Spark engine, feeding each
+    shard's lines in read order with the same flushes, writes the same files.
+    """
 
     def __init__(self, n: int, level: int, *, group: bool, paths: list[Path] | None = None):
         params = zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1)

@@ -10,7 +10,9 @@ that argument) generated once in a cache directory.
 
 :func:`spark_session` returns the active session when there is one (a test run shares one),
 else builds one for ``master`` (``local[*]`` by default; ``spark://host:7077``, ``yarn``,
-``k8s://...`` for a cluster).
+``k8s://...`` for a cluster). :func:`file_tasks` spreads whole input files over tasks and
+:func:`run_action` runs a Spark action, raising an error of recpipe's code in a task again as
+itself (a corrupt input keeps the message naming its file and line).
 """
 
 from __future__ import annotations
