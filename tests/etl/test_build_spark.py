@@ -178,9 +178,21 @@ def test_a_killed_spark_build_leaves_the_previous_dataset_intact(tmp_path):
     out = tmp_path / "dataset"
     old = build_lenient(src, out, config=BuildConfig(row_group_size=64, max_file_bytes=1))
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    ready = tmp_path / "ready"
+    _kill_when_ready(tmp_path, _CHILD, src, out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    stale = list(tmp_path.glob(".dataset.tmp-*"))
+    assert len(stale) == 1 and list(stale[0].rglob("part-*.parquet"))  # killed mid-write
+    assert not list(stale[0].rglob("_manifest.json"))
+    again = build_lenient(src, out, config=BuildConfig(row_group_size=64), overwrite=True)
+    assert again["rows_out"] == old["rows_out"] and not list(tmp_path.glob(".dataset.tmp-*"))
+
+
+def _kill_when_ready(tmp: Path, child: str, src: Path, out: Path) -> None:
+    """Run ``child`` (args: ``src``, a file it creates when ready to be killed, ``out``) in a
+    process group of its own; SIGKILL the group once it is ready."""
+    ready = tmp / "ready"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(src), str(ready), str(out)],
+        [sys.executable, "-c", child, str(src), str(ready), str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         cwd=Path(__file__).resolve().parents[2],
@@ -190,20 +202,14 @@ def test_a_killed_spark_build_leaves_the_previous_dataset_intact(tmp_path):
         deadline = time.monotonic() + 300
         while not ready.exists():
             if proc.poll() is not None:
-                pytest.fail(f"the build ended before it was killed: {proc.stderr.read()[-3000:]!r}")
-            assert time.monotonic() < deadline, "the Spark build never reached the writer"
+                pytest.fail(f"the job ended before it was killed: {proc.stderr.read()[-3000:]!r}")
+            assert time.monotonic() < deadline, "the Spark job never got ready to be killed"
             _wait(proc, 0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    stale = list(tmp_path.glob(".dataset.tmp-*"))
-    assert len(stale) == 1 and list(stale[0].rglob("part-*.parquet"))  # killed mid-write
-    assert not list(stale[0].rglob("_manifest.json"))
-    again = build_lenient(src, out, config=BuildConfig(row_group_size=64), overwrite=True)
-    assert again["rows_out"] == old["rows_out"] and not list(tmp_path.glob(".dataset.tmp-*"))
 
 
 def _wait(proc: subprocess.Popen, seconds: float) -> None:
@@ -413,26 +419,7 @@ def test_a_killed_spark_shard_leaves_the_previous_output_intact(tmp_path):
     out = tmp_path / "shards"
     shard(src, out, config=ShardConfig(num_shards=2))
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SHARD_CHILD, str(src), str(ready), str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[2],
-        start_new_session=True,  # its JVM shares the group: killed with it
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"the shard ended before it was killed: {proc.stderr.read()[-3000:]!r}")
-            assert time.monotonic() < deadline, "the Spark shard never wrote its shards"
-            _wait(proc, 0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    _kill_when_ready(tmp_path, _SHARD_CHILD, src, out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     stale = list(tmp_path.glob(".shards.tmp-*"))
     assert len(stale) == 1 and len(list(stale[0].glob("shard-*.jsonl.zst"))) == 3
