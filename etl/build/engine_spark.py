@@ -42,8 +42,9 @@ from etl.build.engine import BuildJob, Engine, Kind, duplicate_rows, sampled
 from etl.build.inputs import InputFile, empty_lines, read_lines
 from etl.build.output import PARTITION_MS, BuildCounts, by_reason
 from etl.build.validate import BAD_COLUMNS, Validator, feature_columns
-from etl.spark_env import spark_session
-from recpipe.errors import CorruptInputError, DataError, RecpipeError
+from etl.spark_env import file_tasks, spark_session
+from etl.spark_env import run_action as _action
+from recpipe.errors import DataError
 from schemas import DatasetSchema
 
 __all__ = ["SparkEngine"]
@@ -107,10 +108,9 @@ class SparkEngine(Engine):
         files = self.job.files(kind)
         schema, limit = self.job.schema, self.job.config.max_line_bytes
         arrow_schema = _plain_schema(_validate(schema, limit, kind, empty_lines()).schema)
-        ids = self.spark.createDataFrame([(i,) for i in range(len(files))], "file_id int")
         # whole files per task (lines numbered as if each file were read whole), at most one
         # task per partition: each task builds one validator
-        ids = ids.repartition(max(1, min(len(files), self.partitions)), "file_id")
+        ids = file_tasks(self.spark, len(files), self.partitions)
 
         def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
             return _parse_files(batches, files, schema, limit, kind, arrow_schema)
@@ -447,24 +447,3 @@ def _plain_schema(schema: pa.Schema) -> pa.Schema:
 
 def _plain_table(table: pa.Table) -> pa.Table:
     return table.cast(_plain_schema(table.schema))
-
-
-def _action(fn: Any) -> Any:
-    """Run a Spark action; an error raised by recpipe's code in a task is raised again as itself
-    (a corrupt input names its file), any other Spark failure as a :class:`RecpipeError`."""
-    try:
-        return fn()
-    except Exception as exc:
-        if isinstance(exc, RecpipeError):
-            raise
-        text = str(exc)
-        for cls in (CorruptInputError, DataError):
-            marker = f"{cls.__module__}.{cls.__name__}: "
-            if marker in text:
-                message = text.split(marker, 1)[1].split("\n\n", 1)[0].strip()
-                raise cls(message) from None
-        name = type(exc).__name__
-        if name in ("PythonException", "Py4JJavaError", "SparkRuntimeException"):
-            first = text.strip().splitlines()[0] if text.strip() else name
-            raise RecpipeError(f"the Spark job failed: {first}") from exc
-        raise

