@@ -31,9 +31,25 @@ from recpipe.errors import DataError
 if TYPE_CHECKING:
     from recpipe.batch import Batch
 
-__all__ = ["PieceRows", "RowIndex", "TableMap", "piece_rows"]
+__all__ = ["PieceRows", "RowIndex", "TableMap", "distinct", "piece_rows"]
 
 _SHIFT = 40  # (piece << 40) | row: rows below 2**40, pieces below 2**23
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, ascending: ``np.unique`` by a sort (NumPy's hash-based unique of
+    int64 is several times slower on the dispatcher's arrays of ~100k keys).
+
+    >>> distinct(np.array([5, 1, 5, 3])).tolist()
+    [1, 3, 5]
+    """
+    values = np.sort(np.asarray(values).ravel())
+    if values.size < 2:
+        return values
+    keep = np.empty(values.size, dtype=np.bool_)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,9 @@ class RowIndex:
         self._rows = [[empty, empty] for _ in self.tables]  # their row numbers
         self._table_of_row = np.zeros(1024, dtype=np.int64)
         self._id_of_row = np.zeros(1024, dtype=np.int64)
+        self._order_key = np.zeros(1024, dtype=np.int64)
+        self._id_bits = 63 - max(1, (len(self.tables) - 1).bit_length())
+        self._keys_fit = True  # every id in [0, 2**_id_bits): (table, id) fits one int64
         self.num_rows = 0
 
     @property
@@ -106,6 +125,12 @@ class RowIndex:
     def id_of_row(self) -> np.ndarray:
         """int64 [num_rows]: the id of each row."""
         return self._id_of_row[: self.num_rows]
+
+    @property
+    def order_key(self) -> np.ndarray | None:
+        """int64 [num_rows] ``(table << b) | id``, ordered as (table, id), or ``None`` once an
+        id falls outside ``[0, 2**b)`` (``b = 63 - bits of the table count``)."""
+        return self._order_key[: self.num_rows] if self._keys_fit else None
 
     def keys(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(tables, ids)`` of ``rows``."""
@@ -138,6 +163,10 @@ class RowIndex:
         self._grow(self.num_rows + fresh.size)
         self._table_of_row[rows] = table
         self._id_of_row[rows] = fresh
+        if self._keys_fit and (fresh.min() < 0 or fresh.max() >= 1 << self._id_bits):
+            self._keys_fit = False
+        if self._keys_fit:
+            self._order_key[rows] = (table << self._id_bits) | fresh
         self.num_rows += fresh.size
         main, delta = self._ids[table]
         main_rows, delta_rows = self._rows[table]
@@ -159,7 +188,7 @@ class RowIndex:
         if rows <= self._table_of_row.size:
             return
         size = max(rows, 2 * self._table_of_row.size)
-        for name in ("_table_of_row", "_id_of_row"):
+        for name in ("_table_of_row", "_id_of_row", "_order_key"):
             old = getattr(self, name)
             new = np.zeros(size, dtype=np.int64)
             new[: old.size] = old
@@ -255,7 +284,7 @@ def piece_rows(
     for group in groups.values():
         inverse = group.inverse_lookup.numpy()
         wanted = piece_of_row >= 0
-        pairs = np.unique((piece_of_row[wanted] << _SHIFT) | inverse[wanted])
+        pairs = distinct((piece_of_row[wanted] << _SHIFT) | inverse[wanted])
         pieces, uniq = pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1)
         for key in group.keys:
             jt = group[key]
@@ -265,5 +294,5 @@ def piece_rows(
     if missing:
         msg = f"the batch has no feature(s) {missing!r} that the tables read"
         raise DataError(msg)
-    pairs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+    pairs = distinct(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
     return PieceRows(pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1), num_pieces)
