@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from recpipe.kernels.splitmix import GOLDEN, mix64
+
 __all__: list[str] = []  # private: used by readers.dispatch.assign
 
 OK = 0
@@ -156,6 +158,7 @@ def greedy(unit, sizes, order, room, flow):
 
 # -- the cache shadow's step (readers.dispatch.shadow) -------------------------------------------
 
+_GOLDEN = np.uint64(GOLDEN)
 _ABSENT, _STALE, _FRESH = 0, 1, 2  # readers.dispatch.shadow's states
 
 
@@ -273,3 +276,59 @@ def piece_hits(state, piece, row, out):
         for j in range(w):
             if state[j, r] == _FRESH:
                 out[i, j] += 1.0
+
+
+# -- the row index's hash table (readers.dispatch.keys.RowIndex) -----------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _slot(table, x, mask):
+    return np.int64(mix64(np.uint64(x) + np.uint64(table) * _GOLDEN) & np.uint64(mask))
+
+
+@njit(cache=True, nogil=True)
+def index_rows(slot_table, slot_id, slot_row, table, ids, first_row, insert, out, new_ids):
+    """Rows of ``ids`` in table ``table`` in an open-addressing hash table (``slot_row`` -1:
+    empty; its size a power of two, at most half full after the call). With ``insert``, ids not
+    found are numbered ``first_row, first_row + 1, ...`` in order of first appearance and
+    written to ``new_ids``; without, they get -1.
+
+    Returns:
+        the number of new ids.
+    """
+    mask = slot_row.size - 1
+    fresh = 0
+    for p in range(ids.size):
+        x = ids[p]
+        h = _slot(table, x, mask)
+        while True:
+            r = slot_row[h]
+            if r < 0:
+                if insert:
+                    r = first_row + fresh
+                    slot_row[h] = r
+                    slot_table[h] = table
+                    slot_id[h] = x
+                    new_ids[fresh] = x
+                    fresh += 1
+                out[p] = r
+                break
+            if slot_id[h] == x and slot_table[h] == table:
+                out[p] = r
+                break
+            h = (h + 1) & mask
+    return fresh
+
+
+@njit(cache=True, nogil=True)
+def index_rehash(slot_table, slot_id, slot_row, new_table, new_id, new_row):
+    """Move every entry of a hash table into a larger empty one."""
+    mask = new_row.size - 1
+    for s in range(slot_row.size):
+        if slot_row[s] >= 0:
+            h = _slot(slot_table[s], slot_id[s], mask)
+            while new_row[h] >= 0:
+                h = (h + 1) & mask
+            new_row[h] = slot_row[s]
+            new_table[h] = slot_table[s]
+            new_id[h] = slot_id[s]

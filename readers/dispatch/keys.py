@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from readers.dispatch import _kernels as K
 from recpipe.errors import DataError
 
 if TYPE_CHECKING:
@@ -96,9 +97,8 @@ class TableMap:
 class RowIndex:
     """(table, id) -> a dense row number, in order of first appearance; it only grows.
 
-    Lookups are binary searches in a sorted array per table; new ids go to a small sorted
-    delta array that is merged into the main one when it reaches 1/8 of it, so inserting N ids
-    costs O(N log N) over all.
+    Lookups probe an open-addressing hash table (a Numba kernel; kept at most half full,
+    doubled as it fills).
 
     Args:
         tables: the table names.
@@ -106,9 +106,9 @@ class RowIndex:
 
     def __init__(self, tables: Sequence[str]) -> None:
         self.tables = tuple(tables)
-        empty = np.zeros(0, dtype=np.int64)
-        self._ids = [[empty, empty] for _ in self.tables]  # per table: main, delta (sorted)
-        self._rows = [[empty, empty] for _ in self.tables]  # their row numbers
+        self._slot_table = np.zeros(1024, dtype=np.int64)
+        self._slot_id = np.zeros(1024, dtype=np.int64)
+        self._slot_row = np.full(1024, -1, dtype=np.int64)
         self._table_of_row = np.zeros(1024, dtype=np.int64)
         self._id_of_row = np.zeros(1024, dtype=np.int64)
         self._order_key = np.zeros(1024, dtype=np.int64)
@@ -136,53 +136,43 @@ class RowIndex:
         """``(tables, ids)`` of ``rows``."""
         return self._table_of_row[rows], self._id_of_row[rows]
 
-    def _find(self, table: int, ids: np.ndarray) -> np.ndarray:
-        out = np.full(ids.size, -1, dtype=np.int64)
-        for keys, rows in zip(self._ids[table], self._rows[table], strict=True):
-            if not keys.size:
-                continue
-            pos = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
-            hit = keys[pos] == ids
-            out[hit] = rows[pos[hit]]
-        return out
-
     def lookup(self, table: int, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` in table ``table``, -1 for ids never seen."""
-        return self._find(table, np.ascontiguousarray(ids, dtype=np.int64))
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty(ids.size, dtype=np.int64)
+        K.index_rows(self._slot_table, self._slot_id, self._slot_row, table, ids, 0, False, out,
+                     out[:0])  # fmt: skip
+        return out
 
     def rows(self, table: int, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` in table ``table``, numbering the new ones (in order of appearance)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = self._find(table, ids)
-        new = out < 0
-        if not new.any():
+        while 2 * (self.num_rows + ids.size) > self._slot_row.size:
+            self._rehash()
+        out = np.empty(ids.size, dtype=np.int64)
+        new_ids = np.empty(ids.size, dtype=np.int64)
+        fresh = K.index_rows(self._slot_table, self._slot_id, self._slot_row, table, ids,
+                             self.num_rows, True, out, new_ids)  # fmt: skip
+        if not fresh:
             return out
-        fresh, first = np.unique(ids[new], return_index=True)
-        fresh = fresh[np.argsort(first, kind="stable")]  # in order of appearance
-        rows = self.num_rows + np.arange(fresh.size, dtype=np.int64)
-        self._grow(self.num_rows + fresh.size)
+        fresh_ids = new_ids[:fresh]
+        rows = np.arange(self.num_rows, self.num_rows + fresh, dtype=np.int64)
+        self._grow(self.num_rows + fresh)
         self._table_of_row[rows] = table
-        self._id_of_row[rows] = fresh
-        if self._keys_fit and (fresh.min() < 0 or fresh.max() >= 1 << self._id_bits):
+        self._id_of_row[rows] = fresh_ids
+        if self._keys_fit and (fresh_ids.min() < 0 or fresh_ids.max() >= 1 << self._id_bits):
             self._keys_fit = False
         if self._keys_fit:
-            self._order_key[rows] = (table << self._id_bits) | fresh
-        self.num_rows += fresh.size
-        main, delta = self._ids[table]
-        main_rows, delta_rows = self._rows[table]
-        keys = np.concatenate([delta, fresh])
-        vals = np.concatenate([delta_rows, rows])
-        order = np.argsort(keys, kind="stable")
-        keys, vals = keys[order], vals[order]
-        if keys.size * 8 >= main.size:
-            keys, vals = np.concatenate([main, keys]), np.concatenate([main_rows, vals])
-            order = np.argsort(keys, kind="stable")
-            self._ids[table] = [keys[order], np.zeros(0, dtype=np.int64)]
-            self._rows[table] = [vals[order], np.zeros(0, dtype=np.int64)]
-        else:
-            self._ids[table][1], self._rows[table][1] = keys, vals
-        out[new] = self._find(table, ids[new])
+            self._order_key[rows] = (table << self._id_bits) | fresh_ids
+        self.num_rows += fresh
         return out
+
+    def _rehash(self) -> None:
+        size = 2 * self._slot_row.size
+        table, ids = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+        rows = np.full(size, -1, dtype=np.int64)
+        K.index_rehash(self._slot_table, self._slot_id, self._slot_row, table, ids, rows)
+        self._slot_table, self._slot_id, self._slot_row = table, ids, rows
 
     def _grow(self, rows: int) -> None:
         if rows <= self._table_of_row.size:
