@@ -25,6 +25,9 @@ Figures (written to benchmarks/results/dispatch.json):
                          spread: dispatch_ms_alpha1_spread) and CPU (dispatch_cpu_ms_alpha1)
   dispatch_vs_saved      dispatch time of esd (alpha = 1) / the step transfer time it saves
                          against random. Target < 1
+  dispatch_cpu_vs_saved  the same with the dispatch's CPU time (what it is on a quiet machine)
+  dispatch_prepare_vs_saved  (dispatch + preparing the batch: cutting it into pieces, numbering
+                         their rows) / the step transfer time saved: what a rank pays per step
   training               a real --train-ranks run of `recpipe train --dispatch esd` and
                          `--dispatch random` (in-process readers, gloo): samples/s of each
                          (spread over alternated runs) and esd_vs_random. The trainer keeps no
@@ -275,6 +278,14 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
         "prepare_ms": spread([s * 1e3 for s in replay.prepare_s]),
         "saved_step_transfer_s": saved,
         "dispatch_vs_saved": esd_ms / 1e3 / saved if saved > 0 else float("inf"),
+        "dispatch_cpu_vs_saved": (
+            dispatch_ms["esd_alpha1"]["cpu"]["median"] / 1e3 / saved if saved > 0 else float("inf")
+        ),
+        "dispatch_prepare_vs_saved": (
+            (esd_ms + statistics.median(replay.prepare_s) * 1e3) / 1e3 / saved
+            if saved > 0
+            else float("inf")
+        ),
         "piece_rows_sweep": sweep,
     }
 
@@ -330,7 +341,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.train_steps:
         training = train_rates(next(iter(datasets.values())), args, work)
     figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
-               "dispatch_vs_saved")  # fmt: skip
+               "dispatch_vs_saved", "dispatch_cpu_vs_saved",
+               "dispatch_prepare_vs_saved")  # fmt: skip
     return {
         "setting": {
             "ranks": args.ranks,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from recpipe.kernels.splitmix import GOLDEN, mix64
+
 __all__: list[str] = []  # private: used by readers.dispatch.assign
 
 OK = 0
@@ -152,3 +154,181 @@ def greedy(unit, sizes, order, room, flow):
             room[best] -= amount
             left -= amount
     return OK
+
+
+# -- the cache shadow's step (readers.dispatch.shadow) -------------------------------------------
+
+_GOLDEN = np.uint64(GOLDEN)
+_ABSENT, _STALE, _FRESH = 0, 1, 2  # readers.dispatch.shadow's states
+
+
+@njit(cache=True, nogil=True)
+def shadow_update(state, dirty_on, last_use, rows, offsets, step, count):
+    """The state change of one step: rank ``j`` reads ``rows[offsets[j]:offsets[j + 1]]``
+    (distinct). In the order of the shadow's protocol: a dirty row another rank reads is pushed
+    home; misses are pulled; rows read by one rank become its dirty latest version, rows read
+    by several go home (every cached copy of a read row is stale first). ``count`` is an int32
+    scratch over the rows, all zero (left zero).
+
+    Returns:
+        ``(miss, shared, absent_before, pushed, pushed_by)``: per read, whether it was a miss
+        pull and whether another rank read the row too; per rank, the reads its cache did not
+        hold; the rows pushed home and by which rank (in the order found).
+    """
+    w = offsets.size - 1
+    n = rows.size
+    miss = np.empty(n, np.bool_)
+    shared = np.empty(n, np.bool_)
+    absent = np.zeros(w, np.int64)
+    pushed = np.empty(n, np.int64)
+    pushed_by = np.empty(n, np.int64)
+    npushed = 0
+    for j in range(w):
+        for p in range(offsets[j], offsets[j + 1]):
+            r = rows[p]
+            h = dirty_on[r]
+            if h >= 0 and h != j:  # update push (once: the row is clean from here on)
+                pushed[npushed] = r
+                pushed_by[npushed] = h
+                npushed += 1
+                dirty_on[r] = -1
+            before = state[j, r]
+            miss[p] = before != _FRESH
+            if before == _ABSENT:
+                absent[j] += 1
+            count[r] += 1
+    for j in range(w):  # the misses are pulled; then every cached copy of a read row is stale
+        for p in range(offsets[j], offsets[j + 1]):
+            r = rows[p]
+            shared[p] = count[r] > 1
+            if miss[p]:
+                state[j, r] = _FRESH
+    for p in range(n):
+        r = rows[p]
+        if count[r] != 0:
+            count[r] = 0
+            for k in range(w):
+                if state[k, r] == _FRESH:
+                    state[k, r] = _STALE
+    for j in range(w):  # sole readers hold the new version dirty
+        for p in range(offsets[j], offsets[j + 1]):
+            r = rows[p]
+            last_use[j, r] = step
+            if not shared[p]:
+                state[j, r] = _FRESH
+                dirty_on[r] = j
+    return miss, shared, absent, pushed[:npushed], pushed_by[:npushed]
+
+
+@njit(cache=True, nogil=True)
+def lru_pop(queue_rows, queue_steps, head, tail, k, state, last_use):
+    """The ``k`` oldest live entries of one rank's recency queue (a row still cached, last read
+    in the entry's step), from ``head`` on.
+
+    Returns:
+        ``(rows, head)``: the rows (fewer than ``k`` if the queue ran out) and the position
+        after the last one taken.
+    """
+    out = np.empty(k, np.int64)
+    n = 0
+    h = head
+    while n < k and h < tail:
+        r = queue_rows[h]
+        if state[r] != _ABSENT and last_use[r] == queue_steps[h]:
+            out[n] = r
+            n += 1
+        h += 1
+    return out[:n], h
+
+
+@njit(cache=True, nogil=True)
+def lru_live(queue_rows, queue_steps, state, last_use):
+    """bool mask of the live entries of a recency queue segment."""
+    out = np.empty(queue_rows.size, np.bool_)
+    for p in range(queue_rows.size):
+        r = queue_rows[p]
+        out[p] = state[r] != _ABSENT and last_use[r] == queue_steps[p]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def piece_costs(state, dirty_on, piece, row, seconds, out):
+    """``out[i, j] +=`` the cost of piece i's rows on rank j (readers.dispatch.cost), summed
+    over the (piece, row) pairs in their order."""
+    w = state.shape[0]
+    for p in range(piece.size):
+        r = row[p]
+        h = dirty_on[r]
+        push = seconds[h] if h >= 0 else 0.0
+        i = piece[p]
+        for j in range(w):
+            if state[j, r] != _FRESH:
+                out[i, j] += seconds[j] + push
+
+
+@njit(cache=True, nogil=True)
+def piece_hits(state, piece, row, out):
+    """``out[i, j] +=`` 1 for each row of piece i whose latest version rank j holds."""
+    w = state.shape[0]
+    for p in range(piece.size):
+        r = row[p]
+        i = piece[p]
+        for j in range(w):
+            if state[j, r] == _FRESH:
+                out[i, j] += 1.0
+
+
+# -- the row index's hash table (readers.dispatch.keys.RowIndex) -----------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _slot(table, x, mask):
+    return np.int64(mix64(np.uint64(x) + np.uint64(table) * _GOLDEN) & np.uint64(mask))
+
+
+@njit(cache=True, nogil=True)
+def index_rows(slot_table, slot_id, slot_row, table, ids, first_row, insert, out, new_ids):
+    """Rows of ``ids`` in table ``table`` in an open-addressing hash table (``slot_row`` -1:
+    empty; its size a power of two, at most half full after the call). With ``insert``, ids not
+    found are numbered ``first_row, first_row + 1, ...`` in order of first appearance and
+    written to ``new_ids``; without, they get -1.
+
+    Returns:
+        the number of new ids.
+    """
+    mask = slot_row.size - 1
+    fresh = 0
+    for p in range(ids.size):
+        x = ids[p]
+        h = _slot(table, x, mask)
+        while True:
+            r = slot_row[h]
+            if r < 0:
+                if insert:
+                    r = first_row + fresh
+                    slot_row[h] = r
+                    slot_table[h] = table
+                    slot_id[h] = x
+                    new_ids[fresh] = x
+                    fresh += 1
+                out[p] = r
+                break
+            if slot_id[h] == x and slot_table[h] == table:
+                out[p] = r
+                break
+            h = (h + 1) & mask
+    return fresh
+
+
+@njit(cache=True, nogil=True)
+def index_rehash(slot_table, slot_id, slot_row, new_table, new_id, new_row):
+    """Move every entry of a hash table into a larger empty one."""
+    mask = new_row.size - 1
+    for s in range(slot_row.size):
+        if slot_row[s] >= 0:
+            h = _slot(slot_table[s], slot_id[s], mask)
+            while new_row[h] >= 0:
+                h = (h + 1) & mask
+            new_row[h] = slot_row[s]
+            new_table[h] = slot_table[s]
+            new_id[h] = slot_id[s]

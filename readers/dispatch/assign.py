@@ -16,14 +16,16 @@ share), and the cost ``costs[i, j]`` of piece ``i`` on rank ``j``. A placement i
   pieces are split.
 * :func:`hybrid_flow`: ESD's HybridDis. Pieces sorted by *regret* per row (second-smallest
   minus smallest cost, over the piece's rows), largest first; the leading pieces holding an
-  ``alpha`` share of the rows are placed exactly, the rest greedily in that order with the
-  room left. ``alpha = 1``: the optimum; ``alpha = 0``: pure greedy.
+  ``alpha`` share of the rows are placed exactly, the rest greedily in that order. The rest
+  enter the exact pass as bulk pieces (:func:`reserve`: grouped by cheapest rank), so the exact
+  share leaves them the room they need; the greedy pass fills that room. The pure greedy
+  placement is kept when it costs less. ``alpha = 1``: the optimum; ``alpha = 0``: pure greedy.
 
 Theorem 1 (the bound HybridDis keeps; proof in ``docs/dispatch.md``): with ``G`` the greedy
-pieces, ``paid(i)`` what piece ``i`` costs as placed and OPT the optimum,
-``cost <= OPT + sum_{i in G} (paid(i) - min_j costs[i, j])
-<= OPT + sum_{i in G} (max_j costs[i, j] - min_j costs[i, j])``; on two ranks the greedy pass
-in regret order is optimal.
+pieces, ``G_k`` their groups, ``C_k[j]`` what ``G_k`` costs together on rank ``j`` and OPT the
+optimum, ``cost <= OPT + sum_{i in G} (max_j costs[i, j] - min_j costs[i, j])
++ sum_k (max_j C_k[j] - min_j C_k[j])``, the last sum at most the one before; never more than
+the pure greedy pass; on two ranks the greedy pass in regret order is optimal.
 
 >>> import numpy as np
 >>> c = np.array([[4.0, 3.0, 3.0], [1.0, 3.0, 4.0], [2.0, 2.0, 5.0]])
@@ -45,7 +47,7 @@ import numpy as np
 from readers.dispatch import _kernels as K
 from recpipe.errors import DataError
 
-__all__ = ["exact_flow", "flow_cost", "greedy_flow", "hybrid_flow", "regret"]
+__all__ = ["exact_flow", "flow_cost", "greedy_flow", "hybrid_flow", "regret", "reserve"]
 
 
 def _check(
@@ -246,9 +248,41 @@ def hybrid_flow(
     rows = np.cumsum(sizes[order])
     k = int(np.searchsorted(rows, math.ceil(alpha * sizes.sum()))) + 1 if alpha > 0 else 0
     top, rest = order[:k], order[k:]
+    unit = _unit(costs, sizes)
     flow = np.zeros(costs.shape, dtype=np.int64)
     if top.size:
-        flow[top] = exact_flow(costs[top], sizes[top], capacity=capacity)
-    room = capacity - flow.sum(0)
-    K.greedy(_unit(costs, sizes), sizes, rest, room, flow)
+        bulk_costs, bulk_sizes = reserve(costs[rest], sizes[rest])
+        both = exact_flow(
+            np.concatenate([costs[top], bulk_costs]),
+            np.concatenate([sizes[top], bulk_sizes]),
+            capacity=capacity,
+        )
+        flow[top] = both[: top.size]
+    room = capacity - flow.sum(0)  # what the exact pass left: the room it reserved for the rest
+    K.greedy(unit, sizes, rest, room, flow)
+    if top.size and rest.size:  # never worse than the pure greedy pass
+        greedy = np.zeros(costs.shape, dtype=np.int64)
+        K.greedy(unit, sizes, order, capacity.copy(), greedy)
+        if flow_cost(costs, sizes, greedy) < flow_cost(costs, sizes, flow):
+            return greedy
     return flow
+
+
+def reserve(costs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy share as *bulk* pieces for the exact pass: its pieces grouped by their
+    cheapest rank (ties: the lowest), each group one piece of all its rows that costs on each
+    rank what its pieces cost there together.
+
+    Returns:
+        ``(costs [groups, W], sizes [groups])``, the empty groups left out.
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    n, w = costs.shape
+    if n == 0:
+        return np.zeros((0, w)), np.zeros(0, dtype=np.int64)
+    group = (costs / sizes[:, None]).argmin(1)
+    bulk_sizes = np.bincount(group, weights=sizes, minlength=w).astype(np.int64)
+    bulk_costs = np.zeros((w, w))
+    np.add.at(bulk_costs, group, costs)
+    used = bulk_sizes > 0
+    return bulk_costs[used], bulk_sizes[used]

@@ -15,31 +15,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from readers.dispatch import _kernels as K
 from readers.dispatch.keys import PieceRows
 from readers.dispatch.shadow import CacheShadow
 
 __all__ = ["piece_costs", "piece_hits"]
 
 
-def _per_piece(rows: PieceRows, per_pair: np.ndarray) -> np.ndarray:
-    """[pieces, W] sums of ``per_pair`` [W, pairs] over each piece's pairs."""
-    w = per_pair.shape[0]
-    out = np.empty((rows.num_pieces, w), dtype=np.float64)
-    for j in range(w):
-        out[:, j] = np.bincount(rows.piece, weights=per_pair[j], minlength=rows.num_pieces)
-    return out
-
-
 def piece_costs(shadow: CacheShadow, rows: PieceRows, seconds_per_row: np.ndarray) -> np.ndarray:
     """float64 [pieces, W]: seconds of transfers each piece costs on each rank (see the module
     docstring)."""
-    t = np.asarray(seconds_per_row, dtype=np.float64)
-    fresh = shadow.fresh(rows.row)  # (W, pairs)
-    holder = shadow.dirty_on[rows.row]
-    push = np.where(holder >= 0, t[np.maximum(holder, 0)], 0.0)  # (pairs,)
-    return _per_piece(rows, np.where(fresh, 0.0, t[:, None] + push[None, :]))
+    t = np.ascontiguousarray(seconds_per_row, dtype=np.float64)
+    shadow.ensure()
+    out = np.zeros((rows.num_pieces, shadow.world_size))
+    K.piece_costs(shadow.state, shadow.dirty_on, rows.piece, rows.row, t, out)
+    return out
 
 
 def piece_hits(shadow: CacheShadow, rows: PieceRows) -> np.ndarray:
     """float64 [pieces, W]: rows of each piece whose latest version each rank holds."""
-    return _per_piece(rows, shadow.fresh(rows.row).astype(np.float64))
+    shadow.ensure()
+    out = np.zeros((rows.num_pieces, shadow.world_size))
+    K.piece_hits(shadow.state, rows.piece, rows.row, out)
+    return out

@@ -44,7 +44,7 @@ import numpy as np
 
 from readers.dispatch.assign import flow_cost, greedy_flow, hybrid_flow
 from readers.dispatch.cost import piece_costs, piece_hits
-from readers.dispatch.keys import PieceRows, RowIndex, TableMap, piece_rows
+from readers.dispatch.keys import PieceRows, RowIndex, TableMap, distinct, piece_rows
 from readers.dispatch.pieces import Pieces, session_pieces
 from readers.dispatch.shadow import CacheShadow, StepTransfers
 from recpipe.errors import DataError
@@ -255,6 +255,7 @@ class Dispatcher:
         self.rng = np.random.default_rng(config.seed)
         self.policy = POLICIES[config.policy]
         self.hot = np.zeros(0, dtype=np.bool_)  # by row: replicated on every rank
+        self._last_cold: tuple[PiecedBatch, np.ndarray, PieceRows] | None = None
 
     def set_hot(self, tables: np.ndarray, ids: np.ndarray) -> StepTransfers:
         """Make the rows ``(tables[k], ids[k])`` the hot set (every other row leaves it).
@@ -300,10 +301,17 @@ class Dispatcher:
         )
         return PiecedBatch(batch, pieces, rows)
 
+    def _cold(self, prepared: PiecedBatch) -> PieceRows:
+        """The rows each piece reads, hot rows left out (the last batch's kept)."""
+        last = self._last_cold
+        if last is None or last[0] is not prepared or last[1] is not self.hot:
+            last = self._last_cold = (prepared, self.hot, prepared.rows.without(self.hot))
+        return last[2]
+
     def decide(self, prepared: PiecedBatch) -> tuple[np.ndarray, float]:
         """The policy's placement (a flow [pieces, W]) and its cost-model total (hot rows left
         out: see :meth:`set_hot`)."""
-        view = _View(self, prepared.rows.without(self.hot), prepared.pieces.sizes, self.capacity)
+        view = _View(self, self._cold(prepared), prepared.pieces.sizes, self.capacity)
         flow = np.asarray(self.policy(view), dtype=np.int64)
         return flow, flow_cost(view.costs(), prepared.pieces.sizes, flow)
 
@@ -325,7 +333,7 @@ class Dispatcher:
     ) -> list[np.ndarray]:
         """The distinct cold rows each rank reads: its whole pieces' rows, and the rows of the
         parts of split pieces it trains on (read off the batch)."""
-        rows = prepared.rows.without(self.hot)
+        rows = self._cold(prepared)
         split = (flow > 0).sum(1) > 1
         whole = ~split[rows.piece]
         keys = [(flow.argmax(1)[rows.piece[whole]] << _SHIFT) | rows.row[whole]]
@@ -335,7 +343,7 @@ class Dispatcher:
                                piece_of_row=parts, num_pieces=self.world_size)  # fmt: skip
             extra = extra.without(self.hot)
             keys.append((extra.piece << _SHIFT) | extra.row)
-        keys = np.unique(np.concatenate(keys))
+        keys = distinct(np.concatenate(keys))
         ranks, rows_read = keys >> _SHIFT, keys & ((1 << _SHIFT) - 1)
         cuts = np.searchsorted(ranks, np.arange(self.world_size + 1))
         return [rows_read[cuts[j] : cuts[j + 1]] for j in range(self.world_size)]

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from readers.dispatch.keys import RowIndex
+from readers.dispatch import _kernels as K
+from readers.dispatch.keys import RowIndex, distinct
 from recpipe.errors import DataError
 
 __all__ = ["ABSENT", "FRESH", "STALE", "CacheShadow", "StepTransfers"]
@@ -77,6 +78,14 @@ class StepTransfers:
         return {k: counts[k] * np.asarray(seconds_per_row, dtype=np.float64) for k in KINDS}
 
 
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """``rows`` as distinct ascending int64 (as given when they already are)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return rows
+    return distinct(rows)
+
+
 class _Lru:
     """One rank's recency queue: (row, step) entries in the order they were read, the rows of
     a step in (table, id) order. An entry is live while the row is cached and was last read in
@@ -89,7 +98,7 @@ class _Lru:
 
     @staticmethod
     def _live(rows, steps, state, last_use) -> np.ndarray:
-        return (state[rows] != ABSENT) & (last_use[rows] == steps)
+        return K.lru_live(rows, steps, state, last_use)
 
     def push(self, rows: np.ndarray, step: int, state: np.ndarray, last_use: np.ndarray) -> None:
         n = rows.size
@@ -108,19 +117,11 @@ class _Lru:
 
     def pop(self, k: int, state: np.ndarray, last_use: np.ndarray) -> np.ndarray:
         """The ``k`` least recently used cached rows, oldest first (taken off the queue)."""
-        out = []
-        while k > 0:
-            if self.head >= self.tail:  # pragma: no cover - the counts are kept in step
-                msg = "the cache shadow lost track of its rows"
-                raise DataError(msg)
-            end = min(self.tail, self.head + max(4 * k, 1024))
-            seg = self.rows[self.head : end]
-            pos = np.flatnonzero(self._live(seg, self.steps[self.head : end], state, last_use))
-            take = pos[:k]
-            out.append(seg[take])
-            k -= take.size
-            self.head = self.head + int(take[-1]) + 1 if k == 0 else end
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        out, self.head = K.lru_pop(self.rows, self.steps, self.head, self.tail, k, state, last_use)
+        if out.size < k:  # pragma: no cover - the counts are kept in step
+            msg = "the cache shadow lost track of its rows"
+            raise DataError(msg)
+        return out
 
 
 class CacheShadow:
@@ -149,6 +150,7 @@ class CacheShadow:
         self.cached = np.zeros(world_size, dtype=np.int64)
         self.steps = 0
         self._lru = [_Lru() for _ in range(world_size)]
+        self._count = np.zeros(0, dtype=np.int32)  # scratch of the step kernel, over the rows
 
     def ensure(self) -> None:
         """Make room for every row the index has numbered."""
@@ -186,6 +188,14 @@ class CacheShadow:
         none = tuple(np.zeros(0, dtype=np.int64) for _ in range(self.world_size))
         return StepTransfers(none, none, none, none, tuple(evictions), tuple(pushes))
 
+    def _in_key_order(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` in (table, id) order."""
+        key = self.index.order_key
+        if key is not None:
+            return rows[np.argsort(key[rows])]
+        tables, ids = self.index.table_of_row, self.index.id_of_row
+        return rows[np.lexsort((ids[rows], tables[rows]))]
+
     def step(self, reads: Sequence[np.ndarray]) -> StepTransfers:
         """Replay one step in which rank ``j`` reads the rows ``reads[j]``; returns what it
         moves (see the module docstring)."""
@@ -195,50 +205,42 @@ class CacheShadow:
             raise DataError(msg)
         self.ensure()
         t = self.steps
-        reads = tuple(np.unique(np.asarray(r, dtype=np.int64)) for r in reads)
+        reads = tuple(_distinct(r) for r in reads)
         rows = np.concatenate(reads)
-        ranks = np.repeat(np.arange(w), [r.size for r in reads])
-        before = self.state[ranks, rows]
-        miss = before != FRESH
-        # update pushes: the holder of a dirty row that another rank reads writes it home
-        holder = self.dirty_on[rows]
-        pushed = np.unique(rows[(holder >= 0) & (holder != ranks)])
-        pushed_by = self.dirty_on[pushed]
-        self.dirty_on[pushed] = -1
-        # miss pulls
-        self.state[ranks[miss], rows[miss]] = FRESH
-        # the update: sole readers hold the new version dirty; shared rows go home
-        uniq, inverse, readers = np.unique(rows, return_inverse=True, return_counts=True)
-        many = readers[inverse] > 1
-        touched = self.state[:, uniq]
-        touched[touched == FRESH] = STALE
-        self.state[:, uniq] = touched
-        sole_rows, sole_ranks = rows[~many], ranks[~many]
-        self.state[sole_ranks, sole_rows] = FRESH
-        self.dirty_on[sole_rows] = sole_ranks
+        offsets = np.zeros(w + 1, dtype=np.int64)
+        np.cumsum([r.size for r in reads], out=offsets[1:])
+        if self._count.size < self.dirty_on.size:
+            self._count = np.zeros(self.dirty_on.size, dtype=np.int32)
+        miss, many, absent, pushed, pushed_by = K.shadow_update(
+            self.state, self.dirty_on, self.last_use, rows, offsets, t, self._count
+        )
+        by_rank = np.lexsort((pushed, pushed_by))
+        pushed, pushed_by = pushed[by_rank], pushed_by[by_rank]
+        push_cuts = np.searchsorted(pushed_by, np.arange(w + 1))
         # recency and the trim
-        tables, ids = self.index.table_of_row, self.index.id_of_row
         evictions, evict_pushes = [], []
         for j, r in enumerate(reads):
-            self.last_use[j, r] = t
-            self.cached[j] += int(np.count_nonzero(before[ranks == j] == ABSENT))
-            self._lru[j].push(
-                r[np.lexsort((ids[r], tables[r]))], t, self.state[j], self.last_use[j]
-            )
+            self.cached[j] += int(absent[j])
+            self._lru[j].push(self._in_key_order(r), t, self.state[j], self.last_use[j])
             over = int(self.cached[j] - self.capacity[j])
             gone = self._lru[j].pop(over, self.state[j], self.last_use[j]) if over > 0 else rows[:0]
             self.state[j, gone] = ABSENT
             self.cached[j] -= gone.size
-            dirty = np.sort(gone[self.dirty_on[gone] == j])
+            gone = np.sort(gone)
+            dirty = gone[self.dirty_on[gone] == j]
             self.dirty_on[dirty] = -1
-            evictions.append(np.sort(gone))
+            evictions.append(gone)
             evict_pushes.append(dirty)
         self.steps += 1
         return StepTransfers(
             reads=reads,
-            pulls=tuple(rows[(ranks == j) & miss] for j in range(w)),
-            pushes=tuple(pushed[pushed_by == j] for j in range(w)),
-            shared=tuple(rows[(ranks == j) & many] for j in range(w)),
+            pulls=tuple(
+                r[miss[a:b]] for r, a, b in zip(reads, offsets[:-1], offsets[1:], strict=True)
+            ),
+            pushes=tuple(pushed[push_cuts[j] : push_cuts[j + 1]] for j in range(w)),
+            shared=tuple(
+                r[many[a:b]] for r, a, b in zip(reads, offsets[:-1], offsets[1:], strict=True)
+            ),
             evictions=tuple(evictions),
             evict_pushes=tuple(evict_pushes),
         )

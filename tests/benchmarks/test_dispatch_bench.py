@@ -53,6 +53,8 @@ def test_tiny_run_writes_results(tmp_path):
     assert set(res["piece_rows_sweep"]["1"]) == {"esd_alpha1", "laia", "random"}
     assert results["cost"] == {name: res["cost_s"][name]["cost"] for name in CASES}
     assert results["dispatch_ms_alpha1_spread"]["repeats"] == 2
+    for figure in ("dispatch_vs_saved", "dispatch_cpu_vs_saved", "dispatch_prepare_vs_saved"):
+        assert results[figure] == res[figure] and results[figure] > 0
     training = results["training"]
     assert (training["ranks"], training["steps"]) == (2, 2)
     assert all(training["samples_per_s"][p]["median"] > 0 for p in ("esd", "random"))

@@ -33,6 +33,11 @@ def test_row_index_numbers_pairs_in_order_of_first_appearance(inserts):
         assert index.lookup(table, np.array([x])).tolist() == [row]
         assert (index.table_of_row[row], index.id_of_row[row]) == (table, x)
     assert index.lookup(0, np.array([2**63 - 1])).tolist() == [-1]
+    key = index.order_key  # None once an id is negative
+    assert (key is None) == any(x < 0 for _, ids in inserts for x in ids)
+    if key is not None:  # ordered as (table, id)
+        want = np.lexsort((index.id_of_row, index.table_of_row))
+        assert np.argsort(key, kind="stable").tolist() == want.tolist()
 
 
 def test_row_index_grows_past_its_merge_threshold():
