@@ -82,6 +82,57 @@ def test_rowwise_adagrad_is_the_stores_formula():
         SparseOptimizer("adam")
 
 
+# -- the exchange's fused kernels -----------------------------------------------------------------
+@pytest.mark.parametrize("big", [False, True], ids=["one-unique", "per-table"])
+def test_unique_per_table_matches_torch_unique_per_table(big):
+    """All tables in one torch.unique (ids with room for the table's number in the high bits)
+    and one per table (ids that leave none) give each table's sorted unique ids and inverse."""
+    from trainer.distributed.exchange import _unique_per_table
+
+    rng = np.random.default_rng(3)
+    per_table = [2, 1, 3]
+    ids = [torch.from_numpy(rng.integers(0, 50, size=n)) for n in (7, 0, 11, 5, 9, 4)]
+    if big:  # a negative id and one near 2**62: no room left in the key
+        ids[0][0], ids[3][1] = -3, 2**62 + 1
+    uniq, inverse = _unique_per_table(ids, per_table)
+    at, start = 0, 0
+    for t, n in enumerate(per_table):
+        flat = torch.cat(ids[at : at + n])
+        at += n
+        assert uniq[t].tolist() == torch.unique(flat).tolist()
+        inv = inverse[start : start + flat.numel()]
+        start += flat.numel()
+        assert uniq[t][inv].tolist() == flat.tolist()
+
+
+def test_owner_sums_and_row_wise_adagrad_kernels_match_torch():
+    """The owner's one-pass sum per row equals index_add_ bitwise (same float64 order); the
+    Numba row-wise Adagrad equals the torch formula to rounding."""
+    from trainer.distributed import _kernels as K
+
+    rng = np.random.default_rng(4)
+    got = torch.from_numpy(rng.standard_normal((40, 4)))
+    sel = rng.permutation(40)[:25]
+    rows = rng.integers(0, 9, size=25)
+    slot = np.full(12, -1, dtype=np.int64)
+    uniq, sums = K.sum_by_row(got.numpy(), sel, rows, slot)
+    want = torch.zeros(12, 4, dtype=torch.float64)
+    want.index_add_(0, torch.from_numpy(rows), got[torch.from_numpy(sel)])
+    assert sorted(uniq.tolist()) == sorted(set(rows.tolist())) and (slot == -1).all()
+    assert torch.equal(torch.from_numpy(sums), want[torch.from_numpy(uniq)])
+    values = torch.from_numpy(rng.standard_normal((12, 4))).float()
+    state = torch.rand(12)
+    grads = torch.from_numpy(sums).float()
+    ref_values, ref_state = values.clone(), state.clone()
+    at = torch.from_numpy(uniq)
+    s = ref_state[at] + (grads * grads).sum(1) / 4
+    ref_state[at] = s
+    ref_values.index_add_(0, at, grads * (0.05 / (s.sqrt() + 1e-8)).unsqueeze(1), alpha=-1.0)
+    SparseOptimizer("rowwise_adagrad", lr=0.05).apply(values, state, at, grads)
+    torch.testing.assert_close(values, ref_values, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(state, ref_state, rtol=1e-6, atol=0)
+
+
 # -- the cost model -------------------------------------------------------------------------------
 def test_line_fit_and_choice_of_r_match_brute_force():
     fit = LineFit.of([1, 2, 4, 8], [3.0, 5.0, 9.0, 17.0])

@@ -1,6 +1,7 @@
-"""Numba CPU kernels of the exchange: gradients of the prepared rows, summed in float64.
+"""Numba CPU kernels of the exchange: gradients of the prepared rows and of the rows an owner
+receives, summed in float64, and the row-wise Adagrad update.
 
-One pass over the looked-up ids, no ``[ids, D]`` intermediate; the sums run in id order, as
+One pass over the ids, no ``[ids, D]`` intermediate; the sums run in id order, as
 ``index_add_`` does, so they give the same float64 values as the torch form (used on CUDA).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__: list[str] = []  # private: used by trainer.distributed.exchange
+__all__: list[str] = []  # private: used by trainer.distributed.exchange and .shard
 
 
 @njit(cache=True, nogil=True)
@@ -35,3 +36,47 @@ def add_rows(grad, pos, out):
         r = pos[i]
         for j in range(dim):
             out[r, j] += np.float64(grad[i, j])
+
+
+@njit(cache=True, nogil=True)
+def sum_by_row(got, sel, rows, slot):
+    """The distinct ``rows`` (in order of first appearance) and, for each, the float64 sum of
+    ``got[sel[i]]`` over the ``i`` with ``rows[i]`` equal to it, added in ``i`` order (as
+    ``index_add_`` adds). ``slot`` is scratch of at least ``max(rows) + 1`` entries, all -1;
+    they are -1 again on return."""
+    dim = got.shape[1]
+    n = sel.size
+    uniq = np.empty(n, dtype=np.int64)
+    k = 0
+    for i in range(n):
+        r = rows[i]
+        if slot[r] < 0:
+            slot[r] = k
+            uniq[k] = r
+            k += 1
+    out = np.zeros((k, dim), dtype=np.float64)
+    for i in range(n):
+        s = slot[rows[i]]
+        src = sel[i]
+        for j in range(dim):
+            out[s, j] += got[src, j]
+    for q in range(k):
+        slot[uniq[q]] = -1
+    return uniq[:k], out
+
+
+@njit(cache=True, nogil=True)
+def rowwise_adagrad(values, state, rows, grads, lr, eps, dim):
+    """fbgemm's row-wise Adagrad on ``values[rows[i]]`` with ``grads[i]`` (rows distinct):
+    ``s += sum(g²) / dim``; ``w -= g · lr / (sqrt(s) + eps)``. ``lr``, ``eps`` and ``dim`` come
+    in the values' own float type, so every operation rounds as the torch form's does."""
+    for i in range(rows.size):
+        r = rows[i]
+        acc = grads[i, 0] * grads[i, 0]
+        for j in range(1, grads.shape[1]):
+            acc += grads[i, j] * grads[i, j]
+        s = state[r] + acc / dim
+        state[r] = s
+        mult = lr / (np.sqrt(s) + eps)
+        for j in range(grads.shape[1]):
+            values[r, j] -= grads[i, j] * mult

@@ -38,7 +38,7 @@ here (the table view, the counters, the hot candidates) exists only for it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,11 +77,11 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, table, pos):
         ctx.table, ctx.pos = table, pos
-        return table._rows.index_select(0, pos)  # (n, D)
+        return table._batch.rows.index_select(0, pos)  # (n, D)
 
     @staticmethod
     def backward(ctx, grad):
-        acc = ctx.table._grad
+        acc = ctx.table._batch.grad
         if acc is not None and acc.device.type == "cpu":
             K.add_rows(grad.contiguous().numpy(), ctx.pos.numpy(), acc.numpy())
         elif acc is not None:
@@ -97,11 +97,11 @@ class _Pool(torch.autograd.Function):
     def forward(ctx, anchor, table, pos, offsets, mean):
         ctx.table, ctx.pos, ctx.offsets, ctx.mean = table, pos, offsets, mean
         mode = "mean" if mean else "sum"
-        return F.embedding_bag(pos, table._rows, offsets, mode=mode, include_last_offset=True)
+        return F.embedding_bag(pos, table._batch.rows, offsets, mode=mode, include_last_offset=True)
 
     @staticmethod
     def backward(ctx, grad):
-        acc = ctx.table._grad
+        acc = ctx.table._batch.grad
         if acc is not None and acc.device.type == "cpu":
             K.pool_backward(grad.contiguous().numpy(), ctx.pos.numpy(), ctx.offsets.numpy(),
                             ctx.mean, acc.numpy())  # fmt: skip
@@ -115,6 +115,21 @@ class _Pool(torch.autograd.Function):
                 g = g / lengths.clamp(min=1).unsqueeze(1).to(GRAD_DTYPE)
             acc.index_add_(0, ctx.pos, g.index_select(0, bag))
         return None, None, None, None, None
+
+
+class _TableBatch:
+    """What :meth:`ShardedEmbeddings.prepare` leaves a table for the batch's lookups."""
+
+    __slots__ = ("grad", "known", "rows", "uniq")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.uniq: np.ndarray | None = None  # sorted unique ids of the prepared batch
+        self.rows: torch.Tensor | None = None  # [U, D] their rows
+        self.grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
+        self.known: dict[tuple[int, ...], torch.Tensor] = {}  # feature values -> positions
 
 
 class ShardedTable(nn.Module):
@@ -138,10 +153,7 @@ class ShardedTable(nn.Module):
         self.hot_ids = np.zeros(0, dtype=np.int64)  # sorted
         self.hot_values = shard.values.new_zeros(0, shard.dim)
         self.hot_state = None if shard.state is None else shard.state.new_zeros(0)
-        self._uniq: torch.Tensor | None = None  # sorted unique ids of the prepared batch
-        self._rows: torch.Tensor | None = None  # [U, D] their rows
-        self._grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
-        self._known: dict[tuple[int, ...], torch.Tensor] = {}  # feature values -> positions
+        self._batch = _TableBatch()  # the prepared batch (a plain object: cheap to set)
         # a zero-size tensor that requires grad, so autograd records the lookups
         self._anchor = torch.zeros(0, requires_grad=True)
 
@@ -158,13 +170,13 @@ class ShardedTable(nn.Module):
         return np.where(self.hot_ids[clipped] == ids, clipped, -1)
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        known = self._known.get(_tensor_key(ids))
+        known = self._batch.known.get(_tensor_key(ids))
         if known is not None:  # the very values prepare() saw: their positions are known
             return known
-        uniq = self._uniq
-        if uniq is None:
+        if self._batch.uniq is None:
             msg = f"table {self.config.name!r}: no rows prepared; call ShardedEmbeddings.prepare(batch)"
             raise RecpipeError(msg)
+        uniq = torch.from_numpy(self._batch.uniq).to(self._batch.rows.device)
         ids = ids.to(uniq.device, torch.int64)
         pos = torch.searchsorted(uniq, ids)
         if ids.numel() and (pos.max() >= uniq.numel() or not torch.equal(uniq[pos], ids)):
@@ -300,20 +312,44 @@ def _group_order(key: np.ndarray, groups: int) -> np.ndarray:
 def _table_slices(counts: np.ndarray, n_tables: int) -> list[np.ndarray]:
     """Positions of each table's rows in a buffer laid out by (rank, table) with ``counts``
     [W, T] rows per block: ``out[t]`` lists table ``t``'s positions, rank by rank."""
-    flat = counts.reshape(-1)
-    starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).reshape(counts.shape)
-    out = []
-    for t in range(n_tables):
-        n = counts[:, t]
-        total = int(n.sum())
-        if not total:
-            out.append(np.zeros(0, dtype=np.int64))
-            continue
-        # block starts repeated per row, plus the row's rank inside its block
-        first = np.repeat(starts[:, t], n)
-        inside = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
-        out.append((first + inside).astype(np.int64))
-    return out
+    label = np.repeat(np.tile(np.arange(n_tables), counts.shape[0]), counts.reshape(-1))
+    order = _group_order(label, n_tables)  # stable: block by block, in buffer order
+    bounds = np.concatenate([[0], np.cumsum(counts.sum(0))])
+    return [order[bounds[t] : bounds[t + 1]] for t in range(n_tables)]
+
+
+def _unique_per_table(
+    ids: Sequence[torch.Tensor], features_per_table: Sequence[int]
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each table's sorted unique ids, and where each value of ``ids`` (int64 CPU tensors, one
+    per feature, tables one after the other) sits among its table's.
+
+    One ``torch.unique`` of every table's ids at once, the table's number in the key's high
+    bits, when the ids leave room for it (non-negative, below ``2**(63 - bits)``); one per
+    table otherwise. Both give the same result.
+    """
+    n_tables = len(features_per_table)
+    sizes = [i.numel() for i in ids]
+    flat = torch.cat(list(ids)) if len(ids) > 1 else ids[0]
+    table_of = np.repeat(np.repeat(np.arange(n_tables), features_per_table), sizes)
+    shift = 63 - max(n_tables - 1, 1).bit_length()
+    if flat.numel() and int(flat.min()) >= 0 and int(flat.max()) < (1 << shift):
+        keys, inverse = torch.unique(
+            flat + (torch.from_numpy(table_of) << shift), return_inverse=True
+        )
+        keys = keys.numpy()
+        starts = np.searchsorted(keys >> shift, np.arange(n_tables + 1))
+        ids_only = keys & ((1 << shift) - 1)
+        uniq = [ids_only[starts[t] : starts[t + 1]] for t in range(n_tables)]
+        return uniq, inverse.numpy() - starts[table_of]
+    uniq, inverses, at = [], [], 0
+    for n in features_per_table:
+        part = flat[sum(sizes[:at]) : sum(sizes[: at + n])]
+        at += n
+        u, inv = torch.unique(part, return_inverse=True)
+        uniq.append(u.numpy())
+        inverses.append(inv.numpy())
+    return uniq, np.concatenate(inverses) if inverses else np.zeros(0, dtype=np.int64)
 
 
 def _top_pairs(counts: np.ndarray, tables: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
@@ -328,20 +364,17 @@ def _top_pairs(counts: np.ndarray, tables: np.ndarray, ids: np.ndarray, k: int) 
 
 @dataclass
 class _Prepared:
-    """What step() needs of the prepare() of the same batch."""
+    """What step() needs of the prepare() of the same batch. Every table's unique ids sit in
+    one buffer, tables one after the other (table ``t`` at ``starts[t]:starts[t + 1]``)."""
 
-    leaves: list[torch.Tensor]  # per table: the float64 [U, D] gradient accumulator
-    hot_pos: list[np.ndarray]  # per table: positions in u of hot ids
+    grad: torch.Tensor  # float64 [U, D] the gradient accumulator of every table's ids
+    hot_pos: list[np.ndarray]  # per table: positions in the buffer of its hot ids
     hot_idx: list[np.ndarray]  # per table: their index in the replica
+    send_pos: np.ndarray  # positions in the buffer of the ids sent, in the send order
     send_counts: np.ndarray  # [W] rows sent to each rank
     recv_counts: np.ndarray  # [W] rows received from each rank
-    send_upos: list[np.ndarray]  # per table: (positions in the send buffer, positions in u)
-    send_sel: list[np.ndarray]
     recv_sel: list[np.ndarray]  # per table: positions in the receive buffer
     owner_rows: list[np.ndarray]  # per table: rows of the shard those ids are
-    num_send: int = 0
-    num_recv: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ShardedEmbeddings:
@@ -388,6 +421,7 @@ class ShardedEmbeddings:
         self.counted_steps = 0
         self.stats = ExchangeStats()
         self._prepared: _Prepared | None = None
+        self._slots = [np.zeros(0, dtype=np.int64) for _ in self.tables]
         self.candidates: HotCandidates | None = None
 
     @property
@@ -402,22 +436,20 @@ class ShardedEmbeddings:
         need no search)."""
         features = [f for table in self.tables for f in table.config.features]
         found = locate_features(batch, features)
-        out = []
-        for table in self.tables:
-            values = [found[f].jagged.values for f in table.config.features]
-            ids = [v.detach().to("cpu", torch.int64) for v in values]
-            flat = torch.cat(ids) if len(ids) > 1 else ids[0]
-            if not positions:
-                out.append(torch.unique(flat).numpy())
-                continue
-            uniq, inverse = torch.unique(flat, return_inverse=True)
-            inverse = inverse.to(self.device)
-            table._known = {
-                _tensor_key(v): part
-                for v, part in zip(values, inverse.split([i.numel() for i in ids]), strict=True)
-            }
-            out.append(uniq.numpy())
-        return out
+        values = [found[f].jagged.values for f in features]
+        ids = [v.detach().to("cpu", torch.int64) for v in values]
+        per_table = [len(table.config.features) for table in self.tables]
+        uniq, inverse = _unique_per_table(ids, per_table)
+        if positions:
+            parts = torch.from_numpy(inverse).to(self.device).split([i.numel() for i in ids])
+            at = 0
+            for table, n in zip(self.tables, per_table, strict=True):
+                table._batch.known = {
+                    _tensor_key(v): part
+                    for v, part in zip(values[at : at + n], parts[at : at + n], strict=True)
+                }
+                at += n
+        return uniq
 
     def count(self, batch: Batch) -> None:
         """Count ``batch``'s accesses for the hot set without training on it."""
@@ -428,7 +460,7 @@ class ShardedEmbeddings:
     def prepare(self, batch: Batch, *, train: bool = True) -> None:
         """Fetch the rows of every table's unique ids in ``batch`` (collective: every rank calls
         it once per step, in the same order as :meth:`step`)."""
-        comm, n_tables = self.comm, len(self.tables)
+        comm, n_tables, device = self.comm, len(self.tables), self.device
         uniq = self._batch_ids(batch, positions=True)
         if train and (self.count_left is None or self.count_left > 0):
             for counter, u in zip(self.counters, uniq, strict=True):
@@ -436,14 +468,20 @@ class ShardedEmbeddings:
             self.counted_steps += 1
             if self.count_left is not None:
                 self.count_left -= 1
+        # every table's ids in one buffer, tables one after the other
+        sizes = np.array([u.size for u in uniq], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        all_ids = np.concatenate(uniq)
+        table_of = np.repeat(np.arange(n_tables), sizes)
         hot_idx = [table.hot_index(u) for table, u in zip(self.tables, uniq, strict=True)]
-        cold_pos = [np.flatnonzero(h < 0) for h in hot_idx]
-        cold_ids = np.concatenate([u[c] for u, c in zip(uniq, cold_pos, strict=True)])
-        cold_tab = np.repeat(np.arange(n_tables), [c.size for c in cold_pos])
+        hot_pos = [np.flatnonzero(h >= 0) + s for h, s in zip(hot_idx, starts, strict=False)]
+        cold = np.flatnonzero(np.concatenate(hot_idx) < 0) if self.num_hot else None
+        cold_ids = all_ids if cold is None else all_ids[cold]
+        cold_tab = table_of if cold is None else table_of[cold]
         key = owner_of(cold_ids, comm.world_size) * n_tables + cold_tab
         order = _group_order(key, comm.world_size * n_tables)  # by owner, then table
         send_ids = cold_ids[order]
-        send_upos = np.concatenate(cold_pos)[order]
+        send_pos = order if cold is None else cold[order]  # their positions in the buffer
         counts = np.bincount(key, minlength=comm.world_size * n_tables).reshape(-1, n_tables)
         recv = comm.all_to_all_counts(torch.from_numpy(counts), what="the exchange's counts")
         recv_counts = recv.numpy()
@@ -452,59 +490,53 @@ class ShardedEmbeddings:
             torch.from_numpy(send_ids), send_rows, recv_rows, what="the exchange's ids"
         ).numpy()
         recv_sel = _table_slices(recv_counts, n_tables)  # positions in the receive buffer
-        response = torch.empty(got_ids.size, self.dim, dtype=self.dtype, device=self.device)
+        response = torch.empty(got_ids.size, self.dim, dtype=self.dtype, device=device)
         owner_rows = []
         for table, sel in zip(self.tables, recv_sel, strict=True):
+            if not sel.size:
+                owner_rows.append(np.zeros(0, np.int64))
+                continue
             ids = got_ids[sel]
-            at = torch.from_numpy(sel).to(self.device)
+            at = torch.from_numpy(sel).to(device)
             if train:
                 rows = table.shard.rows(ids)
-                response[at] = table.shard.gather(rows)
+                response.index_copy_(0, at, table.shard.gather(rows))
             else:
                 rows = np.zeros(0, np.int64)
-                response[at] = table.shard.lookup(ids)
+                response.index_copy_(0, at, table.shard.lookup(ids))
             owner_rows.append(rows)
         fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows")
-        send_sel = _table_slices(counts, n_tables)  # positions in the send buffer
-        send_pos = [send_upos[sel] for sel in send_sel]
-        leaves = []
+        rows = torch.empty(all_ids.size, self.dim, dtype=self.dtype, device=device)
+        for table, h, pos in zip(self.tables, hot_idx, hot_pos, strict=True):
+            if pos.size:
+                idx = torch.from_numpy(h[h >= 0]).to(device)
+                rows[torch.from_numpy(pos).to(device)] = table.hot_values.index_select(0, idx)
+        rows.index_copy_(0, torch.from_numpy(send_pos).to(device), fetched)
+        grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
         for t, table in enumerate(self.tables):
-            rows = torch.empty(uniq[t].size, self.dim, dtype=self.dtype, device=self.device)
-            hot = np.flatnonzero(hot_idx[t] >= 0)
-            if hot.size:
-                idx = torch.from_numpy(hot_idx[t][hot]).to(self.device)
-                rows[torch.from_numpy(hot).to(self.device)] = table.hot_values.index_select(0, idx)
-            if send_sel[t].size:
-                at = torch.from_numpy(send_sel[t]).to(self.device)
-                rows[torch.from_numpy(send_pos[t]).to(self.device)] = fetched.index_select(0, at)
-            table._uniq = torch.from_numpy(uniq[t]).to(self.device)
-            table._rows = rows
-            table._grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
-            leaves.append(table._grad)
-        self._account_forward(uniq, cold_pos, counts, recv_counts, train=train)
-        if not train:
+            lo, hi = int(starts[t]), int(starts[t + 1])
+            table._batch.uniq = uniq[t]
+            table._batch.rows = rows[lo:hi]
+            table._batch.grad = None if grad is None else grad[lo:hi]
+        self._account_forward(all_ids.size, send_ids.size, counts, recv_counts, train=train)
+        if grad is None:
             self._prepared = None
             return
         self._prepared = _Prepared(
-            leaves=leaves,
-            hot_pos=[np.flatnonzero(h >= 0) for h in hot_idx],
+            grad=grad,
+            hot_pos=hot_pos,
             hot_idx=[h[h >= 0] for h in hot_idx],
+            send_pos=send_pos,
             send_counts=send_rows,
             recv_counts=recv_rows,
-            send_upos=send_pos,
-            send_sel=send_sel,
             recv_sel=recv_sel,
             owner_rows=owner_rows,
-            num_send=int(send_ids.size),
-            num_recv=int(got_ids.size),
         )
 
-    def _account_forward(self, uniq, cold_pos, counts, recv_counts, *, train: bool) -> None:
+    def _account_forward(self, accesses, cold, counts, recv_counts, *, train: bool) -> None:
         if not train:
             return
         st, rank = self.stats, self.comm.rank
-        accesses = sum(u.size for u in uniq)
-        cold = sum(c.size for c in cold_pos)
         st.steps += 1
         st.accesses += accesses
         st.hot_accesses += accesses - cold
@@ -531,13 +563,12 @@ class ShardedEmbeddings:
             msg = "step() without a prepare(batch, train=True) before it"
             raise RecpipeError(msg)
         self._prepared = None
-        self._hot_step(prep, prep.leaves)
-        self._cold_step(prep, prep.leaves)
+        self._hot_step(prep)
+        self._cold_step(prep)
         for table in self.tables:
-            table._uniq = table._rows = table._grad = None
-            table._known = {}
+            table._batch.clear()
 
-    def _hot_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
+    def _hot_step(self, prep: _Prepared) -> None:
         hot = [t for t, table in enumerate(self.tables) if table.num_hot]
         if not hot:
             return
@@ -550,7 +581,8 @@ class ShardedEmbeddings:
             at += r * (self.dim + 1)
             if prep.hot_idx[t].size:
                 idx = torch.from_numpy(prep.hot_idx[t]).to(self.device)
-                buf.index_copy_(0, idx, grads[t][torch.from_numpy(prep.hot_pos[t])])
+                pos = torch.from_numpy(prep.hot_pos[t]).to(self.device)
+                buf.index_copy_(0, idx, prep.grad.index_select(0, pos))
                 mask[idx] = 1
             bufs.append(buf)
             masks.append(mask)
@@ -562,12 +594,8 @@ class ShardedEmbeddings:
             grad = buf.index_select(0, touched).to(self.dtype)  # rounded once
             self.optimizer.apply(table.hot_values, table.hot_state, touched, grad)
 
-    def _cold_step(self, prep: _Prepared, grads: list[torch.Tensor]) -> None:
-        send = torch.empty(prep.num_send, self.dim, dtype=GRAD_DTYPE, device=self.device)
-        for t, sel in enumerate(prep.send_sel):
-            if sel.size:
-                at = torch.from_numpy(prep.send_upos[t]).to(self.device)
-                send[torch.from_numpy(sel).to(self.device)] = grads[t].index_select(0, at)
+    def _cold_step(self, prep: _Prepared) -> None:
+        send = prep.grad.index_select(0, torch.from_numpy(prep.send_pos).to(self.device))
         got = self.comm.all_to_all(
             send, prep.send_counts, prep.recv_counts, what="the exchange's gradients"
         )
@@ -575,12 +603,24 @@ class ShardedEmbeddings:
             rows = prep.owner_rows[t]
             if not rows.size:
                 continue
-            uniq, inv = torch.unique(torch.from_numpy(rows), return_inverse=True)
-            summed = got.new_zeros(uniq.numel(), self.dim)
-            at = torch.from_numpy(prep.recv_sel[t]).to(self.device)
-            summed.index_add_(0, inv.to(self.device), got.index_select(0, at))
-            uniq = uniq.numpy()
+            if got.device.type == "cpu":  # one pass: the distinct rows and their sums
+                slot = self._scratch(t, table.shard.num_rows)
+                uniq, sums = K.sum_by_row(got.numpy(), prep.recv_sel[t], rows, slot)
+                summed = torch.from_numpy(sums)
+            else:
+                uniq_t, inv = torch.unique(torch.from_numpy(rows), return_inverse=True)
+                summed = got.new_zeros(uniq_t.numel(), self.dim)
+                at = torch.from_numpy(prep.recv_sel[t]).to(self.device)
+                summed.index_add_(0, inv.to(self.device), got.index_select(0, at))
+                uniq = uniq_t.numpy()
             table.shard.apply(self.optimizer, uniq, summed.to(self.dtype))  # rounded once
+
+    def _scratch(self, t: int, rows: int) -> np.ndarray:
+        """Table ``t``'s scratch of -1 for :func:`_kernels.sum_by_row` (at least ``rows``)."""
+        slot = self._slots[t]
+        if slot.size < rows:
+            slot = self._slots[t] = np.full(max(rows, 2 * slot.size), -1, dtype=np.int64)
+        return slot
 
     # -- the hot set ----------------------------------------------------------------------------
     def gather_counts(self, *, budget: int | None = None) -> HotCandidates:

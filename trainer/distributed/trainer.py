@@ -148,7 +148,8 @@ class DistributedTrainer:
         the losses of many steps in one all-reduce (one collective less per step), and
         ``None`` is returned in its place.
         """
-        self.module.train()
+        if not self.module.training:  # train() walks every module: not on every step
+            self.module.train()
         batch = batch.to(self.device, non_blocking=True)
         global_rows = batch.batch_size * self.comm.world_size
         for opt in self.optimizers:
