@@ -35,7 +35,8 @@ them with each engine (DuckDB, Polars unless ``--no-polars``, Spark with ``--spa
 alternated, without the warm-up round (every build is a fresh child process, and the logs were
 just written, so the page cache is warm); reports seconds per million input rows per engine and
 size, and how that figure grows from the smallest size to the largest (1.0: cost linear in the
-input).
+input). ``--scale-engines spark`` runs only those engines and keeps the others' figures at the
+same sizes; each size records the load average when it started (the box may be shared).
 
 Results go to ``benchmarks/results/etl.json`` (the out-of-core run under the key
 ``out_of_core``, the scale run under ``scale``, each kept across the other modes' runs) and are
@@ -67,7 +68,7 @@ TARGETS = {
 }
 PEAK_RSS_TARGET_MB = 1536.0
 
-__all__ = ["main", "run_benchmark", "run_out_of_core", "run_scale"]
+__all__ = ["main", "merge_scale", "run_benchmark", "run_out_of_core", "run_scale"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,6 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="scale mode: requests per run, comma-separated (e.g. 1000000,4000000): seconds "
         "per million rows per engine and size",
     )
+    parser.add_argument(
+        "--scale-engines",
+        default=None,
+        metavar="ENGINES",
+        help="scale mode: only these engines, comma-separated (default: duckdb, polars unless "
+        "--no-polars, spark with --spark); the other engines' figures at the same sizes are kept",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON ({RESULTS})")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -148,6 +156,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if not args.scale or min(args.scale) < 1:
             parser.error(f"`--scale` sizes must be >= 1, got {args.scale}")
+    if args.scale_engines is None:
+        args.scale_engines = ["duckdb", *(["polars"] if args.polars else [])]
+        args.scale_engines += ["spark"] if args.spark else []
+    else:
+        args.scale_engines = [e.strip() for e in args.scale_engines.split(",") if e.strip()]
+        unknown = sorted(set(args.scale_engines) - {"duckdb", "polars", "spark"})
+        if unknown or not args.scale_engines:
+            parser.error(
+                f"`--scale-engines` must name duckdb, polars or spark, got {unknown or 'none'}"
+            )
     return args
 
 
@@ -478,11 +496,11 @@ def run_scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Scale mode: each engine's seconds per million input rows at each of ``args.scale``."""
     from etl.synth import SynthConfig, generate
 
-    engines = ["duckdb", *(["polars"] if args.polars else []), *(["spark"] if args.spark else [])]
+    engines = args.scale_engines
     configs = {
         "duckdb": _build_config(args, order="session"),
         "polars": {"order": "session", "engine": "polars"},
-        "spark": _spark_config(args) if args.spark else {},
+        "spark": _spark_config(args),
     }
     per_engine: dict[str, dict[str, Any]] = {e: {} for e in engines}
     for size in args.scale:
@@ -505,6 +523,7 @@ def run_scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             )
             for e in engines
         }
+        load = os.getloadavg()[0]  # the box is shared: how busy it was when this size started
         runs = _alternated(specs, work, repeat=args.repeat, warmup=False)
         for e in engines:
             rows = int(runs[e][-1].value["manifest"]["rows_in"])
@@ -512,6 +531,7 @@ def run_scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             cpu = statistics.median(t.cpu_s for t in runs[e])
             per_engine[e][str(size)] = {
                 "rows_in": rows,
+                "load_average": load,
                 "s": wall,
                 "cpu_s": cpu,
                 "s_runs": [t.wall_s for t in runs[e]],
@@ -531,6 +551,24 @@ def run_scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for e in engines
         },
     }
+
+
+def merge_scale(kept: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` scale figures, with the engines it did not run taken from ``kept`` when ``kept``
+    measured the same sizes (Spark's builds take long enough to be run on their own).
+
+    >>> a = {"sizes": [1], "repeat": 1, "engines": {"duckdb": {}}, "growth": {"duckdb": 1.0}}
+    >>> b = {"sizes": [1], "repeat": 1, "engines": {"spark": {}}, "growth": {"spark": 2.0}}
+    >>> sorted(merge_scale(a, b)["growth"].items())
+    [('duckdb', 1.0), ('spark', 2.0)]
+    >>> sorted(merge_scale({**a, "sizes": [2]}, b)["engines"])
+    ['spark']
+    """
+    if not kept or kept.get("sizes") != new["sizes"]:
+        return new
+    engines = {**kept["engines"], **new["engines"]}
+    growth = {**kept["growth"], **new["growth"]}
+    return {**new, "engines": engines, "growth": growth}
 
 
 def _alternated(
@@ -798,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             results["out_of_core"] = run_out_of_core(args, work)
         elif args.scale is not None:
             results = {k: v for k, v in previous.items() if k != "scale"}
-            results["scale"] = run_scale(args, work)
+            results["scale"] = merge_scale(previous.get("scale"), run_scale(args, work))
         else:
             results = run_benchmark(args, work)
             for kept in ("out_of_core", "scale"):
