@@ -12,6 +12,11 @@ N, ``[B, k, N]``, which join the model's global dot interaction. The compression
 * :class:`DCNTower`: a small CrossNet (DCN-v2, ``x_{l+1} = x_0 ⊙ (W x_l + b) + x_l``) over the
   tower's n·N numbers, then ``Linear(n·N -> k·N)``.
 
+Their linear layers are :class:`ScaledLinear` (weights of unit variance times
+``1 / sqrt(fan_in)``, zero biases): the outputs start at the scale of the pooled embeddings they
+replace, and an optimizer step of ``lr`` on a stored weight moves the layer's effective weight by
+``lr / sqrt(fan_in)`` (see the class for why that matters).
+
 Every module reports its multiply-adds per sample (:meth:`TowerModule.flops`, 2 FLOPs each).
 Nothing here imports training code.
 """
