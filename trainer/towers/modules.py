@@ -12,6 +12,11 @@ N, ``[B, k, N]``, which join the model's global dot interaction. The compression
 * :class:`DCNTower`: a small CrossNet (DCN-v2, ``x_{l+1} = x_0 ⊙ (W x_l + b) + x_l``) over the
   tower's n·N numbers, then ``Linear(n·N -> k·N)``.
 
+Their linear layers are :class:`ScaledLinear` (weights of unit variance times
+``1 / sqrt(fan_in)``, zero biases): the outputs start at the scale of the pooled embeddings they
+replace, and an optimizer step of ``lr`` on a stored weight moves the layer's effective weight by
+``lr / sqrt(fan_in)`` (see the class for why that matters).
+
 Every module reports its multiply-adds per sample (:meth:`TowerModule.flops`, 2 FLOPs each).
 Nothing here imports training code.
 """
@@ -24,7 +29,15 @@ from torch import nn
 from trainer.modules import table_seed
 from trainer.towers.config import TowerModuleConfig
 
-__all__ = ["CrossNet", "DCNTower", "DLRMTower", "PassThrough", "TowerModule", "build_tower"]
+__all__ = [
+    "CrossNet",
+    "DCNTower",
+    "DLRMTower",
+    "PassThrough",
+    "ScaledLinear",
+    "TowerModule",
+    "build_tower",
+]
 
 
 class TowerModule(nn.Module):
@@ -67,6 +80,40 @@ def _linear_flops(layer: nn.Linear) -> int:
     return 2 * layer.in_features * layer.out_features
 
 
+class ScaledLinear(nn.Linear):
+    """``nn.Linear`` with the equalised-learning-rate parametrisation (Karras et al., 2018):
+    ``y = (x Vᵀ + b) / sqrt(fan_in)`` with V uniform in ``±sqrt(3)`` (unit variance) and b = 0.
+
+    The layer computes what an ``nn.Linear`` of weights ``V / sqrt(fan_in)`` computes, so its
+    outputs start with the scale of its inputs (variance ``fan_in · var(x) / fan_in``) and with
+    no input-independent offset: a tower module stands where the pooled embeddings stood, and
+    its outputs enter the dot interaction as they would. What changes is the step: an
+    optimizer that moves every stored number by about ``lr`` whatever its gradient (Adagrad's
+    and Adam's first steps) moves the effective weights by ``lr / sqrt(fan_in)``, not ``lr``;
+    SGD's step on the outputs becomes ``lr · mean(x²)`` instead of ``lr · sum(x²)``. With
+    ``nn.Linear``'s own parametrisation an Adagrad step at the model's ``lr`` changed a tower
+    module's outputs by ``lr · sum |x|`` over its ``n·N`` inputs, many times the embeddings'
+    size, and training diverged in the first steps (the less compressed the tower, the more
+    output vectors, the worse).
+
+    >>> layer = ScaledLinear(4, 2)
+    >>> bool(layer.bias.eq(0).all()), bool(layer.weight.abs().max() <= 3**0.5), layer.gain
+    (True, True, 0.5)
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.gain = in_features**-0.5
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.uniform_(-(3.0**0.5), 3.0**0.5)
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
 class DLRMTower(TowerModule):
     """``cat(Linear(n·N -> p·N), Linear(n -> c) over the features)``: k = p + c vectors, with
     p = k - k // 2 projections and c = k // 2 feature mixtures."""
@@ -74,8 +121,8 @@ class DLRMTower(TowerModule):
     def __init__(self, features: int, dim: int, vectors: int) -> None:
         super().__init__(features, dim, vectors)
         self.p, self.c = vectors - vectors // 2, vectors // 2
-        self.project = nn.Linear(features * dim, self.p * dim)
-        self.mix = nn.Linear(features, self.c) if self.c else None
+        self.project = ScaledLinear(features * dim, self.p * dim)
+        self.mix = ScaledLinear(features, self.c) if self.c else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -100,7 +147,7 @@ class CrossNet(nn.Module):
 
     def __init__(self, width: int, layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.layers = nn.ModuleList(ScaledLinear(width, width) for _ in range(layers))
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
@@ -119,7 +166,7 @@ class DCNTower(TowerModule):
     def __init__(self, features: int, dim: int, vectors: int, *, layers: int = 1) -> None:
         super().__init__(features, dim, vectors)
         self.cross = CrossNet(features * dim, layers)
-        self.project = nn.Linear(features * dim, vectors * dim)
+        self.project = ScaledLinear(features * dim, vectors * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
