@@ -464,6 +464,10 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "build_vs_duckdb_oneliner": vs_oneliner["median"],
         "build_vs_duckdb_oneliner_spread": vs_oneliner,
         "build_peak_rss_mb": max(t.value["peak_rss_mb"] for t in clustered),
+        # where the last clustered build's wall and CPU seconds went, phase by phase (a phase
+        # whose CPU is well under twice its wall leaves a core idle on 2 cores)
+        "build_phase_s": manifest.get("phase_s"),
+        "build_phase_cpu_s": manifest.get("phase_cpu_s"),
         "build_time_ordered_peak_rss_mb": timed["peak_rss_mb"],
         "duckdb_oneliner_peak_rss_mb": max(t.value["peak_rss_mb"] for t in oneliner),
         "synth_s": t_synth,
@@ -696,6 +700,8 @@ def format_results(results: dict[str, Any]) -> str:
             ),
             ("build_peak_rss_mb", f"{r['build_peak_rss_mb']:,.0f}", rss_other),
         ]
+        if r.get("build_phase_cpu_s"):
+            rows.append(("build phases, wall/CPU s", "", _phases_text(r)))
         for engine, key, detail in (
             ("polars", "polars_vs_duckdb_build", "{build_polars_peak_rss_mb:,.0f} MB"),
             (
@@ -792,6 +798,13 @@ def format_results(results: dict[str, Any]) -> str:
         ]
         lines += _aligned(("metric", "value", "detail"), rows)
     return "\n".join(lines)
+
+
+def _phases_text(r: dict[str, Any]) -> str:
+    """``parse 8.1/13.9, write 3.2/5.0, ...``: the last clustered build's wall and CPU seconds
+    per phase (CPU near twice the wall: both cores busy)."""
+    wall, cpu = r["build_phase_s"], r["build_phase_cpu_s"]
+    return ", ".join(f"{name} {wall[name]:.1f}/{cpu.get(name, 0.0):.1f}" for name in wall)
 
 
 def _spread_text(ratio: dict[str, Any]) -> str:

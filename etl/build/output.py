@@ -263,6 +263,7 @@ def build_manifest(
     writer: SessionAlignedWriter,
     files: list[dict],
     phase_s: dict[str, float],
+    phase_cpu_s: dict[str, float] | None = None,
 ) -> dict:
     """The manifest of every engine (without ``elapsed_s``), once the files are written.
 
@@ -321,5 +322,6 @@ def build_manifest(
             "events": "_quarantine/events.parquet",
         },
         "phase_s": phase_s,
+        "phase_cpu_s": phase_cpu_s or {},
         "arrow_schema": pa.schema(writer.schema).to_string(show_schema_metadata=False),
     }

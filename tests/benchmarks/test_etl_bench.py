@@ -46,6 +46,8 @@ def test_tiny_run_writes_results(tmp_path, capsys):
         assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] == 1
         assert spread["cpu"]["median"] > 0
     assert results["build_s"] == results["build_s_runs"][0] and results["environment"]["cpus"]
+    # where the build's wall and CPU seconds went, phase by phase
+    assert set(results["build_phase_cpu_s"]) == set(results["build_phase_s"]) >= {"parse", "write"}
     # the Polars engine builds the same part files, byte for byte
     assert results["polars_same_parquet"] is True and results["polars_vs_duckdb_build"] > 0
     clustered, timed = results["dedup_factor_clustered"], results["dedup_factor_time_ordered"]

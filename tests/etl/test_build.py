@@ -369,6 +369,11 @@ def test_synth_logs_reconcile_with_the_injected_bad_records(synth_logs, tmp_path
         assert m["quarantine_by_reason"][reason] == n, reason
     assert m["events_quarantined"] == sum(synth_logs.summary["num_bad_events"].values())
     assert m["sessions"] == synth_logs.summary["num_sessions"]
+    # each phase's wall and CPU seconds, side by side (where a core idles)
+    assert list(m["phase_cpu_s"]) == list(m["phase_s"]) == [
+        "setup", "parse", "dedup_join_sessionize", "quarantine", "write"
+    ]  # fmt: skip
+    assert m["phase_cpu_s"]["parse"] > 0 and m["phase_cpu_s"]["write"] > 0
 
 
 def test_unroutable_lines_of_etl_shard_are_validated_with_their_origin(tmp_path):

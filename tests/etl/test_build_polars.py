@@ -30,7 +30,7 @@ from tests.etl.test_build import (
 from tests.etl.test_build_fastpath import LINES
 
 #: manifest entries that may differ between the engines
-_RUN_KEYS = {"elapsed_s", "phase_s", "config"}
+_RUN_KEYS = {"elapsed_s", "phase_s", "phase_cpu_s", "config"}
 
 
 def _nullable(table: pa.Table) -> pa.Table:
