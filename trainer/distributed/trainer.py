@@ -16,7 +16,7 @@ concatenated global batch; :class:`DistributedTrainer` with a world of one *is* 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -37,9 +37,39 @@ from trainer.train import make_optimizers
 if TYPE_CHECKING:
     from recpipe.batch import Batch
 
-__all__ = ["DistributedTrainer", "PendingLosses", "sharded_table_factory"]
+__all__ = ["DistributedTrainer", "PendingLosses", "evaluate_on_ranks", "sharded_table_factory"]
 
 SparseKind = Literal["sgd", "adagrad"]
+
+
+@torch.no_grad()
+def evaluate_on_ranks(
+    logits_of: Callable[[Batch], torch.Tensor],
+    batches: Iterable[Batch],
+    *,
+    comm: Comm,
+    device: torch.device,
+    max_batches: int | None = None,
+) -> EvalResult:
+    """Loss and AUC over every rank's ``batches``, each scored by ``logits_of`` and gathered
+    to every rank (collective: every rank must bring the same number of batches of the same
+    size). The caller puts its model in eval mode."""
+    scores, labels, count = [], [], 0
+    for batch in batches:
+        if max_batches is not None and count >= max_batches:
+            break
+        batch = batch.to(device, non_blocking=True)
+        logits = logits_of(batch)
+        pair = torch.stack([logits.to(torch.float64), batch.labels.to(torch.float64)])
+        every = comm.all_gather(pair, what="the evaluation gather")
+        scores.extend(p[0] for p in every)
+        labels.extend(p[1] for p in every)
+        count += 1
+    if not scores:
+        return EvalResult(float("nan"), float("nan"), 0, 0)
+    s, y = torch.cat(scores), torch.cat(labels)
+    loss = float(F.binary_cross_entropy_with_logits(s, y, reduction="sum")) / y.numel()
+    return EvalResult(loss, auc(s, y), y.numel(), count)
 
 
 class PendingLosses:
@@ -174,28 +204,18 @@ class DistributedTrainer:
         all-reduce of all of them)."""
         return self._pending.reduce(self.comm)
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
         """Loss and AUC over every rank's ``batches`` (collective: every rank must bring the
         same number of batches of the same size)."""
         self.module.eval()
-        scores, labels, count = [], [], 0
-        for batch in batches:
-            if max_batches is not None and count >= max_batches:
-                break
-            batch = batch.to(self.device, non_blocking=True)
+
+        def logits_of(batch: Batch) -> torch.Tensor:
             self.sparse.prepare(batch, train=False)
-            logits = self.module(batch)
-            pair = torch.stack([logits.to(torch.float64), batch.labels.to(torch.float64)])
-            every = self.comm.all_gather(pair, what="the evaluation gather")
-            scores.extend(p[0] for p in every)
-            labels.extend(p[1] for p in every)
-            count += 1
-        if not scores:
-            return EvalResult(float("nan"), float("nan"), 0, 0)
-        s, y = torch.cat(scores), torch.cat(labels)
-        loss = float(F.binary_cross_entropy_with_logits(s, y, reduction="sum")) / y.numel()
-        return EvalResult(loss, auc(s, y), y.numel(), count)
+            return self.module(batch)
+
+        return evaluate_on_ranks(
+            logits_of, batches, comm=self.comm, device=self.device, max_batches=max_batches
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The dense model, the dense optimizers and the step (the same on every rank)."""

@@ -48,8 +48,7 @@ from trainer.distributed.comm import Comm
 from trainer.distributed.dense import global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings
 from trainer.distributed.shard import SparseOptimizer
-from trainer.distributed.trainer import PendingLosses
-from trainer.metrics import auc
+from trainer.distributed.trainer import PendingLosses, evaluate_on_ranks
 from trainer.modules import PooledEmbeddings
 from trainer.runlog import EvalResult
 from trainer.towers.layout import SPTTLayout
@@ -471,24 +470,14 @@ class SPTTTrainer:
         """The global mean losses of the steps since the last call, in order (collective)."""
         return self._pending.reduce(self.groups.world)
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
         """Loss and AUC over every rank's ``batches`` (collective: every rank brings the same
         number of batches of the same size)."""
         self.model.eval()
-        scores, labels, count = [], [], 0
-        for batch in batches:
-            if max_batches is not None and count >= max_batches:
-                break
-            batch = batch.to(self.device, non_blocking=True)
-            logits = self.forward(batch, train=False)
-            pair = torch.stack([logits.to(torch.float64), batch.labels.to(torch.float64)])
-            every = self.groups.world.all_gather(pair, what="the evaluation gather")
-            scores.extend(p[0] for p in every)
-            labels.extend(p[1] for p in every)
-            count += 1
-        if not scores:
-            return EvalResult(float("nan"), float("nan"), 0, 0)
-        s, y = torch.cat(scores), torch.cat(labels)
-        loss = float(F.binary_cross_entropy_with_logits(s, y, reduction="sum")) / y.numel()
-        return EvalResult(loss, auc(s, y), y.numel(), count)
+        return evaluate_on_ranks(
+            lambda batch: self.forward(batch, train=False),
+            batches,
+            comm=self.groups.world,
+            device=self.device,
+            max_batches=max_batches,
+        )
