@@ -297,7 +297,13 @@ ETL = Table(
             lambda d: "; ".join(
                 f"{engine} "
                 + " / ".join(
-                    f"{v[str(n)]['s_per_million_rows']:.1f} s at {num(n)}"
+                    f"{v[str(n)]['s_per_million_rows']:.1f} s (CPU "
+                    f"{v[str(n)]['cpu_s_per_million_rows']:.1f} s) at {num(n)}"
+                    + (
+                        f", load {v[str(n)]['load_average']:.1f}"
+                        if "load_average" in v[str(n)]
+                        else ""
+                    )
                     for n in d["scale"]["sizes"]
                 )
                 + f" ({x(d['scale']['growth'][engine])})"
