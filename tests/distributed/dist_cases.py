@@ -46,6 +46,11 @@ CONFIGS = [
     ("adagrad", "chosen", True, "float64"),
     ("adagrad", "reshard", True, "float32"),
 ]  # fmt: skip
+# cases where the tables depend on nothing but the exchange, which must meet float32's 1e-6: the
+# dense part frozen (its learning rate 0: its float32 gradients are BLAS sums over the batch, in
+# another order for every split of it) and no attention pooling (it pads a batch to its longest
+# row, so a micro-batch and the global batch sum its softmax and products over other lengths)
+EXCHANGE_ONLY = [("adagrad", "chosen", dedup, "float32") for dedup in (True, False)]
 
 
 def subgroup_comm(world: int) -> Comm | None:
@@ -72,11 +77,20 @@ def rank_batches(dataset: str, *, rank: int, world: int, dedup: bool, steps: int
     return _BATCHES[key]
 
 
-def build(dataset: str, opt: str, comm: Comm, dtype: torch.dtype) -> DistributedTrainer:
+def build(
+    dataset: str, opt: str, comm: Comm, dtype: torch.dtype, *, frozen: bool = False
+) -> DistributedTrainer:
+    """A trainer of the small model; ``frozen``: without attention pooling, and its dense part
+    does not learn (lr 0)."""
     schema = dataset_schema(dataset)
     factory = sharded_table_factory(optimizer=opt, dtype=dtype)
-    model = DLRM.from_schema(schema, SMALL_MODEL, table_factory=factory).to(dtype)
-    return DistributedTrainer(model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20)
+    config = replace(SMALL_MODEL, attention="none") if frozen else SMALL_MODEL
+    model = DLRM.from_schema(schema, config, table_factory=factory).to(dtype)
+    trainer = DistributedTrainer(model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20)
+    if frozen:
+        for group in (g for o in trainer.optimizers for g in o.param_groups):
+            group["lr"] = 0.0
+    return trainer
 
 
 def all_rows(comm: Comm, trainer: DistributedTrainer) -> dict | None:
@@ -133,9 +147,11 @@ def replicas_equal(comm: Comm, trainer: DistributedTrainer) -> bool:
     return bool(same)
 
 
-def one_process(dataset: str, opt: str, dtype: torch.dtype, streams: list) -> dict:
+def one_process(
+    dataset: str, opt: str, dtype: torch.dtype, streams: list, *, frozen: bool = False
+) -> dict:
     """One process on the global batches made of ``streams`` (one per rank)."""
-    trainer = build(dataset, opt, Comm.single(), dtype)
+    trainer = build(dataset, opt, Comm.single(), dtype, frozen=frozen)
     losses = [float(trainer.train_step(b)[0]) for b in global_batches(streams)]
     return {
         "losses": losses,
@@ -144,15 +160,17 @@ def one_process(dataset: str, opt: str, dtype: torch.dtype, streams: list) -> di
     }
 
 
-def reference(dataset: str, opt: str, dedup: bool, dtype: torch.dtype, world: int) -> dict:
+def reference(
+    dataset: str, opt: str, dedup: bool, dtype: torch.dtype, world: int, *, frozen: bool = False
+) -> dict:
     """One process on the global batches of a ``world``-rank job; and how far one process
     drifts from itself in float32 when the same global batches hold their rows in another order
     (the micro-batches concatenated in reverse): the floor of any comparison in float32."""
     streams = [rank_batches(dataset, rank=r, world=world, dedup=dedup, steps=STEPS)
                for r in range(world)]  # fmt: skip
-    ref = one_process(dataset, opt, dtype, streams)
+    ref = one_process(dataset, opt, dtype, streams, frozen=frozen)
     if dtype == torch.float32:
-        again = one_process(dataset, opt, dtype, streams[::-1])
+        again = one_process(dataset, opt, dtype, streams[::-1], frozen=frozen)
         ref["table_noise"] = compare_tables(again["tables"], ref["tables"])
         ref["dense_noise"] = compare_dense(again["dense"], ref["dense"])
     return ref
@@ -173,12 +191,14 @@ def _single_rows(trainer: DistributedTrainer) -> dict:
     return {name: {k: v for k, v in entry.items() if v is not None} for name, entry in rows.items()}
 
 
-def run_case(comm: Comm, dataset: str, case: tuple, refs: dict) -> dict | None:
+def run_case(
+    comm: Comm, dataset: str, case: tuple, refs: dict, *, frozen: bool = False
+) -> dict | None:
     opt, hot, dedup, dtype_name = case
     dtype = getattr(torch, dtype_name)
     world = comm.world_size
     batches = rank_batches(dataset, rank=comm.rank, world=world, dedup=dedup, steps=STEPS)
-    trainer = build(dataset, opt, comm, dtype)
+    trainer = build(dataset, opt, comm, dtype, frozen=frozen)
     for batch in batches:  # count this job's accesses first: the hot set is chosen from them
         trainer.sparse.count(batch)
     cand = trainer.sparse.gather_counts()
@@ -203,13 +223,14 @@ def run_case(comm: Comm, dataset: str, case: tuple, refs: dict) -> dict | None:
     tables = all_rows(comm, trainer)
     if comm.rank != 0:
         return None
-    key = (opt, dedup, dtype_name)
+    key = (opt, dedup, dtype_name, frozen)
     if key not in refs:
-        refs[key] = reference(dataset, opt, dedup, dtype, world)
+        refs[key] = reference(dataset, opt, dedup, dtype, world, frozen=frozen)
     ref = refs[key]
     loss_dev = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
     return {
         "case": list(case),
+        "exchange_only": frozen,
         "world": world,
         "hot_rows": sizes,
         "all_rows": everything,
@@ -237,6 +258,7 @@ def matrix(rank: int, world_size: int, dataset: str, out: str) -> None:
         if comm is not None:
             refs: dict = {}
             results = [run_case(comm, dataset, case, refs) for case in CONFIGS]
+            results += [run_case(comm, dataset, c, refs, frozen=True) for c in EXCHANGE_ONLY]
             if comm.rank == 0:
                 Path(out, f"matrix-{world}.json").write_text(json.dumps(results))
             if world == 2:

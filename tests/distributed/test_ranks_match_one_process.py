@@ -5,14 +5,20 @@ processes' imports and Numba's compilation are paid once. Cases: SGD and row-wis
 set R = 0, the cost model's R and every row; dedup on and off; float32 and float64; and the hot
 set resharded between steps (0 -> chosen -> all).
 
-Tolerances (relative; for tables and parameters: max |difference| / max |value| per tensor):
-per-step losses to 1e-6 in float32, everything to 1e-12 in float64. Final tables and dense
-parameters in float32 to 1e-5: one process is not reproducible to 1e-6 itself there. Trained on
-the same global batches with their rows in another order (the ranks' micro-batches concatenated
-in reverse), one process drifts from itself by up to ~3e-6 under Adagrad, whose normalisation
-turns the last bits of a cancelling float32 sum into visible differences; the ranks' results
-stay within ~2x of that drift (both are recorded, ``table_noise``/``dense_noise``). Float64
-shows that nothing but rounding differs.
+Tolerances (relative; for tables and parameters: max |difference| / max |value| per tensor, the
+issue's norm-style measure, not elementwise): per-step losses to 1e-6 in float32, everything to
+1e-12 in float64. Where the tables depend on the exchange alone (the dense part frozen, no
+attention pooling), the final float32 tables meet 1e-6 too (bitwise equal when measured): the
+exchange sums every row's gradient in float64 on every path, so nothing it does depends on which
+rank summed what. Otherwise final tables and dense parameters in float32 are held to 1e-5, for
+two reasons outside the exchange: the dense gradients are float32 BLAS sums over the batch, in
+another order for every split of it (DDP adds the ranks' partial sums), and attention pooling
+pads a batch to its longest row, so a micro-batch sums its softmax and products over another
+length than the global batch; Adagrad, which divides by the gradient's own size, turns those
+last bits into ~1e-6 to 3e-5 differences within two steps, and the tables follow. One process is not reproducible to 1e-6
+itself there: trained on the same global batches with their rows in another order (the ranks'
+micro-batches concatenated in reverse) it drifts from itself by up to ~3e-5 (both are recorded,
+``table_noise``/``dense_noise``). Float64 shows that nothing but rounding differs.
 """
 
 from __future__ import annotations
@@ -45,12 +51,22 @@ def matrix(matrix_dir):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_losses_tables_and_dense_state_match_one_process(matrix, world):
     results = matrix[world]
-    assert len(results) == len(dist_cases.CONFIGS)
+    assert len(results) == len(dist_cases.CONFIGS) + len(dist_cases.EXCHANGE_ONLY)
     for r in results:
         assert r["loss_dev"] <= r["tolerance"], r
         state_tol = STATE_TOLERANCE[r["case"][3]]
         assert r["table_dev"] <= state_tol, r
         assert r["dense_dev"] <= state_tol, r
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_tables_that_depend_on_the_exchange_alone_match_to_1e6_in_float32(matrix, world):
+    frozen = [r for r in matrix[world] if r["exchange_only"]]
+    assert len(frozen) == len(dist_cases.EXCHANGE_ONLY)
+    for r in frozen:
+        assert r["table_dev"] <= r["tolerance"] == 1e-6, r
+        assert r["dense_dev"] == 0.0, r  # frozen: the check is not vacuous
+        assert r["loss_dev"] <= r["tolerance"], r
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -60,7 +76,7 @@ def test_the_hot_set_changes_no_bit(matrix, world):
 
     def same_math(r):
         opt, _, dedup, dtype = r["case"]
-        return (opt, dedup, dtype)
+        return (opt, dedup, dtype, r["exchange_only"])
 
     runs = sorted(matrix[world], key=same_math)
     for _, group in groupby(runs, key=same_math):

@@ -324,24 +324,26 @@ def _unique_per_table(
     """Each table's sorted unique ids, and where each value of ``ids`` (int64 CPU tensors, one
     per feature, tables one after the other) sits among its table's.
 
-    One ``torch.unique`` of every table's ids at once, the table's number in the key's high
-    bits, when the ids leave room for it (non-negative, below ``2**(63 - bits)``); one per
-    table otherwise. Both give the same result.
+    Every table's ids at once, the table's number in the key's high bits, when the ids leave
+    room for it (non-negative, below ``2**(63 - bits)``): one hash pass finds the distinct keys
+    (linear), and only those are sorted. One ``torch.unique`` per table otherwise. Both give
+    the same result.
     """
     n_tables = len(features_per_table)
     sizes = [i.numel() for i in ids]
     flat = torch.cat(list(ids)) if len(ids) > 1 else ids[0]
-    table_of = np.repeat(np.repeat(np.arange(n_tables), features_per_table), sizes)
     shift = 63 - max(n_tables - 1, 1).bit_length()
-    if flat.numel() and int(flat.min()) >= 0 and int(flat.max()) < (1 << shift):
-        keys, inverse = torch.unique(
-            flat + (torch.from_numpy(table_of) << shift), return_inverse=True
-        )
-        keys = keys.numpy()
+    feature_table = np.repeat(np.arange(n_tables, dtype=np.int64), features_per_table)
+    first, inverse, ok = K.first_unique(
+        flat.numpy(), np.asarray(sizes, dtype=np.int64), feature_table, shift
+    )
+    if ok:
+        order = np.argsort(first)  # the distinct keys are few: sort them, not every value
+        keys = first[order]
         starts = np.searchsorted(keys >> shift, np.arange(n_tables + 1))
+        K.sorted_inverse(inverse, order, starts, shift, first)
         ids_only = keys & ((1 << shift) - 1)
-        uniq = [ids_only[starts[t] : starts[t + 1]] for t in range(n_tables)]
-        return uniq, inverse.numpy() - starts[table_of]
+        return [ids_only[starts[t] : starts[t + 1]] for t in range(n_tables)], inverse
     uniq, inverses, at = [], [], 0
     for n in features_per_table:
         part = flat[sum(sizes[:at]) : sum(sizes[: at + n])]
@@ -368,8 +370,8 @@ class _Prepared:
     one buffer, tables one after the other (table ``t`` at ``starts[t]:starts[t + 1]``)."""
 
     grad: torch.Tensor  # float64 [U, D] the gradient accumulator of every table's ids
-    hot_pos: list[np.ndarray]  # per table: positions in the buffer of its hot ids
-    hot_idx: list[np.ndarray]  # per table: their index in the replica
+    hot_pos: np.ndarray  # positions in the buffer of the hot ids
+    hot_idx: np.ndarray  # their index in the packed replica of every table
     send_pos: np.ndarray  # positions in the buffer of the ids sent, in the send order
     send_counts: np.ndarray  # [W] rows sent to each rank
     recv_counts: np.ndarray  # [W] rows received from each rank
@@ -422,6 +424,7 @@ class ShardedEmbeddings:
         self.stats = ExchangeStats()
         self._prepared: _Prepared | None = None
         self._slots = [np.zeros(0, dtype=np.int64) for _ in self.tables]
+        self._pack_hot()
         self.candidates: HotCandidates | None = None
 
     @property
@@ -473,9 +476,12 @@ class ShardedEmbeddings:
         starts = np.concatenate([[0], np.cumsum(sizes)])
         all_ids = np.concatenate(uniq)
         table_of = np.repeat(np.arange(n_tables), sizes)
-        hot_idx = [table.hot_index(u) for table, u in zip(self.tables, uniq, strict=True)]
-        hot_pos = [np.flatnonzero(h >= 0) + s for h, s in zip(hot_idx, starts, strict=False)]
-        cold = np.flatnonzero(np.concatenate(hot_idx) < 0) if self.num_hot else None
+        hot_pos = hot_idx = cold = None
+        if self.num_hot:  # every table's hot ids: their index in the packed replica
+            local = np.concatenate([t.hot_index(u) for t, u in zip(self.tables, uniq, strict=True)])
+            is_hot = local >= 0
+            hot_pos, cold = np.flatnonzero(is_hot), np.flatnonzero(~is_hot)
+            hot_idx = local[hot_pos] + self._hot_starts[table_of[hot_pos]]
         cold_ids = all_ids if cold is None else all_ids[cold]
         cold_tab = table_of if cold is None else table_of[cold]
         key = owner_of(cold_ids, comm.world_size) * n_tables + cold_tab
@@ -507,10 +513,10 @@ class ShardedEmbeddings:
             owner_rows.append(rows)
         fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows")
         rows = torch.empty(all_ids.size, self.dim, dtype=self.dtype, device=device)
-        for table, h, pos in zip(self.tables, hot_idx, hot_pos, strict=True):
-            if pos.size:
-                idx = torch.from_numpy(h[h >= 0]).to(device)
-                rows[torch.from_numpy(pos).to(device)] = table.hot_values.index_select(0, idx)
+        if hot_pos is not None and hot_pos.size:
+            idx = torch.from_numpy(hot_idx).to(device)
+            rows.index_copy_(0, torch.from_numpy(hot_pos).to(device),
+                             self._hot_values.index_select(0, idx))  # fmt: skip
         rows.index_copy_(0, torch.from_numpy(send_pos).to(device), fetched)
         grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
         for t, table in enumerate(self.tables):
@@ -524,8 +530,8 @@ class ShardedEmbeddings:
             return
         self._prepared = _Prepared(
             grad=grad,
-            hot_pos=hot_pos,
-            hot_idx=[h[h >= 0] for h in hot_idx],
+            hot_pos=np.zeros(0, np.int64) if hot_pos is None else hot_pos,
+            hot_idx=np.zeros(0, np.int64) if hot_idx is None else hot_idx,
             send_pos=send_pos,
             send_counts=send_rows,
             recv_counts=recv_rows,
@@ -569,30 +575,22 @@ class ShardedEmbeddings:
             table._batch.clear()
 
     def _hot_step(self, prep: _Prepared) -> None:
-        hot = [t for t, table in enumerate(self.tables) if table.num_hot]
-        if not hot:
+        rows = self.num_hot
+        if not rows:
             return
-        sizes = [self.tables[t].num_hot for t in hot]
-        flat = torch.zeros(sum(sizes) * (self.dim + 1), dtype=GRAD_DTYPE, device=self.device)
-        bufs, masks, at = [], [], 0
-        for t, r in zip(hot, sizes, strict=True):
-            buf = flat[at : at + r * self.dim].view(r, self.dim)
-            mask = flat[at + r * self.dim : at + r * (self.dim + 1)]
-            at += r * (self.dim + 1)
-            if prep.hot_idx[t].size:
-                idx = torch.from_numpy(prep.hot_idx[t]).to(self.device)
-                pos = torch.from_numpy(prep.hot_pos[t]).to(self.device)
-                buf.index_copy_(0, idx, prep.grad.index_select(0, pos))
-                mask[idx] = 1
-            bufs.append(buf)
-            masks.append(mask)
+        # [R, D] gradients and a [R] touched mask, every table's replica rows one after another
+        flat = torch.zeros(rows * (self.dim + 1), dtype=GRAD_DTYPE, device=self.device)
+        grads, mask = flat[: rows * self.dim].view(rows, self.dim), flat[rows * self.dim :]
+        if prep.hot_idx.size:
+            idx = torch.from_numpy(prep.hot_idx).to(self.device)
+            pos = torch.from_numpy(prep.hot_pos).to(self.device)
+            grads.index_copy_(0, idx, prep.grad.index_select(0, pos))
+            mask[idx] = 1
         self.comm.all_reduce(flat, what="the hot rows' gradient all-reduce")
         self.stats.allreduce_bytes += flat.numel() * flat.element_size()
-        for t, buf, mask in zip(hot, bufs, masks, strict=True):
-            table = self.tables[t]
-            touched = torch.nonzero(mask > 0).squeeze(1)  # rows some rank touched
-            grad = buf.index_select(0, touched).to(self.dtype)  # rounded once
-            self.optimizer.apply(table.hot_values, table.hot_state, touched, grad)
+        touched = torch.nonzero(mask > 0).squeeze(1)  # rows some rank touched
+        grad = grads.index_select(0, touched).to(self.dtype)  # rounded once
+        self.optimizer.apply(self._hot_values, self._hot_state, touched, grad)
 
     def _cold_step(self, prep: _Prepared) -> None:
         send = prep.grad.index_select(0, torch.from_numpy(prep.send_pos).to(self.device))
@@ -686,6 +684,20 @@ class ShardedEmbeddings:
         self.set_hot(wanted)
         return take
 
+    def _pack_hot(self) -> None:
+        """Every table's replica in one tensor (the tables' ``hot_values``/``hot_state``
+        become views of it), so a step reads and updates all hot rows with one call each."""
+        sizes = [t.num_hot for t in self.tables]
+        self._hot_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._hot_values = torch.cat([t.hot_values for t in self.tables])
+        states = [t.hot_state for t in self.tables]
+        self._hot_state = None if states[0] is None else torch.cat(states)
+        for t, table in enumerate(self.tables):
+            lo, hi = int(self._hot_starts[t]), int(self._hot_starts[t + 1])
+            table.hot_values = self._hot_values[lo:hi]
+            if self._hot_state is not None:
+                table.hot_state = self._hot_state[lo:hi]
+
     def set_hot(self, hot_ids: Sequence[np.ndarray]) -> None:
         """Make ``hot_ids[t]`` (sorted, distinct) table ``t``'s hot set (collective)."""
         comm = self.comm
@@ -707,6 +719,7 @@ class ShardedEmbeddings:
         for t, (table, new) in enumerate(zip(self.tables, new_sets, strict=True)):
             sel = np.flatnonzero(got_keys[:, 0] == t)
             self._install(table, new, got_keys[sel, 1], got_rows[torch.from_numpy(sel)])
+        self._pack_hot()
 
     def _demote(self, table: ShardedTable, new: np.ndarray) -> None:
         """Rows leaving the hot set go back to their owner, with their optimizer state."""
@@ -802,3 +815,4 @@ class ShardedEmbeddings:
             table.hot_ids = np.zeros(0, dtype=np.int64)
             table.hot_values = shard.values.new_zeros(0, shard.dim)
             table.hot_state = None if shard.state is None else shard.state.new_zeros(0)
+        self._pack_hot()
