@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from readers.dispatch.keys import RowIndex, TableMap, piece_rows
@@ -14,6 +14,8 @@ from tests.common.data import session_batch
 
 
 @settings(max_examples=100, deadline=None)
+@example([(0, [2**61])])  # fits no (table, id) key: found by CI
+@example([(2, [2**61 - 1])])
 @given(
     st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(-(2**62), 2**62), max_size=40)),
@@ -33,8 +35,8 @@ def test_row_index_numbers_pairs_in_order_of_first_appearance(inserts):
         assert index.lookup(table, np.array([x])).tolist() == [row]
         assert (index.table_of_row[row], index.id_of_row[row]) == (table, x)
     assert index.lookup(0, np.array([2**63 - 1])).tolist() == [-1]
-    key = index.order_key  # None once an id is negative
-    assert (key is None) == any(x < 0 for _, ids in inserts for x in ids)
+    key = index.order_key  # None once an id is outside [0, 2**61) (3 tables: 2 bits)
+    assert (key is None) == any(not 0 <= x < 2**61 for _, ids in inserts for x in ids)
     if key is not None:  # ordered as (table, id)
         want = np.lexsort((index.id_of_row, index.table_of_row))
         assert np.argsort(key, kind="stable").tolist() == want.tolist()
