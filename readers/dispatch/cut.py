@@ -112,6 +112,24 @@ class DispatchCut:
                 self._memo.popitem(last=False)
             return out
 
+    def recent(self) -> list[Dispatch]:
+        """The dispatches kept for the last steps (up to 64), oldest first."""
+        with self._lock:
+            return list(self._memo.values())
+
+    def row_pairs(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, 2]`` int64 (table, id) of the shadow's rows (tables numbered in the schema's
+        sparse feature order), sorted: the form of a rank cache's records
+        (:class:`trainer.distributed.cache.CacheRecord`)."""
+        if self._dispatcher is None:
+            msg = "row_pairs() before any dispatch"
+            raise DataError(msg)
+        index = self._dispatcher.index
+        rows = np.asarray(rows, dtype=np.int64)
+        tables, ids = index.table_of_row[rows].astype(np.int64), index.id_of_row[rows]
+        order = np.lexsort((ids, tables))
+        return np.stack([tables[order], ids[order]], axis=1).astype(np.int64, copy=False)
+
     def _new_dispatcher(self, *, world_size: int, micro_batch: int) -> Dispatcher:
         tables = TableMap.per_feature(list(self.schema.sparse_names))
         return Dispatcher(self.config, world_size=world_size, micro_batch=micro_batch,

@@ -39,3 +39,27 @@ def test_the_config_checks_itself():
         DistributedConfig(alpha=-0.1)
     with pytest.raises(RecpipeError, match="`dispatch` must be one of"):
         DistributedConfig(dispatch="nearest")
+
+
+def test_cache_rows_and_bandwidths_reach_the_distributed_config():
+    assert (distributed_config(_parse()).cache_rows, distributed_config(_parse()).bandwidths) == (
+        0,
+        (1e9,),
+    )
+    options = distributed_config(
+        _parse("--dispatch", "esd", "--cache-rows", "4096", "--bandwidths", "1e9,1e10")
+    )
+    assert (options.cache_rows, options.bandwidths) == (4096, (1e9, 1e10))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cache_rows": -1}, "`cache_rows` must be a non-negative integer"),
+        ({"cache_rows": 8, "hot_rows": 16}, "a job with caches has no hot set"),
+        ({"bandwidths": (1e9, 0.0)}, "`bandwidths` must be positive"),
+    ],
+)
+def test_the_cache_options_check_themselves(kwargs, message):
+    with pytest.raises(RecpipeError, match=message):
+        DistributedConfig(**kwargs)

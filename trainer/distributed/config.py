@@ -71,6 +71,13 @@ class DistributedConfig:
             ``--dispatch`` decides.
         alpha: ``esd``'s share of each global batch placed exactly (1: the cost model's
             optimum; 0: greedy by regret).
+        cache_rows: give every rank an embedding cache of this many rows (all tables) in place
+            of the hot set: rows are pulled into the cache of the rank that reads them, updated
+            there while no other rank reads them, and written home when another rank reads them
+            or the cache drops them (ESD's transfer model, see docs/dispatch.md). The dispatcher
+            prices the same caches. 0: no caches (the 2FP exchange).
+        bandwidths: bytes/s of each rank's link, comma-separated (one value: every rank): what
+            the dispatcher weighs each rank's transfers by.
     """
 
     hot_rows: Literal["auto"] | int = "auto"
@@ -81,6 +88,8 @@ class DistributedConfig:
     probe_rows: int = 65536
     dispatch: Literal["contiguous", "esd", "laia", "random", "round-robin"] = "contiguous"
     alpha: float = 1.0
+    cache_rows: int = 0
+    bandwidths: tuple[float, ...] = (1e9,)
 
     def __post_init__(self) -> None:
         choices = ("contiguous", "esd", "laia", "random", "round-robin")
@@ -103,6 +112,22 @@ class DistributedConfig:
             if not _positive_int(getattr(self, name)):
                 msg = f"`{name}` must be a positive integer, got {getattr(self, name)!r}"
                 raise RecpipeError(msg)
+        if (
+            isinstance(self.cache_rows, bool)
+            or not isinstance(self.cache_rows, int)
+            or (self.cache_rows < 0)
+        ):
+            msg = f"`cache_rows` must be a non-negative integer, got {self.cache_rows!r}"
+            raise RecpipeError(msg)
+        if self.cache_rows and self.hot_rows not in ("auto", 0):
+            msg = (
+                f"`hot_rows` {self.hot_rows!r} with `cache_rows`: a job with caches has no hot set"
+            )
+            raise RecpipeError(msg)
+        self.bandwidths = tuple(float(b) for b in self.bandwidths)
+        if not self.bandwidths or not all(b > 0 for b in self.bandwidths):
+            msg = f"`bandwidths` must be positive bytes/s, got {list(self.bandwidths)!r}"
+            raise RecpipeError(msg)
         if not self.timeout_s > 0:
             msg = f"`timeout_s` must be > 0, got {self.timeout_s!r}"
             raise RecpipeError(msg)

@@ -62,7 +62,7 @@ def _hot_rows(text: str) -> str | int:
 
 def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool = True) -> None:
     """Add the multi-rank options to the ``recpipe train`` parser: the fields of
-    :class:`~trainer.distributed.config.LaunchConfig` and five of
+    :class:`~trainer.distributed.config.LaunchConfig` and seven of
     :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`).
 
     ``exchange=False`` (a command without the 2FP exchange and the sample dispatch, e.g.
@@ -92,13 +92,23 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
         group,
         DistributedConfig,
         include=(
-            ("hot_rows", "count_steps", "timeout_s", "dispatch", "alpha")
+            (
+                "hot_rows",
+                "count_steps",
+                "timeout_s",
+                "dispatch",
+                "alpha",
+                "cache_rows",
+                "bandwidths",
+            )
             if exchange
             else ("timeout_s",)
         ),
         overrides={
             "hot_rows": Option(metavar="R", type=_hot_rows),
             "alpha": Option(metavar="A"),
+            "cache_rows": Option(metavar="ROWS"),
+            "bandwidths": Option(metavar="B[,B...]"),
             "count_steps": Option(metavar="S"),
             "timeout_s": Option(flag="--dist-timeout", metavar="SEC"),
         },

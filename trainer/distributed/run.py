@@ -55,6 +55,9 @@ class DistributedSummary:
         c_ar, c_a2a: the fitted coefficients (seconds per hot row, per cold access).
         exchange: the exchange counters summed over ranks.
         remainder_rows: rows of the last epoch no rank was given (counted, not lost).
+        cache_rows: rows of each rank's cache (0: no caches, the 2FP exchange).
+        cache: with caches, each transfer kind's rows over the job, every rank summed
+            (``reads``, ``pulls``, ``pushes``, ``shared``, ``evictions``, ``evict_pushes``).
     """
 
     world_size: int
@@ -65,9 +68,23 @@ class DistributedSummary:
     c_a2a: float = float("nan")
     exchange: ExchangeStats = field(default_factory=ExchangeStats)
     remainder_rows: int = 0
+    cache_rows: int = 0
+    cache: dict[str, int] = field(default_factory=dict)
 
     def lines(self) -> list[tuple[str, str]]:
         ex = self.exchange
+        if self.cache_rows:
+            c = self.cache
+            reads = max(c.get("reads", 0), 1)
+            return [
+                ("ranks", f"{self.world_size}"),
+                ("caches", f"{self.cache_rows:,} rows per rank; {1 - c.get('pulls', 0) / reads:.1%}"
+                           " of the reads hit the latest version"),
+                ("transfers", f"{c.get('pulls', 0):,} miss pulls, {c.get('pushes', 0):,} update "
+                              f"pushes, {c.get('evict_pushes', 0):,} evict pushes, "
+                              f"{c.get('shared', 0):,} shared reads (gradients sent home)"),
+                ("remainder", f"{self.remainder_rows:,} rows of the last epoch not dealt"),
+            ]  # fmt: skip
         return [
             ("ranks", f"{self.world_size}"),
             ("hot rows", f"{self.hot_rows:,} (serving {self.rho:.1%} of counted accesses)"),
@@ -123,9 +140,10 @@ class _RankRun:
         self.log = RunLog(config, device=self.device, write=comm.rank == 0)
         self.unreduced: list[dict[str, Any]] = []  # metrics records waiting for their loss
         self.saved_step: int | None = None
-        self.hot_chosen = False
+        self.hot_chosen = bool(options.cache_rows)  # a job with caches has no hot set
         self.fit: CostFit | None = None
-        self.summary = DistributedSummary(world_size=comm.world_size)
+        self.summary = DistributedSummary(world_size=comm.world_size,
+                                          cache_rows=options.cache_rows)  # fmt: skip
         _log.info(
             "rank %d of %d on %s: %d row groups with training rows, %d with held-out rows",
             comm.rank, comm.world_size, self.device, self.train_splits, self.eval_splits,
@@ -146,7 +164,18 @@ class _RankRun:
             device=self.device,
             hot_budget_rows=self.options.hot_budget_rows,
             count_steps=self.options.count_steps,
+            cache_rows=self.options.cache_rows or None,
+            table_order=self._table_order(model),
         )
+
+    def _table_order(self, model: Any) -> list[str] | None:
+        """The tables in the dispatcher's order (the schema's sparse features), when there is
+        one table per sparse feature; else the model's order."""
+        from trainer.distributed.exchange import ShardedTable
+
+        names = [m.config.name for m in model.modules() if isinstance(m, ShardedTable)]
+        sparse = list(self.schema.sparse_names)
+        return sparse if sorted(names) == sorted(sparse) else None
 
     def _make_loaders(self) -> None:
         """Training and held-out batches of this rank, in-process or through the service (the
@@ -177,7 +206,9 @@ class _RankRun:
                   "rank": self.comm.rank, "world_size": self.comm.world_size}  # fmt: skip
         reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
         opts = self.options
-        cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha)
+        caches = {"cache_rows": (opts.cache_rows,)} if opts.cache_rows else {}
+        cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha,
+                       bandwidths=opts.bandwidths, **caches)  # fmt: skip
         self.train_ds = RankBatchDataset(cfg.dataset, config=reader, splits=train, cut=cut,
                                          **common)  # fmt: skip
         self.eval_ds = RankBatchDataset(
@@ -253,7 +284,7 @@ class _RankRun:
         self.loader.load_state_dict(state["reader"])
         load_sparse(self.config.checkpoint, state, sparse=self.trainer.sparse)
         self.log.load_state_dict(state, step=self.trainer.step)
-        self.hot_chosen = bool(state["hot_chosen"])
+        self.hot_chosen = bool(state["hot_chosen"]) or bool(self.options.cache_rows)
         if self.hot_chosen:
             self.trainer.sparse.count_left = 0
             self.summary.hot_rows = self.trainer.sparse.num_hot
@@ -273,7 +304,8 @@ class _RankRun:
 
         cfg, comm, log = self.config, self.comm, self.log
         self.restore()
-        self._fit_costs()
+        if not self.options.cache_rows:
+            self._fit_costs()
         target_steps, target_epochs = run_targets(cfg)
         count_until = self.trainer.step + self.options.count_steps
         bar = tqdm(total=target_steps, initial=self.trainer.step, unit="step", desc="train",
@@ -330,6 +362,8 @@ class _RankRun:
         totals = self.trainer.sparse.stats.as_tensor()
         comm.all_reduce(totals, what="the final counters")
         self.summary.exchange = ExchangeStats.from_tensor(totals)
+        if self.options.cache_rows:
+            self.summary.cache = self.trainer.sparse.totals()
         self.summary.remainder_rows = self.train_ds.remainder_rows
         return log.result(
             steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,

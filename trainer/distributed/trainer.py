@@ -16,7 +16,7 @@ concatenated global batch; :class:`DistributedTrainer` with a world of one *is* 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from recpipe.errors import RecpipeError
 from trainer.config import DEFAULT_LR
+from trainer.distributed.cache import CachedEmbeddings
 from trainer.distributed.comm import Comm
 from trainer.distributed.dense import global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings, ShardedTable
@@ -130,6 +131,11 @@ class DistributedTrainer:
         device: where the model runs.
         hot_budget_rows: most hot rows the planner may choose (all tables).
         count_steps: steps whose accesses are counted for the hot set (``None``: every step).
+        cache_rows: give every rank an embedding cache of this many rows
+            (:class:`~trainer.distributed.cache.CachedEmbeddings`, no hot set) in place of the
+            2FP exchange (``None``).
+        table_order: with ``cache_rows``, the tables in the order that breaks recency ties at
+            eviction (the dispatcher's).
     """
 
     def __init__(
@@ -142,6 +148,8 @@ class DistributedTrainer:
         device: torch.device | str = "cpu",
         hot_budget_rows: int = 65536,
         count_steps: int | None = None,
+        cache_rows: int | None = None,
+        table_order: Sequence[str] | None = None,
     ) -> None:
         if optimizer not in ("sgd", "adagrad"):
             msg = f"`optimizer` must be 'sgd' or 'adagrad' with sharded tables, got {optimizer!r}"
@@ -152,13 +160,23 @@ class DistributedTrainer:
         self.module = model.to(self.device)
         global_batch_norms(self.module, comm)
         kind = "sgd" if optimizer == "sgd" else "rowwise_adagrad"
-        self.sparse = ShardedEmbeddings(
-            self.module,
-            comm=comm,
-            optimizer=SparseOptimizer(kind, self.lr),
-            hot_budget_rows=hot_budget_rows,
-            count_steps=count_steps,
-        )
+        self.sparse: ShardedEmbeddings | CachedEmbeddings
+        if cache_rows is None:
+            self.sparse = ShardedEmbeddings(
+                self.module,
+                comm=comm,
+                optimizer=SparseOptimizer(kind, self.lr),
+                hot_budget_rows=hot_budget_rows,
+                count_steps=count_steps,
+            )
+        else:
+            self.sparse = CachedEmbeddings(
+                self.module,
+                comm=comm,
+                optimizer=SparseOptimizer(kind, self.lr),
+                capacity=cache_rows,
+                table_order=table_order,
+            )
         self.optimizers = make_optimizers(self.module, optimizer, lr=self.lr)
         self.model = wrap_ddp(self.module, comm, device=self.device)
         self.step = 0

@@ -1,0 +1,132 @@
+"""What the ranks of the rank-cache tests run (spawned processes; results go to a JSON file):
+ranks with per-rank embedding caches, their micro-batches chosen by ESD dispatch, train like one
+process on the same global batches, and every step's pulls and pushes are those the
+dispatcher's cache shadow predicted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dist_cases
+import torch
+import torch.distributed as dist
+
+from readers.dataset import dataset_schema
+from readers.dispatch.cut import rank_cut
+from readers.ranks import RankBatchDataset
+from readers.source import ReaderConfig
+from trainer.distributed.cache import RECORD_KINDS
+from trainer.distributed.comm import Comm
+from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
+from trainer.models import DLRM
+
+CACHE_ROWS = 512  # rows stay cached across steps (hits), and some are evicted every step
+STEPS = 6
+WORLDS = (2, 3)
+
+
+def _cut(schema, world: int):
+    return rank_cut("esd", schema=schema, alpha=1.0, cache_rows=(CACHE_ROWS,),
+                    bandwidths=(1e9,) * (world - 1) + (1e10,))  # fmt: skip
+
+
+def _stream(dataset: str, *, rank: int, world: int, cut) -> list:
+    config = ReaderConfig(batch_size=dist_cases.BATCH, shuffle=True, seed=1)
+    ds = RankBatchDataset(dataset, config=config, rank=rank, world_size=world, cut=cut)
+    return [b for _, b in zip(range(STEPS), ds, strict=False)]
+
+
+def build(dataset: str, comm: Comm, *, cache_rows: int | None, frozen: bool) -> DistributedTrainer:
+    """The small model of the distributed tests, with per-rank caches (``cache_rows``)."""
+    from dataclasses import replace
+
+    schema = dataset_schema(dataset)
+    factory = sharded_table_factory(optimizer="adagrad", dtype=torch.float32)
+    config = replace(dist_cases.SMALL_MODEL, attention="none") if frozen else dist_cases.SMALL_MODEL
+    model = DLRM.from_schema(schema, config, table_factory=factory)
+    trainer = DistributedTrainer(model, comm=comm, optimizer="adagrad", cache_rows=cache_rows,
+                                 table_order=list(schema.sparse_names))  # fmt: skip
+    if frozen:
+        for group in (g for o in trainer.optimizers for g in o.param_groups):
+            group["lr"] = 0.0
+    return trainer
+
+
+def _case(comm: Comm, dataset: str, *, frozen: bool) -> dict | None:
+    schema = dataset_schema(dataset)
+    world = comm.world_size
+    cut = _cut(schema, world)
+    batches = _stream(dataset, rank=comm.rank, world=world, cut=cut)
+    trainer = build(dataset, comm, cache_rows=CACHE_ROWS, frozen=frozen)
+    trainer.sparse.keep_records = True
+    losses = [float(trainer.train_step(b)[0]) for b in batches]
+    tables = dist_cases.all_rows(comm, trainer)
+    dispatches = {d.step: d for d in cut.recent()}
+    steps = sorted(dispatches)[:STEPS]
+    mismatches, totals = [], dict.fromkeys(RECORD_KINDS, 0)
+    for k, (record, step) in enumerate(zip(trainer.sparse.records, steps, strict=True)):
+        predicted = dispatches[step].transfers
+        for kind in RECORD_KINDS:
+            want = cut.row_pairs(getattr(predicted, kind)[comm.rank])
+            got = getattr(record, kind)
+            totals[kind] += int(got.shape[0])
+            if not (got.shape == want.shape and (got == want).all()):
+                mismatches.append([k, kind, int(got.shape[0]), int(want.shape[0])])
+    every = [None] * world if comm.rank == 0 else None
+    dist.gather_object({"mismatches": mismatches, "totals": totals}, every,
+                       dst=dist.get_global_rank(comm.group, 0), group=comm.group)  # fmt: skip
+    if comm.rank != 0:
+        return None
+    streams = [_stream(dataset, rank=r, world=world, cut=_cut(schema, world)) for r in range(world)]
+    ref = dist_cases.one_process(dataset, "adagrad", torch.float32, streams, frozen=frozen)
+    return {
+        "world": world,
+        "frozen": frozen,
+        "loss_dev": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True)),
+        "table_dev": dist_cases.compare_tables(tables, ref["tables"]),
+        "ranks": every,
+    }
+
+
+def _loop_case(comm: Comm, dataset: str) -> dict | None:
+    """``recpipe train``'s rank loop with ``--dispatch esd --cache-rows``, and without caches."""
+    from dataclasses import replace
+
+    from trainer.config import TrainConfig
+    from trainer.distributed.config import DistributedConfig
+    from trainer.distributed.run import train_rank
+
+    config = TrainConfig(dataset=dataset, batch_size=dist_cases.BATCH, steps=4,
+                         eval_fraction=0.25, model=dist_cases.SMALL_MODEL, seed=0)  # fmt: skip
+    options = DistributedConfig(dispatch="esd", hot_rows=0, count_steps=2, probe_rows=256,
+                                probe_repeats=1, bandwidths=(1e9, 1e10))  # fmt: skip
+    plain, _ = train_rank(config, options, comm=comm, progress=False)
+    cached, summary = train_rank(config, replace(options, cache_rows=CACHE_ROWS), comm=comm,
+                                 progress=False)  # fmt: skip
+    if comm.rank != 0:
+        return None
+    return {
+        "plain": plain.losses,
+        "cached": cached.losses,
+        "plain_eval": plain.final_eval.loss,
+        "cached_eval": cached.final_eval.loss,
+        "summary": summary.cache,
+        "lines": dict(summary.lines()),
+    }
+
+
+def cache_job(rank: int, world_size: int, dataset: str, out: str) -> None:
+    """Every world of :data:`WORLDS`, with the dense part learning and frozen; the rank loop
+    on 2 ranks."""
+    results, loop = [], None
+    for world in WORLDS:
+        comm = dist_cases.subgroup_comm(world)
+        for frozen in (False, True):
+            if comm is not None:
+                results.append(_case(comm, dataset, frozen=frozen))
+        if comm is not None and world == 2:
+            loop = _loop_case(comm, dataset)
+    if rank == 0:
+        Path(out, "cache.json").write_text(json.dumps({"cases": results, "loop": loop}))
+    dist.barrier()
