@@ -112,6 +112,7 @@ def _loop_case(comm: Comm, dataset: str) -> dict | None:
         "plain_eval": plain.final_eval.loss,
         "cached_eval": cached.final_eval.loss,
         "summary": summary.cache,
+        "per_rank": summary.cache_per_rank,
         "lines": dict(summary.lines()),
     }
 

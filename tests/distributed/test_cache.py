@@ -43,7 +43,7 @@ def test_one_rank_with_a_cache_trains_and_evaluates_like_the_exchange(dist_datas
     # evaluation reads the dirty copies too, and leaves the cache as it was
     assert cached.evaluate(batches[3:]) == plain.evaluate(batches[3:])
     assert (cached.sparse.cache.dirty == dirty_before).all()
-    totals = cached.sparse.totals()
+    (totals,) = cached.sparse.totals()
     assert set(totals) == set(RECORD_KINDS)
     assert totals["shared"] == totals["pushes"] == 0  # one rank: nobody else reads its rows
     assert (totals["evictions"] > 0) == (cache_rows < 4096)

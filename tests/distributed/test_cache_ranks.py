@@ -68,4 +68,7 @@ def test_the_rank_loop_with_caches_gives_the_losses_without(everything):
         assert abs(got - want) <= 1e-6 * abs(want)
     assert abs(loop["cached_eval"] - loop["plain_eval"]) <= 1e-6 * abs(loop["plain_eval"])
     assert loop["summary"]["reads"] > loop["summary"]["pulls"] > 0, loop["summary"]
+    per_rank = loop["per_rank"]
+    assert len(per_rank) == 2
+    assert {k: sum(r[k] for r in per_rank) for k in per_rank[0]} == loop["summary"]
     assert "miss pulls" in loop["lines"]["transfers"]

@@ -519,13 +519,13 @@ class CachedEmbeddings:
         if self.keep_records:
             self.records.append(record)
 
-    def totals(self) -> dict[str, int]:
-        """Rows of each kind of :data:`RECORD_KINDS` over all steps, every rank summed
+    def totals(self) -> list[dict[str, int]]:
+        """Rows of each kind of :data:`RECORD_KINDS` over all steps, one dict per rank
         (collective)."""
-        every = self.comm.all_reduce(
+        every = self.comm.all_gather(
             torch.from_numpy(self._totals.copy()), what="the caches' totals"
         )
-        return dict(zip(RECORD_KINDS, (int(v) for v in every.tolist()), strict=True))
+        return [dict(zip(RECORD_KINDS, (int(v) for v in t.tolist()), strict=True)) for t in every]
 
     def _ids_of(self, prep: _Step, positions: np.ndarray) -> np.ndarray:
         return self.cache.ids[prep.slots[positions]]

@@ -58,6 +58,7 @@ class DistributedSummary:
         cache_rows: rows of each rank's cache (0: no caches, the 2FP exchange).
         cache: with caches, each transfer kind's rows over the job, every rank summed
             (``reads``, ``pulls``, ``pushes``, ``shared``, ``evictions``, ``evict_pushes``).
+        cache_per_rank: the same, one dict per rank.
     """
 
     world_size: int
@@ -70,6 +71,7 @@ class DistributedSummary:
     remainder_rows: int = 0
     cache_rows: int = 0
     cache: dict[str, int] = field(default_factory=dict)
+    cache_per_rank: list[dict[str, int]] = field(default_factory=list)
 
     def lines(self) -> list[tuple[str, str]]:
         ex = self.exchange
@@ -363,7 +365,9 @@ class _RankRun:
         comm.all_reduce(totals, what="the final counters")
         self.summary.exchange = ExchangeStats.from_tensor(totals)
         if self.options.cache_rows:
-            self.summary.cache = self.trainer.sparse.totals()
+            per_rank = self.trainer.sparse.totals()
+            self.summary.cache_per_rank = per_rank
+            self.summary.cache = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
         self.summary.remainder_rows = self.train_ds.remainder_rows
         return log.result(
             steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,
