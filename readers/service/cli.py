@@ -141,12 +141,46 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         "0: greedy by regret; default 1)",
     )
     parser.add_argument(
+        "--cache-rows",
+        type=_numbers(int, zero=True),
+        default=(65536,),
+        metavar="ROWS[,ROWS...]",
+        help="dispatch: rows of each rank's embedding cache the dispatcher's shadow models, "
+        "comma-separated (one value: every rank); give the trainers' --cache-rows (default 65536)",
+    )
+    parser.add_argument(
+        "--bandwidths",
+        type=_numbers(float),
+        default=(1e9,),
+        metavar="B[,B...]",
+        help="dispatch: bytes/s of each rank's link, comma-separated (one value: every rank; "
+        "default 1e9)",
+    )
+    parser.add_argument(
         "--synthetic",
         type=int,
         default=None,
         metavar="N",
         help="serve N synthetic batches instead of a dataset (checks the network path)",
     )
+
+
+def _numbers(kind: type, *, zero: bool = False) -> Any:
+    """An argparse type: comma-separated positive (``zero``: or zero) numbers of ``kind``, as
+    a tuple."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(kind(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or not all(v > 0 or (zero and v == 0) for v in values):
+            what = "non-negative" if zero else "positive"
+            msg = f"expected comma-separated {what} {kind.__name__}s, got {text!r}"
+            raise argparse.ArgumentTypeError(msg)
+        return values
+
+    return parse
 
 
 def _dispatch_cut(args: argparse.Namespace) -> Any:
@@ -158,7 +192,8 @@ def _dispatch_cut(args: argparse.Namespace) -> Any:
     from schemas import load_schema
 
     schema = dataset_schema(args.dataset) if args.schema is None else load_schema(args.schema)
-    return rank_cut(args.dispatch, schema=schema, alpha=args.alpha)
+    return rank_cut(args.dispatch, schema=schema, alpha=args.alpha, cache_rows=args.cache_rows,
+                    bandwidths=args.bandwidths)  # fmt: skip
 
 
 def read_token(*, token: str | None, token_file: Path | None) -> str | None:

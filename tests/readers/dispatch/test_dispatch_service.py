@@ -78,3 +78,22 @@ def test_serve_options_make_the_cut(dataset):
     assert _dispatch_cut(parser.parse_args(["serve", str(root)])) is None  # contiguous
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", str(root), "--dispatch", "nearest"])
+
+
+def test_serve_prices_the_trainers_caches(dataset, capsys):
+    from readers.service.cli import _dispatch_cut, register_cli
+
+    root, schema_file = dataset
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    base = ["serve", str(root), "--schema", schema_file, "--dispatch", "esd"]
+    cut = _dispatch_cut(
+        parser.parse_args([*base, "--cache-rows", "512", "--bandwidths", "1e9,1e10"])
+    )
+    assert (cut.config.cache_rows, cut.config.bandwidths) == ((512,), (1e9, 1e10))
+    cut = _dispatch_cut(parser.parse_args(base))
+    assert (cut.config.cache_rows, cut.config.bandwidths) == ((65536,), (1e9,))
+    for bad in (["--cache-rows", "-1"], ["--cache-rows", "x"], ["--bandwidths", "1e9,-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, *bad])
+        assert bad[0] in capsys.readouterr().err
