@@ -89,8 +89,10 @@ def _case(comm: Comm, dataset: str, *, frozen: bool) -> dict | None:
     }
 
 
-def _loop_case(comm: Comm, dataset: str) -> dict | None:
-    """``recpipe train``'s rank loop with ``--dispatch esd --cache-rows``, and without caches."""
+def _loop_case(comm: Comm, dataset: str, out: str) -> dict | None:
+    """``recpipe train``'s rank loop with ``--dispatch esd --cache-rows``, and without caches;
+    and with caches stopped after 2 steps (a checkpoint, dirty rows still in the caches) and
+    resumed to 4."""
     from dataclasses import replace
 
     from trainer.config import TrainConfig
@@ -102,13 +104,18 @@ def _loop_case(comm: Comm, dataset: str) -> dict | None:
     options = DistributedConfig(dispatch="esd", hot_rows=0, count_steps=2, probe_rows=256,
                                 probe_repeats=1, bandwidths=(1e9, 1e10))  # fmt: skip
     plain, _ = train_rank(config, options, comm=comm, progress=False)
-    cached, summary = train_rank(config, replace(options, cache_rows=CACHE_ROWS), comm=comm,
-                                 progress=False)  # fmt: skip
+    with_caches = replace(options, cache_rows=CACHE_ROWS)
+    cached, summary = train_rank(config, with_caches, comm=comm, progress=False)
+    ckpt = str(Path(out, "checkpoint"))
+    train_rank(replace(config, steps=2, checkpoint=ckpt), with_caches, comm=comm, progress=False)
+    resumed, _ = train_rank(replace(config, checkpoint=ckpt, resume=True), with_caches, comm=comm,
+                            progress=False)  # fmt: skip
     if comm.rank != 0:
         return None
     return {
         "plain": plain.losses,
         "cached": cached.losses,
+        "resumed": resumed.losses,
         "plain_eval": plain.final_eval.loss,
         "cached_eval": cached.final_eval.loss,
         "summary": summary.cache,
@@ -127,7 +134,7 @@ def cache_job(rank: int, world_size: int, dataset: str, out: str) -> None:
             if comm is not None:
                 results.append(_case(comm, dataset, frozen=frozen))
         if comm is not None and world == 2:
-            loop = _loop_case(comm, dataset)
+            loop = _loop_case(comm, dataset, out)
     if rank == 0:
         Path(out, "cache.json").write_text(json.dumps({"cases": results, "loop": loop}))
     dist.barrier()

@@ -72,3 +72,12 @@ def test_the_rank_loop_with_caches_gives_the_losses_without(everything):
     assert len(per_rank) == 2
     assert {k: sum(r[k] for r in per_rank) for k in per_rank[0]} == loop["summary"]
     assert "miss pulls" in loop["lines"]["transfers"]
+
+
+def test_a_job_with_caches_resumes_from_its_checkpoint(everything):
+    """The checkpoint holds the rows dirty in the caches (read from them); the resumed job
+    starts with empty caches, and its dispatcher too, and trains the same global batches."""
+    loop = everything["loop"]
+    assert len(loop["resumed"]) == 4
+    for got, want in zip(loop["resumed"], loop["cached"], strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want)
