@@ -14,8 +14,8 @@ share), and the cost ``costs[i, j]`` of piece ``i`` on rank ``j``. A placement i
 * :func:`greedy_flow`: pieces in a given order, each to its cheapest rank with room; a piece
   that does not fit spills into the next cheapest. Each spill fills a rank, so at most ``W - 1``
   pieces are split.
-* :func:`hybrid_flow`: ESD's HybridDis. Pieces sorted by *regret* per row (second-smallest
-  minus smallest cost, over the piece's rows), largest first; the leading pieces holding an
+* :func:`hybrid_flow`: ESD's HybridDis. Pieces sorted by *regret* per row (:func:`regret`:
+  mean minus smallest cost, over the piece's rows), largest first; the leading pieces holding an
   ``alpha`` share of the rows are placed exactly, the rest greedily in that order. The rest
   enter the exact pass as bulk pieces (:func:`reserve`: grouped by cheapest rank), so the exact
   share leaves them the room they need; the greedy pass fills that room. The pure greedy
@@ -28,14 +28,14 @@ optimum, ``cost <= OPT + sum_{i in G} (max_j costs[i, j] - min_j costs[i, j])
 the pure greedy pass; on two ranks the greedy pass in regret order is optimal.
 
 >>> import numpy as np
->>> c = np.array([[4.0, 3.0, 3.0], [1.0, 3.0, 4.0], [2.0, 2.0, 5.0]])
+>>> c = np.array([[0.0, 0.0, 4.0], [3.0, 0.0, 4.0], [4.0, 0.0, 5.0]])
 >>> one = np.array([1, 1, 1])
 >>> exact = hybrid_flow(c, one, capacity=one, alpha=1.0)
 >>> exact.argmax(1).tolist(), flow_cost(c, one, exact)
-([2, 0, 1], 6.0)
->>> greedy = hybrid_flow(c, one, capacity=one, alpha=0.0)  # row 1 first (regret 2) takes rank 0
+([0, 2, 1], 4.0)
+>>> greedy = hybrid_flow(c, one, capacity=one, alpha=0.0)  # row 2 first (regret 3) takes rank 1
 >>> greedy.argmax(1).tolist(), flow_cost(c, one, greedy)
-([1, 0, 2], 9.0)
+([2, 0, 1], 7.0)
 """
 
 from __future__ import annotations
@@ -78,12 +78,17 @@ def _check(
 
 
 def regret(costs: np.ndarray) -> np.ndarray:
-    """Second-smallest minus smallest cost of each piece (0 with one rank)."""
+    """What each piece loses on an average rank: mean minus smallest cost (0 with one rank).
+
+    ESD's regret is the second-smallest minus the smallest cost; with ranks of equal bandwidth
+    that is 0 for every piece whose rows no rank holds (it costs the same on every fast rank),
+    so the greedy pass placed those pieces last, on the slow ranks the others left. The mean
+    counts every rank; on two ranks both orders are the same.
+    """
     costs = np.asarray(costs, dtype=np.float64)
     if costs.shape[1] < 2:
         return np.zeros(costs.shape[0])
-    two = np.partition(costs, 1, axis=1)[:, :2]
-    return two[:, 1] - two[:, 0]
+    return costs.mean(1) - costs.min(1)
 
 
 def flow_cost(costs: np.ndarray, sizes: np.ndarray, flow: np.ndarray) -> float:

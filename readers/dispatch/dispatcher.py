@@ -322,10 +322,7 @@ class Dispatcher:
         rank_of_piece = flow.argmax(1)
         row_rank = rank_of_piece[pieces.piece_of_row]
         for i in np.flatnonzero((flow > 0).sum(1) > 1):
-            start = int(pieces.starts[i])
-            row_rank[start : start + int(pieces.sizes[i])] = np.repeat(
-                np.arange(flow.shape[1]), flow[i]
-            )
+            row_rank[pieces.rows_of(i)] = np.repeat(np.arange(flow.shape[1]), flow[i])
         return row_rank
 
     def reads(

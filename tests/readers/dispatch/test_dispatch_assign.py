@@ -152,10 +152,10 @@ def test_greedy_in_regret_order_is_optimal_on_two_ranks(problem):
 
 
 def test_greedy_is_not_always_optimal_on_three_ranks():
-    costs = np.array([[4.0, 3.0, 3.0], [1.0, 3.0, 4.0], [2.0, 2.0, 5.0]])
+    costs = np.array([[0.0, 0.0, 4.0], [3.0, 0.0, 4.0], [4.0, 0.0, 5.0]])
     one = np.ones(3, dtype=np.int64)
-    assert flow_cost(costs, one, hybrid_flow(costs, one, capacity=one, alpha=0.0)) == 9.0
-    assert flow_cost(costs, one, hybrid_flow(costs, one, capacity=one, alpha=1.0)) == 6.0
+    assert flow_cost(costs, one, hybrid_flow(costs, one, capacity=one, alpha=0.0)) == 7.0
+    assert flow_cost(costs, one, hybrid_flow(costs, one, capacity=one, alpha=1.0)) == 4.0
 
 
 def test_exact_on_a_paper_sized_batch():
@@ -178,8 +178,20 @@ def test_exact_on_a_paper_sized_batch():
 
 
 def test_regret():
-    assert regret(np.array([[3.0, 1.0, 2.0], [5.0, 5.0, 0.0]])).tolist() == [1.0, 5.0]
+    assert regret(np.array([[3.0, 1.0, 2.0], [5.0, 5.0, 2.0]])).tolist() == [1.0, 2.0]
     assert regret(np.array([[3.0], [1.0]])).tolist() == [0.0, 0.0]
+
+
+def test_greedy_gives_a_piece_no_rank_holds_a_fast_rank():
+    """Ranks 0 and 1 equally fast, rank 2 ten times slower. Piece 2's rows are on no rank: it
+    costs the same on both fast ranks (second-smallest minus smallest: 0), so in that order it
+    came last and took the slow rank after pieces 0 and 1 (one row held on a fast rank each)
+    took the fast ones."""
+    costs = np.array([[0.0, 1.0, 10.0], [1.0, 0.0, 10.0], [2.0, 2.0, 20.0]])
+    one = np.ones(3, dtype=np.int64)
+    flow = hybrid_flow(costs, one, capacity=one, alpha=0.0)
+    assert flow.argmax(1)[2] in (0, 1)
+    assert flow_cost(costs, one, flow) == 13.0  # not 20
 
 
 def test_greedy_follows_the_order_spills_and_breaks_ties_to_the_lowest_rank():

@@ -60,10 +60,8 @@ def test_every_rank_gets_exactly_its_share_and_sessions_stay_whole(tiny_schema, 
         rank_of_row = np.empty(WORLD * MICRO, dtype=np.int64)
         for j, rows in enumerate(out.rows):
             rank_of_row[rows] = j
-        for i, (start, size) in enumerate(
-            zip(prepared.pieces.starts, prepared.pieces.sizes, strict=True)
-        ):
-            ranks = np.unique(rank_of_row[start : start + size])
+        for i in range(prepared.pieces.num_pieces):
+            ranks = np.unique(rank_of_row[prepared.pieces.rows_of(i)])
             assert ranks.tolist() == np.flatnonzero(out.flow[i]).tolist()
 
 
@@ -189,3 +187,24 @@ def test_bad_shapes(tiny_schema):
     d = _dispatcher(tiny_schema)
     with pytest.raises(DataError, match="W \\* m = 3 \\* 4 = 12"):
         d.dispatch(session_batch(tiny_schema, 10))
+
+
+def test_a_session_interleaved_with_others_stays_on_one_rank():
+    """A batch in time order: the rows of sessions 0 and 1 alternate. Each session is one
+    piece (its user row pulled once, by one rank), not one piece per row."""
+    import torch
+
+    from recpipe.batch import Batch
+    from recpipe.jagged import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(  # user 10, 20, 10, 20; items 1, 2, 3, 4
+        ["user", "item"],
+        torch.tensor([10, 20, 10, 20, 1, 2, 3, 4]),
+        torch.ones(8, dtype=torch.int64),
+    )
+    batch = Batch(torch.zeros(4, 1), torch.zeros(4), kjt, session_ids=torch.tensor([0, 1, 0, 1]))
+    d = Dispatcher(DispatchConfig(cache_rows=(8,)), world_size=2, micro_batch=2,
+                   tables=TableMap.per_feature(["user", "item"]))  # fmt: skip
+    out = d.dispatch(batch)
+    assert sorted(r.tolist() for r in out.rows) == [[0, 2], [1, 3]]
+    assert sorted(r.size for r in out.transfers.pulls) == [3, 3]  # its user once, two items
