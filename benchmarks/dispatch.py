@@ -29,10 +29,11 @@ Figures (written to benchmarks/results/dispatch.json):
   dispatch_prepare_vs_saved  (dispatch + preparing the batch: cutting it into pieces, numbering
                          their rows) / the step transfer time saved: what a rank pays per step
   training               a real --train-ranks run of `recpipe train --dispatch esd` and
-                         `--dispatch random` (in-process readers, gloo): samples/s of each
-                         (spread over alternated runs) and esd_vs_random. The trainer keeps no
-                         per-rank cache, so this measures what dispatching costs, not the
-                         transfers it saves
+                         `--dispatch random` (in-process readers, gloo), every rank with a real
+                         embedding cache (`--cache-rows`: the replay's cache size; the first
+                         --fast-ranks ranks fast): samples/s of each (spread over alternated
+                         runs), esd_vs_random, and the link seconds of the pulls and pushes the
+                         caches made (cache_link_s; train_cache_cost_esd_vs_random)
   piece_rows_sweep       cost of esd (alpha = 1), laia and random at other piece sizes
                          (1 = single samples)
 """
@@ -93,9 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--train-ranks", type=int, default=2, help="ranks of those runs")
     parser.add_argument("--train-repeats", type=int, default=3, help="alternated runs per policy")
-    parser.add_argument(
-        "--train-hot-rows", type=str, default="auto", help="--hot-rows of those runs"
-    )
     parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
     parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
@@ -167,17 +165,17 @@ class Replay:
         self.cold_rows = self.index.num_rows - self.hot_rows
         self.cache_rows = max(1, round(args.cache_share * self.cold_rows))
 
-    def config(self, policy: str, alpha: float) -> Any:
+    def config(self, policy: str, alpha: float, regret: str = "mean") -> Any:
         from dataclasses import replace
 
         return replace(self.base, policy=policy, alpha=alpha, cache_rows=(self.cache_rows,),
-                       seed=self.args.seed)  # fmt: skip
+                       seed=self.args.seed, regret=regret)  # fmt: skip
 
-    def run(self, policy: str, alpha: float = 1.0) -> dict[str, Any]:
+    def run(self, policy: str, alpha: float = 1.0, regret: str = "mean") -> dict[str, Any]:
         """Replay every batch from empty caches: link seconds per kind, step times, hits."""
         from readers.dispatch import Dispatcher
 
-        d = Dispatcher(self.config(policy, alpha), world_size=self.world,
+        d = Dispatcher(self.config(policy, alpha, regret), world_size=self.world,
                        micro_batch=self.args.micro_batch, tables=self.tables,
                        index=self.index)  # fmt: skip
         d.set_hot(*self.hot_keys)
@@ -210,6 +208,8 @@ CASES = {
     "esd_alpha1": ("esd", 1.0),
     "esd_alpha0.5": ("esd", 0.5),
     "esd_alpha0": ("esd", 0.0),
+    # ESD's own regret (second-smallest minus smallest cost): reported beside the default
+    "esd_alpha0_second_regret": ("esd", 0.0, "second"),  # not in the order
     "laia": ("laia", 1.0),
     "round_robin": ("round-robin", 1.0),
     "random": ("random", 1.0),
@@ -270,6 +270,7 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
         "cost_s": results,
         "cost_vs_laia_alpha1": cost["esd_alpha1"] / cost["laia"],
         "cost_vs_laia_alpha0": cost["esd_alpha0"] / cost["laia"],
+        "cost_vs_laia_alpha0_second_regret": cost["esd_alpha0_second_regret"] / cost["laia"],
         "cost_vs_random_alpha1": cost["esd_alpha1"] / cost["random"],
         "all_vs_laia_alpha1": results["esd_alpha1"]["all"] / results["laia"]["all"],
         "cost_order_holds": holds,
@@ -290,42 +291,72 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
     }
 
 
-def train_rates(dataset: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Samples/s of real multi-rank ``recpipe train`` runs (gloo, in-process readers) with
-    ``--dispatch esd`` and ``--dispatch random``, alternated."""
+def train_rates(
+    dataset: Path, args: argparse.Namespace, work: Path, *, cache_rows: int
+) -> dict[str, Any]:
+    """Real multi-rank ``recpipe train`` runs (gloo, in-process readers) with ``--dispatch esd``
+    and ``--dispatch random``, alternated, every rank with a real embedding cache of
+    ``cache_rows`` rows: samples/s, and the link seconds of the pulls and pushes the caches
+    made (each rank's rows over its bandwidth, as the simulator counts them)."""
     import json
     import os
     import subprocess
 
+    ranks = args.train_ranks
+    fast = min(args.fast_ranks, ranks)
+    bandwidths = [args.bandwidth * args.fast_factor] * fast + [args.bandwidth] * (ranks - fast)
+    row_bytes = 4 * (args.dim + 1)
     rates: dict[str, list[float]] = {"esd": [], "random": []}
+    costs: dict[str, list[dict[str, float]]] = {"esd": [], "random": []}
 
     def case(policy: str) -> Any:
         def call() -> None:
             out = work / f"train-{policy}-{len(rates[policy])}.json"
             argv = [
                 sys.executable, "-m", "recpipe_cli", "train", str(dataset), "--quiet",
-                "--nproc", str(args.train_ranks), "--batch-size", str(args.micro_batch),
+                "--nproc", str(ranks), "--batch-size", str(args.micro_batch),
                 "--steps", str(args.train_steps), "--eval-fraction", "0",
-                "--hot-rows", args.train_hot_rows, "--dispatch", policy, "--alpha", "1",
+                "--dispatch", policy, "--alpha", "1", "--cache-rows", str(cache_rows),
+                "--bandwidths", ",".join(f"{b:g}" for b in bandwidths),
                 "--embedding-dim", str(args.dim), "--seed", str(args.seed), "--json", str(out),
             ]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
             if done.returncode != 0:
                 sys.exit(f"recpipe train --dispatch {policy} failed:\n{done.stderr[-4000:]}")
-            rates[policy].append(float(json.loads(out.read_text())["samples_per_s"]))
+            doc = json.loads(out.read_text())
+            rates[policy].append(float(doc["samples_per_s"]))
+            per_rank = doc["distributed"]["cache_per_rank"]
+            link = {
+                kind: sum(
+                    r[kind] * row_bytes / b for r, b in zip(per_rank, bandwidths, strict=True)
+                )
+                for kind in ("pulls", "pushes", "evict_pushes")
+            }
+            reads = sum(r["reads"] for r in per_rank)
+            costs[policy].append({
+                **link, "cost": link["pulls"] + link["pushes"],
+                "hit_rate": 1.0 - sum(r["pulls"] for r in per_rank) / max(reads, 1),
+            })  # fmt: skip
 
         return call
 
     alternate({p: case(p) for p in rates}, repeats=args.train_repeats, warmup=False)
+    # the caches' transfers depend on the placements only: the same in every repeat
+    cost = {p: costs[p][0] for p in costs}
     return {
-        "ranks": args.train_ranks,
+        "ranks": ranks,
         "steps": args.train_steps,
+        "cache_rows": cache_rows,
+        "bandwidths": bandwidths,
         "samples_per_s": {p: spread(v) for p, v in rates.items()},
         "esd_vs_random": statistics.median(rates["esd"]) / statistics.median(rates["random"]),
         "esd_vs_random_repeats": [
             a / b for a, b in zip(rates["esd"], rates["random"], strict=True)
         ],
+        "cache_link_s": cost,
+        "cache_cost_esd_vs_random": cost["esd"]["cost"] / cost["random"]["cost"],
+        "cache_costs_repeat": all(c == costs[p][0] for p in costs for c in costs[p]),
     }
 
 
@@ -339,7 +370,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     head = per_order[next(iter(per_order))]
     training = None
     if args.train_steps:
-        training = train_rates(next(iter(datasets.values())), args, work)
+        cache_rows = head["dataset"]["cache_rows"]
+        training = train_rates(next(iter(datasets.values())), args, work, cache_rows=cache_rows)
     figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
                "dispatch_vs_saved", "dispatch_cpu_vs_saved",
                "dispatch_prepare_vs_saved")  # fmt: skip
@@ -371,6 +403,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             else {
                 "train_esd_vs_random": training["esd_vs_random"],
                 "train_esd_vs_random_repeats": training["esd_vs_random_repeats"],
+                "train_cache_cost_esd_vs_random": training["cache_cost_esd_vs_random"],
             }
         ),
     }
@@ -400,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         rates = training["samples_per_s"]
         print(f"recpipe train, {training['ranks']} ranks: esd {rates['esd']['median']:.0f}, "
               f"random {rates['random']['median']:.0f} samples/s "
-              f"(esd_vs_random {training['esd_vs_random']:.3f})")  # fmt: skip
+              f"(esd_vs_random {training['esd_vs_random']:.3f}); the caches' pulls and pushes, "
+              f"esd / random link seconds: {training['cache_cost_esd_vs_random']:.3f}")  # fmt: skip
     print(f"wrote {out}")
     return 0
 

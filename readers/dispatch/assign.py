@@ -47,7 +47,15 @@ import numpy as np
 from readers.dispatch import _kernels as K
 from recpipe.errors import DataError
 
-__all__ = ["exact_flow", "flow_cost", "greedy_flow", "hybrid_flow", "regret", "reserve"]
+__all__ = [
+    "REGRETS",
+    "exact_flow",
+    "flow_cost",
+    "greedy_flow",
+    "hybrid_flow",
+    "regret",
+    "reserve",
+]
 
 
 def _check(
@@ -77,17 +85,28 @@ def _check(
     return costs, sizes, capacity
 
 
-def regret(costs: np.ndarray) -> np.ndarray:
-    """What each piece loses on an average rank: mean minus smallest cost (0 with one rank).
+REGRETS = ("mean", "second")
+"""How :func:`regret` measures what a piece loses away from its cheapest rank."""
 
-    ESD's regret is the second-smallest minus the smallest cost; with ranks of equal bandwidth
-    that is 0 for every piece whose rows no rank holds (it costs the same on every fast rank),
-    so the greedy pass placed those pieces last, on the slow ranks the others left. The mean
-    counts every rank; on two ranks both orders are the same.
+
+def regret(costs: np.ndarray, *, kind: str = "mean") -> np.ndarray:
+    """What each piece loses away from its cheapest rank (0 with one rank).
+
+    ``second``: ESD's regret, the second-smallest minus the smallest cost. With ranks of equal
+    bandwidth that is 0 for every piece whose rows no rank holds (it costs the same on every
+    fast rank), so the greedy pass placed those pieces last, on the slow ranks the others left.
+    ``mean`` (the default): mean minus smallest cost, which counts every rank; on two ranks both
+    give the same order.
     """
+    if kind not in REGRETS:
+        msg = f"`regret` must be one of {list(REGRETS)}, got {kind!r}"
+        raise DataError(msg)
     costs = np.asarray(costs, dtype=np.float64)
     if costs.shape[1] < 2:
         return np.zeros(costs.shape[0])
+    if kind == "second":
+        low = np.partition(costs, 1, axis=1)
+        return low[:, 1] - low[:, 0]
     return costs.mean(1) - costs.min(1)
 
 
@@ -222,7 +241,12 @@ def greedy_flow(
 
 
 def hybrid_flow(
-    costs: np.ndarray, sizes: np.ndarray, *, capacity: np.ndarray, alpha: float
+    costs: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    capacity: np.ndarray,
+    alpha: float,
+    regret_kind: str = "mean",
 ) -> np.ndarray:
     """HybridDis (see the module docstring).
 
@@ -231,6 +255,7 @@ def hybrid_flow(
         sizes: [n] rows of each piece.
         capacity: [W] rows each rank takes; must sum to the rows.
         alpha: share of the rows (pieces of largest regret per row first) placed exactly.
+        regret_kind: how the regret is measured (:func:`regret`).
 
     Returns:
         int64 [n, W] the rows of each piece on each rank: rank ``j`` gets exactly
@@ -249,7 +274,7 @@ def hybrid_flow(
             "its share"
         )
         raise DataError(msg)
-    order = np.argsort(-regret(costs) / sizes, kind="stable")
+    order = np.argsort(-regret(costs, kind=regret_kind) / sizes, kind="stable")
     rows = np.cumsum(sizes[order])
     k = int(np.searchsorted(rows, math.ceil(alpha * sizes.sum()))) + 1 if alpha > 0 else 0
     top, rest = order[:k], order[k:]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from readers.dispatch.assign import flow_cost, greedy_flow, hybrid_flow
+from readers.dispatch.assign import REGRETS, flow_cost, greedy_flow, hybrid_flow
 from readers.dispatch.cost import piece_costs, piece_hits
 from readers.dispatch.keys import PieceRows, RowIndex, TableMap, distinct, piece_rows
 from readers.dispatch.pieces import Pieces, session_pieces
@@ -74,6 +74,8 @@ class DispatchConfig:
         row_bytes: bytes one row transfer moves (the embedding and its optimizer state).
         cache_rows: rows each rank's cache holds, comma-separated (one value: every rank).
         seed: seed of the ``random`` policy.
+        regret: how ``esd`` orders pieces for its exact share and its greedy pass: ``mean``
+            (mean minus smallest cost) or ``second`` (ESD's second-smallest minus smallest).
     """
 
     policy: Policy = "esd"
@@ -83,8 +85,12 @@ class DispatchConfig:
     row_bytes: int = 68
     cache_rows: tuple[int, ...] = (65536,)
     seed: int = 0
+    regret: Literal["mean", "second"] = "mean"
 
     def __post_init__(self) -> None:
+        if self.regret not in REGRETS:
+            msg = f"`regret` must be one of {list(REGRETS)}, got {self.regret!r}"
+            raise DataError(msg)
         if self.policy not in POLICIES:
             msg = f"`policy` must be one of {sorted(POLICIES)}, got {self.policy!r}"
             raise DataError(msg)
@@ -184,8 +190,9 @@ class _View:
 
 
 def _esd(view: _View) -> np.ndarray:
-    alpha = view.dispatcher.config.alpha
-    return hybrid_flow(view.costs(), view.sizes, capacity=view.capacity, alpha=alpha)
+    config = view.dispatcher.config
+    return hybrid_flow(view.costs(), view.sizes, capacity=view.capacity, alpha=config.alpha,
+                       regret_kind=config.regret)  # fmt: skip
 
 
 def _laia(view: _View) -> np.ndarray:

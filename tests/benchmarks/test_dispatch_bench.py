@@ -10,7 +10,8 @@ import math
 import pytest
 from _bench import load_benchmark
 
-CASES = ("esd_alpha1", "esd_alpha0.5", "esd_alpha0", "laia", "round_robin", "random")
+CASES = ("esd_alpha1", "esd_alpha0.5", "esd_alpha0", "esd_alpha0_second_regret", "laia",
+         "round_robin", "random")  # fmt: skip
 
 
 def test_help(capsys):
@@ -33,7 +34,7 @@ def test_tiny_run_writes_results(tmp_path):
     argv = [
         "--requests", "1500", "--ranks", "4", "--fast-ranks", "2", "--micro-batch", "16",
         "--batches", "3", "--repeats", "2", "--sweep-piece-rows", "1", "--orders", "session",
-        "--train-steps", "2", "--train-repeats", "1", "--train-hot-rows", "0",
+        "--train-steps", "2", "--train-repeats", "1",
         "--work", str(tmp_path / "work"), "--out", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
@@ -59,6 +60,12 @@ def test_tiny_run_writes_results(tmp_path):
     assert (training["ranks"], training["steps"]) == (2, 2)
     assert all(training["samples_per_s"][p]["median"] > 0 for p in ("esd", "random"))
     assert results["train_esd_vs_random"] == training["esd_vs_random"] > 0
+    # the real caches: their pulls and pushes over each rank's bandwidth
+    assert training["cache_rows"] == res["dataset"]["cache_rows"]
+    for policy in ("esd", "random"):
+        link = training["cache_link_s"][policy]
+        assert link["cost"] == pytest.approx(link["pulls"] + link["pushes"]) and link["pulls"] > 0
+    assert results["train_cache_cost_esd_vs_random"] == training["cache_cost_esd_vs_random"] > 0
     # the README table renders every row from this JSON
     table = load_benchmark("report").render({"dispatch": results})
     for label in (

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from readers.dispatch.assign import exact_flow, flow_cost, greedy_flow, hybrid_flow, regret
+from readers.dispatch.dispatcher import DispatchConfig
 from recpipe.errors import DataError
 from tests.readers.dispatch.brute import brute_force
 
@@ -192,6 +193,17 @@ def test_greedy_gives_a_piece_no_rank_holds_a_fast_rank():
     flow = hybrid_flow(costs, one, capacity=one, alpha=0.0)
     assert flow.argmax(1)[2] in (0, 1)
     assert flow_cost(costs, one, flow) == 13.0  # not 20
+    esd_order = hybrid_flow(costs, one, capacity=one, alpha=0.0, regret_kind="second")
+    assert flow_cost(costs, one, esd_order) == 20.0  # ESD's regret: piece 2 on the slow rank
+
+
+def test_esds_regret_and_bad_kinds():
+    costs = np.array([[3.0, 1.0, 2.0], [5.0, 5.0, 2.0], [2.0, 2.0, 20.0]])
+    assert regret(costs, kind="second").tolist() == [1.0, 3.0, 0.0]
+    with pytest.raises(DataError, match="`regret` must be one of"):
+        regret(costs, kind="median")
+    with pytest.raises(DataError, match="`regret` must be one of"):
+        DispatchConfig(regret="median")
 
 
 def test_greedy_follows_the_order_spills_and_breaks_ties_to_the_lowest_rank():

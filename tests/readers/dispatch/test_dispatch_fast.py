@@ -75,9 +75,11 @@ def test_the_order_key_falls_back_to_table_and_id():
 # second-smallest minus smallest), which reorders esd's pieces on purpose (the fast paths made
 # the old digest with the old regret; pieces by session id leave these run-sessions' decisions)
 REPLAY_DIGEST = "0f295f5f673fc87f602b7d6862c0f030413a7ac96be42400557b2e62fb2046b2"
+# the plain implementation's digest, with ESD's regret (``regret="second"``)
+PLAIN_DIGEST_SECOND_REGRET = "ce87c842c842d83e35d1ecdf0505d67680a1d55fd39c0dcdd9321bf7d075ee0e"
 
 
-def replay_digest(schema) -> tuple[str, dict[str, int]]:
+def replay_digest(schema, *, regret: str = "mean") -> tuple[str, dict[str, int]]:
     """Every policy (and alpha 0.5, 0) over 8 ranks, fixed batches: a digest of the decisions,
     and how many split pieces, pushes and evict pushes the replay had."""
     world, micro = 8, 16
@@ -102,6 +104,7 @@ def replay_digest(schema) -> tuple[str, dict[str, int]]:
                 bandwidths=(10.0,) * 4 + (1.0,) * 4,
                 row_bytes=1,
                 cache_rows=(40,),
+                regret=regret,
                 **config,
             ),
             world_size=world,
@@ -127,3 +130,7 @@ def test_the_fast_paths_make_the_plain_decisions(tiny_schema):
     digest, seen = replay_digest(tiny_schema)
     assert min(seen.values()) > 0, seen  # the replay splits pieces, pushes and evicts
     assert digest == REPLAY_DIGEST
+
+
+def test_esds_own_regret_makes_the_plain_implementations_decisions(tiny_schema):
+    assert replay_digest(tiny_schema, regret="second")[0] == PLAIN_DIGEST_SECOND_REGRET
