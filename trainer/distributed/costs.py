@@ -242,13 +242,14 @@ def fit_costs(
         a2a_rows: ids per rank to time (spread over all owners).
         repeats: timed steps per size, over all rounds.
         hot_lookups: ids looked up per step in the hot-set sweep.
-        rounds: visits of every size.
+        rounds: visits of every size (at most ``repeats``).
         warm: untimed steps after every change of size.
     """
     world = comm.world_size
     probe = _Probe(comm, dim=dim, dtype=dtype)
     top = max(a2a_rows)
-    calls = max(-(-repeats // rounds), 1)
+    rounds = max(min(rounds, repeats), 1)
+    calls = max(-(-repeats // rounds), 1)  # at least `repeats` timed steps per size
 
     def timed(setups: Sequence[Callable[[], Step]]) -> list[float]:
         return _slowest_rank_fastest(comm, setups, rounds=rounds, warm=warm, calls=calls)
