@@ -126,12 +126,12 @@ class CostFit:
         return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
 
 
-Step = Callable[[], float]
+_Step = Callable[[], float]
 """A probe step: runs one exchange step and returns the seconds of the part that is timed."""
 
 
 def _slowest_rank_fastest(
-    comm: Comm, setups: Sequence[Callable[[], Step]], *, rounds: int, warm: int, calls: int
+    comm: Comm, setups: Sequence[Callable[[], _Step]], *, rounds: int, warm: int, calls: int
 ) -> list[float]:
     """The time of each case's step (collective: every rank gets the same times).
 
@@ -177,7 +177,7 @@ class _Probe:
             holder, comm=comm, optimizer=SparseOptimizer("rowwise_adagrad", 1e-3), count_steps=0
         )
 
-    def step(self, ids: np.ndarray, *, timed: str = "prepare+step") -> Step:
+    def step(self, ids: np.ndarray, *, timed: str = "prepare+step") -> _Step:
         """One exchange step of a batch looking ``ids`` up; ``timed`` is ``"prepare+step"``
         (the whole step) or ``"step"`` (the backward exchange only: the hot all-reduce, the
         cold gradients' all-to-all and the updates)."""
@@ -251,7 +251,7 @@ def fit_costs(
     rounds = max(min(rounds, repeats), 1)
     calls = max(-(-repeats // rounds), 1)  # at least `repeats` timed steps per size
 
-    def timed(setups: Sequence[Callable[[], Step]]) -> list[float]:
+    def timed(setups: Sequence[Callable[[], _Step]]) -> list[float]:
         return _slowest_rank_fastest(comm, setups, rounds=rounds, warm=warm, calls=calls)
 
     steps = [probe.step(np.arange(rows, dtype=np.int64) + (comm.rank << 40)) for rows in a2a_rows]
@@ -261,8 +261,8 @@ def fit_costs(
     hot = timed([lambda s=s: s for s in steps])  # the same lookups, hot
     looked_up = probe.step(np.arange(hot_lookups, dtype=np.int64), timed="step")
 
-    def hot_set(rows: int) -> Callable[[], Step]:
-        def setup() -> Step:
+    def hot_set(rows: int) -> Callable[[], _Step]:
+        def setup() -> _Step:
             probe.sparse.set_hot([np.arange(rows, dtype=np.int64)])
             return looked_up
 
