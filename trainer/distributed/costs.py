@@ -14,8 +14,8 @@ access costs (the hot accesses' own cost, ``N·C_hot``, does not depend on R and
 :func:`fit_costs` times steps of a one-table exchange on the job's own group (its collectives
 and the work around them) at several sizes of three kinds: every size is visited a few times in
 rotated orders, with untimed steps after every change of size; a visit keeps the slowest rank's
-fastest step, a size the median of its visits (every rank fits the same numbers, so every rank
-chooses the same R). A line is fitted to each kind; its r² says how well a line explains the
+fastest step, a size its fastest visit (every rank fits the same numbers, so every rank chooses
+the same R). A line is fitted to each kind; its r² says how well a line explains the
 times. :func:`choose_num_hot` evaluates ``f`` at every R up to the candidates and takes the
 smallest minimum (exact: no convexity assumed).
 """
@@ -48,8 +48,8 @@ class LineFit:
         intercept: seconds per call.
         r2: coefficient of determination of the fit.
         sizes: the sizes timed.
-        seconds: the time at each size (the median over visits of the slowest rank's fastest
-            step).
+        seconds: the time at each size (over its visits, the fastest of the slowest rank's
+            fastest steps).
     """
 
     slope: float
@@ -135,13 +135,13 @@ def _slowest_rank_fastest(
 ) -> list[float]:
     """The time of each case's step (collective: every rank gets the same times).
 
-    ``rounds`` rounds visit every case, each round in an order rotated by one (a slow phase of
-    other load falls on every case alike, not on one size of a sweep). A visit sets its case
-    up (``setups[i]()``, which may call collectives: every rank visits in the same order),
-    runs ``warm`` untimed steps (the first steps after a change of size allocate and fault in
-    buffers of the new size, which the job's steady steps do not) and keeps the fastest of
-    ``calls`` timed steps (other load only slows a step down). Each visit's slowest rank is
-    kept, and each case gets the median of its visits.
+    ``rounds`` rounds visit every case, each round in an order rotated by one (no size always
+    follows the same other one, and a slow phase of other load spoils one visit, not a size).
+    A visit sets its case up (``setups[i]()``, which may call collectives: every rank visits
+    in the same order), runs ``warm`` untimed steps (the first steps after a change of size
+    are slower than the job's steady steps: they allocate and fault in buffers of the new
+    size) and times ``calls`` steps. A visit's time is its slowest rank's fastest step, and a
+    case's time its fastest visit (other load only slows steps down).
     """
     n = len(setups)
     fastest = np.full((rounds, n), np.inf)
@@ -153,7 +153,7 @@ def _slowest_rank_fastest(
             fastest[r, i] = min(step() for _ in range(calls))
     slowest = torch.from_numpy(fastest)
     comm.all_reduce(slowest, what="the cost probe", op="max")
-    return np.median(slowest.numpy(), axis=0).tolist()
+    return slowest.numpy().min(axis=0).tolist()
 
 
 class _Probe:
