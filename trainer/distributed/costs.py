@@ -139,8 +139,7 @@ def _slowest_rank_fastest(
     follows the same other one, and a slow phase of other load spoils one visit, not a size).
     A visit sets its case up (``setups[i]()``, which may call collectives: every rank visits
     in the same order), runs ``warm`` untimed steps (the first steps after a change of size
-    are slower than the job's steady steps: they allocate and fault in buffers of the new
-    size) and times ``calls`` steps. A visit's time is its slowest rank's fastest step, and a
+    run slower than the job's steady steps) and times ``calls`` steps. A visit's time is its slowest rank's fastest step, and a
     case's time its fastest visit (other load only slows steps down).
     """
     n = len(setups)
