@@ -13,6 +13,7 @@ from readers.ranks import RankBatchDataset
 from readers.source import ReaderConfig
 from recpipe.errors import RecpipeError
 from trainer.config import TrainConfig
+from trainer.distributed import costs
 from trainer.distributed.batches import concat_batches, global_batches
 from trainer.distributed.comm import Comm
 from trainer.distributed.costs import CostFit, LineFit, choose_num_hot, fit_costs
@@ -160,6 +161,57 @@ def test_cost_fit_runs_on_one_process():
     assert fit.world_size == 1 and fit.backend == "local"
     assert fit.c_ar > 0 and fit.c_a2a > 0
     assert len(fit.all_reduce.seconds) == len(fit.all_to_all.seconds) == 2
+
+
+def test_cost_probe_warms_up_after_every_change_of_size_and_keeps_the_fastest_visit():
+    # scripted step times, no clock: every visit's first `warm` steps are slow (a new size's
+    # buffers), and one visit of "a" is slowed down by other load
+    script = {
+        "a": iter([9.0, 9.0, 5.0, 3.0, 9.0, 9.0, 4.0, 6.0, 9.0, 9.0, 90.0, 80.0]),
+        "b": iter([9.0, 9.0, 2.0, 2.0] * 3),
+    }
+    log = []
+
+    def setup(name):
+        def visit():
+            log.append(("setup", name))
+
+            def step():
+                log.append(("step", name))
+                return next(script[name])
+
+            return step
+
+        return visit
+
+    times = costs._slowest_rank_fastest(
+        Comm.single(), [setup("a"), setup("b")], rounds=3, warm=2, calls=2
+    )
+    assert times == [3.0, 2.0]  # visits' fastest: a 3, 4, 80; b 2, 2, 2 (warm-ups: 9)
+    visits = [name for what, name in log if what == "setup"]
+    assert visits == ["a", "b", "b", "a", "a", "b"]  # every round starts one case later
+    for k in range(0, len(log), 5):  # a visit: its setup, then warm + calls steps of it
+        assert log[k : k + 5] == [("setup", log[k][1])] + [("step", log[k][1])] * 4
+
+
+def test_all_reduce_probe_times_the_backward_exchange_only(monkeypatch):
+    # a fake clock that prepare() and step() advance: what the probe returns is what it timed
+    clock = [0.0]
+    monkeypatch.setattr(costs, "perf_counter", lambda: clock[0])
+    probe = costs._Probe(Comm.single(), dim=4, dtype=torch.float32)
+
+    def advance(seconds, real):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(probe.sparse, "prepare", advance(1.0, probe.sparse.prepare))
+    monkeypatch.setattr(probe.sparse, "step", advance(0.25, probe.sparse.step))
+    ids = np.arange(8, dtype=np.int64)
+    assert probe.step(ids)() == 1.25
+    assert probe.step(ids, timed="step")() == 0.25
 
 
 # -- global batches and batch norm ----------------------------------------------------------------

@@ -12,17 +12,19 @@ access costs (the hot accesses' own cost, ``N·C_hot``, does not depend on R and
 (:class:`HotCandidates`).
 
 :func:`fit_costs` times steps of a one-table exchange on the job's own group (its collectives
-and the work around them) at several sizes of three kinds, takes the slowest rank's fastest step
-at each size (every rank fits the same numbers, so every rank chooses the same R) and fits a
-line to each; its r² says how well a line explains the times. :func:`choose_num_hot` evaluates ``f`` at every R up to the
-candidates and takes the smallest minimum (exact: no convexity assumed).
+and the work around them) at several sizes of three kinds: every size is visited a few times in
+rotated orders, with untimed steps after every change of size; a visit keeps the slowest rank's
+fastest step, a size its fastest visit (every rank fits the same numbers, so every rank chooses
+the same R). A line is fitted to each kind; its r² says how well a line explains the
+times. :func:`choose_num_hot` evaluates ``f`` at every R up to the candidates and takes the
+smallest minimum (exact: no convexity assumed).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 import numpy as np
 import torch
@@ -46,7 +48,8 @@ class LineFit:
         intercept: seconds per call.
         r2: coefficient of determination of the fit.
         sizes: the sizes timed.
-        seconds: the time at each size (the slowest rank's fastest call).
+        seconds: the time at each size (over its visits, the fastest of the slowest rank's
+            fastest steps).
     """
 
     slope: float
@@ -123,16 +126,33 @@ class CostFit:
         return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
 
 
-def _fastest(fn: Callable[[], None], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls after a warm-up (other load only slows calls
-    down, so the fastest is the best estimate of the step's own cost)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+_Step = Callable[[], float]
+"""A probe step: runs one exchange step and returns the seconds of the part that is timed."""
+
+
+def _slowest_rank_fastest(
+    comm: Comm, setups: Sequence[Callable[[], _Step]], *, rounds: int, warm: int, calls: int
+) -> list[float]:
+    """The time of each case's step (collective: every rank gets the same times).
+
+    ``rounds`` rounds visit every case, each round in an order rotated by one (no size always
+    follows the same other one, and a slow phase of other load spoils one visit, not a size).
+    A visit sets its case up (``setups[i]()``, which may call collectives: every rank visits
+    in the same order), runs ``warm`` untimed steps (the first steps after a change of size
+    run slower than the job's steady steps) and times ``calls`` steps. A visit's time is its slowest rank's fastest step, and a
+    case's time its fastest visit (other load only slows steps down).
+    """
+    n = len(setups)
+    fastest = np.full((rounds, n), np.inf)
+    for r in range(rounds):
+        for i in np.roll(np.arange(n), -r):
+            step = setups[i]()
+            for _ in range(warm):
+                step()
+            fastest[r, i] = min(step() for _ in range(calls))
+    slowest = torch.from_numpy(fastest)
+    comm.all_reduce(slowest, what="the cost probe", op="max")
+    return slowest.numpy().min(axis=0).tolist()
 
 
 class _Probe:
@@ -156,8 +176,10 @@ class _Probe:
             holder, comm=comm, optimizer=SparseOptimizer("rowwise_adagrad", 1e-3), count_steps=0
         )
 
-    def step(self, ids: np.ndarray) -> Callable[[], None]:
-        """One exchange step (prepare + step) of a batch looking ``ids`` up."""
+    def step(self, ids: np.ndarray, *, timed: str = "prepare+step") -> _Step:
+        """One exchange step of a batch looking ``ids`` up; ``timed`` is ``"prepare+step"``
+        (the whole step) or ``"step"`` (the backward exchange only: the hot all-reduce, the
+        cold gradients' all-to-all and the updates)."""
         from recpipe.batch import Batch
         from recpipe.jagged import KeyedJaggedTensor
 
@@ -167,12 +189,17 @@ class _Probe:
         )
         batch = Batch(dense=torch.zeros(n, 0), labels=torch.zeros(n), kjt=kjt)
         device = self.comm.device
+        whole = timed == "prepare+step"
 
-        def run() -> None:
+        def run() -> float:
+            t0 = perf_counter()
             self.sparse.prepare(batch)
+            if not whole:
+                t0 = perf_counter()
             self.sparse.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            return perf_counter() - t0
 
         return run
 
@@ -186,6 +213,8 @@ def fit_costs(
     a2a_rows: Sequence[int] = PROBE_ROWS,
     repeats: int = 7,
     hot_lookups: int = 64,
+    rounds: int = 3,
+    warm: int = 2,
 ) -> CostFit:
     """Time the exchange on ``comm`` at several sizes and fit the cost model (collective:
     every rank calls it with the same arguments).
@@ -196,7 +225,13 @@ def fit_costs(
     * the same ids, all hot: the time per hot lookup (a hot row is not free: it is found,
       gathered and updated on every rank). ``C_a2a`` is what a cold lookup costs more;
     * hot sets of ``ar_rows`` rows with ``hot_lookups`` of them looked up: ``C_ar`` per hot
-      row; the same lookups with no hot set are the baseline of the all-reduce's per-call cost.
+      row; the same lookups with no hot set are the baseline of the all-reduce's per-call
+      cost. Only the backward exchange is timed here (the hot set changes nothing before it
+      but a binary search among the hot ids): ``prepare``'s three all-to-alls would add
+      their noise and no signal.
+
+    Each sweep visits its sizes ``rounds`` times in rotated orders, with ``warm`` untimed
+    steps after every change of size (:func:`_slowest_rank_fastest`).
 
     Args:
         comm: the job's exchange group.
@@ -204,35 +239,44 @@ def fit_costs(
         dtype: the rows' dtype (gradients travel in float64).
         ar_rows: hot-set sizes R to time.
         a2a_rows: ids per rank to time (spread over all owners).
-        repeats: timed steps per size (the fastest is kept).
+        repeats: timed steps per size, over all rounds.
         hot_lookups: ids looked up per step in the hot-set sweep.
+        rounds: visits of every size (at most ``repeats``).
+        warm: untimed steps after every change of size.
     """
     world = comm.world_size
     probe = _Probe(comm, dim=dim, dtype=dtype)
     top = max(a2a_rows)
-    own = [np.arange(rows, dtype=np.int64) + (comm.rank << 40) for rows in a2a_rows]
-    times = [_fastest(probe.step(ids), repeats) for ids in own]  # cold
+    rounds = max(min(rounds, repeats), 1)
+    calls = max(-(-repeats // rounds), 1)  # at least `repeats` timed steps per size
+
+    def timed(setups: Sequence[Callable[[], _Step]]) -> list[float]:
+        return _slowest_rank_fastest(comm, setups, rounds=rounds, warm=warm, calls=calls)
+
+    steps = [probe.step(np.arange(rows, dtype=np.int64) + (comm.rank << 40)) for rows in a2a_rows]
+    cold = timed([lambda s=s: s for s in steps])
     every = np.concatenate([np.arange(top, dtype=np.int64) + (r << 40) for r in range(world)])
     probe.sparse.set_hot([every])
-    times += [_fastest(probe.step(ids), repeats) for ids in own]  # the same lookups, hot
-    looked_up = np.arange(hot_lookups, dtype=np.int64)
-    probe.sparse.set_hot([np.zeros(0, dtype=np.int64)])
-    times.append(_fastest(probe.step(looked_up), repeats))  # the baseline: no hot set
-    for rows in ar_rows:
-        probe.sparse.set_hot([np.arange(max(rows, hot_lookups), dtype=np.int64)])
-        times.append(_fastest(probe.step(looked_up), repeats))
-    slowest = torch.tensor(times, dtype=torch.float64)
-    comm.all_reduce(slowest, what="the cost probe", op="max")
-    t = slowest.tolist()
-    n = len(a2a_rows)
+    hot = timed([lambda s=s: s for s in steps])  # the same lookups, hot
+    looked_up = probe.step(np.arange(hot_lookups, dtype=np.int64), timed="step")
+
+    def hot_set(rows: int) -> Callable[[], _Step]:
+        def setup() -> _Step:
+            probe.sparse.set_hot([np.arange(rows, dtype=np.int64)])
+            return looked_up
+
+        return setup
+
+    sizes = [max(r, hot_lookups) for r in ar_rows]
+    base, *ar = timed([hot_set(0), *(hot_set(r) for r in sizes)])  # base: no hot set
     backend = "local" if world == 1 else ("nccl" if comm.device.type == "cuda" else "gloo")
     return CostFit(
-        all_reduce=LineFit.of([max(r, hot_lookups) for r in ar_rows], t[2 * n + 1 :]),
-        all_to_all=LineFit.of(a2a_rows, t[:n]),
-        hot_lookup=LineFit.of(a2a_rows, t[n : 2 * n]),
+        all_reduce=LineFit.of(sizes, ar),
+        all_to_all=LineFit.of(a2a_rows, cold),
+        hot_lookup=LineFit.of(a2a_rows, hot),
         world_size=world,
         backend=backend,
-        baseline_s=t[2 * n],
+        baseline_s=base,
     )
 
 
