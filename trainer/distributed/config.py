@@ -60,8 +60,9 @@ class DistributedConfig:
         count_steps: steps whose id accesses are counted before R is chosen.
         hot_budget_rows: most hot rows the cost model may choose.
         timeout_s: collective timeout: a rank that hangs makes the others fail after it.
-        probe_repeats: timed steps per size when fitting the cost model at start-up (the
-            median is kept).
+        probe_repeats: timed steps per size when fitting the cost model at start-up, spread
+            over up to 3 rotated visits of every size (each size keeps the slowest rank's
+            fastest step of its fastest visit).
         probe_rows: the largest size probed: hot rows of the all-reduce, ids per rank of the
             all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it).
         dispatch: which rows of each global batch each rank trains on: ``contiguous`` (rank r
