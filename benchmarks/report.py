@@ -782,6 +782,20 @@ def _dispatch_title(d: Results) -> str:
     )
 
 
+def _other_order_costs(d: Results, order: str) -> str:
+    """Link seconds of every policy in another row order than the headline's (``-`` if the
+    run did not replay it)."""
+    res = d["orders"].get(order)
+    if res is None or order == d["setting"]["headline_order"]:
+        return "-"
+    c = {name: r["cost"] for name, r in res["cost_s"].items()}
+    return (
+        " / ".join(f"{c[k]:.3g}" for k in ("esd_alpha1", "esd_alpha0.5", "esd_alpha0"))
+        + f", {c['laia']:.3g}, {c['round_robin']:.3g}, {c['random']:.3g}; order holds: "
+        f"{res['cost_order_holds']}; `cost_vs_laia_alpha1` {res['cost_vs_laia_alpha1']:.3f}"
+    )
+
+
 DISPATCH = Table(
     "dispatch",
     _dispatch_title,
@@ -820,6 +834,11 @@ DISPATCH = Table(
                 + f", {d['cost']['laia']:.3g}, {d['cost']['round_robin']:.3g}, "
                 f"{d['cost']['random']:.3g}; order holds: {d['cost_order_holds']}"
             ),
+        ),
+        Row(
+            "the same in the clustered (`session`) order",
+            None,
+            lambda d: _other_order_costs(d, "session"),
         ),
         Row(
             "`dispatch_ms_alpha1` (ESD's placement and shadow replay per global batch, ms)",
