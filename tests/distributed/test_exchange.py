@@ -145,9 +145,10 @@ def test_line_fit_and_choice_of_r_match_brute_force():
     model = CostFit(
         all_reduce=LineFit(3e-7, 2e-5, 1.0, (), ()),
         all_to_all=LineFit(9e-7, 0.0, 1.0, (), ()),
-        hot_lookup=LineFit(1e-7, 0.0, 1.0, (), ()),
+        hot_lookup=LineFit(1e-7 + 2 * 3e-7, 0.0, 1.0, (), ()),  # W·C_ar in the slope
         world_size=2,
     )
+    assert model.hot_lookup_slope == pytest.approx(1e-7)
     plan = choose_num_hot(cand, model)
     rho = cand.rho()
     brute = [(model.cost(r, rho[r], cand.accesses_per_step), r) for r in range(501)]

@@ -77,7 +77,8 @@ class CostFit:
     Attributes:
         all_reduce: time of an exchange step against hot rows R (a few of them looked up).
         all_to_all: time of an exchange step against the cold ids one rank looks up.
-        hot_lookup: time of an exchange step against the hot ids one rank looks up.
+        hot_lookup: time of an exchange step against the hot ids one rank looks up, the hot set
+            being every rank's ids of that size (its all-reduce grows with the size).
         world_size: ranks of the group measured.
         backend: its backend.
         baseline_s: a step of the all-reduce probe's lookups without a hot set (what the
@@ -102,10 +103,16 @@ class CostFit:
         return max(self.all_reduce.intercept - self.baseline_s, 0.0)
 
     @property
+    def hot_lookup_slope(self) -> float:
+        """Seconds per hot id a rank looks up, its share of the all-reduce taken off (the
+        sweep's hot set holds W rows per id looked up)."""
+        return self.hot_lookup.slope - self.world_size * self.all_reduce.slope
+
+    @property
     def c_a2a(self) -> float:
         """Seconds a cold access of the job costs more than a hot one (each rank looks up 1/W
         of the accesses)."""
-        return max((self.all_to_all.slope - self.hot_lookup.slope) / self.world_size, 1e-12)
+        return max((self.all_to_all.slope - self.hot_lookup_slope) / self.world_size, 1e-12)
 
     @property
     def r2(self) -> float:
@@ -222,8 +229,12 @@ def fit_costs(
     A one-table exchange runs real steps, three sweeps of them:
 
     * ``a2a_rows`` distinct ids per rank, all cold (no hot set): the time per cold lookup;
-    * the same ids, all hot: the time per hot lookup (a hot row is not free: it is found,
-      gathered and updated on every rank). ``C_a2a`` is what a cold lookup costs more;
+    * the same ids, hot: the time per hot lookup (a hot row is not free: it is found,
+      gathered and updated on every rank). The hot set is every rank's ids of the size timed
+      (W per size unit), so this line's slope holds ``W·C_ar`` too, taken off again
+      (:attr:`CostFit.hot_lookup_slope`); one hot set as large as the largest size would put
+      its all-reduce, a large constant, into every size and drown the slope in its noise.
+      ``C_a2a`` is what a cold lookup costs more;
     * hot sets of ``ar_rows`` rows with ``hot_lookups`` of them looked up: ``C_ar`` per hot
       row; the same lookups with no hot set are the baseline of the all-reduce's per-call
       cost. Only the backward exchange is timed here (the hot set changes nothing before it
@@ -246,7 +257,6 @@ def fit_costs(
     """
     world = comm.world_size
     probe = _Probe(comm, dim=dim, dtype=dtype)
-    top = max(a2a_rows)
     rounds = max(min(rounds, repeats), 1)
     calls = max(-(-repeats // rounds), 1)  # at least `repeats` timed steps per size
 
@@ -255,9 +265,16 @@ def fit_costs(
 
     steps = [probe.step(np.arange(rows, dtype=np.int64) + (comm.rank << 40)) for rows in a2a_rows]
     cold = timed([lambda s=s: s for s in steps])
-    every = np.concatenate([np.arange(top, dtype=np.int64) + (r << 40) for r in range(world)])
-    probe.sparse.set_hot([every])
-    hot = timed([lambda s=s: s for s in steps])  # the same lookups, hot
+
+    def all_hot(rows: int, step: _Step) -> Callable[[], _Step]:
+        def setup() -> _Step:  # every rank's lookups of this size, and nothing more, hot
+            every = [np.arange(rows, dtype=np.int64) + (r << 40) for r in range(world)]
+            probe.sparse.set_hot([np.concatenate(every)])
+            return step
+
+        return setup
+
+    hot = timed([all_hot(rows, s) for rows, s in zip(a2a_rows, steps, strict=True)])
     looked_up = probe.step(np.arange(hot_lookups, dtype=np.int64), timed="step")
 
     def hot_set(rows: int) -> Callable[[], _Step]:
