@@ -30,8 +30,8 @@ Figures (written to benchmarks/results/dispatch.json):
                          their rows) / the step transfer time saved: what a rank pays per step
   training               a real --train-ranks run of `recpipe train --dispatch esd` and
                          `--dispatch random` (in-process readers, gloo), every rank with a real
-                         embedding cache (`--cache-rows`: the replay's cache size; the first
-                         --fast-ranks ranks fast): samples/s of each (spread over alternated
+                         embedding cache (`--cache-rows`: the replay's cache size; the same
+                         share of fast ranks as the replay's, the first ones): samples/s of each (spread over alternated
                          runs), esd_vs_random, and the link seconds of the pulls and pushes the
                          caches made (cache_link_s; train_cache_cost_esd_vs_random)
   piece_rows_sweep       cost of esd (alpha = 1), laia and random at other piece sizes
@@ -303,7 +303,7 @@ def train_rates(
     import subprocess
 
     ranks = args.train_ranks
-    fast = min(args.fast_ranks, ranks)
+    fast = max(min(round(ranks * args.fast_ranks / args.ranks), ranks), 0)  # the same share
     bandwidths = [args.bandwidth * args.fast_factor] * fast + [args.bandwidth] * (ranks - fast)
     row_bytes = 4 * (args.dim + 1)
     rates: dict[str, list[float]] = {"esd": [], "random": []}
