@@ -119,6 +119,7 @@ def _loop_case(comm: Comm, dataset: str, out: str) -> dict | None:
         "plain_eval": plain.final_eval.loss,
         "cached_eval": cached.final_eval.loss,
         "summary": summary.cache,
+        "shadow": [summary.shadow_steps, summary.shadow_matched],
         "per_rank": summary.cache_per_rank,
         "lines": dict(summary.lines()),
     }

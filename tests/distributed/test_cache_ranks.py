@@ -72,6 +72,9 @@ def test_the_rank_loop_with_caches_gives_the_losses_without(everything):
     assert len(per_rank) == 2
     assert {k: sum(r[k] for r in per_rank) for k in per_rank[0]} == loop["summary"]
     assert "miss pulls" in loop["lines"]["transfers"]
+    # the rank loop compared every step's transfers with the dispatcher's shadow: all matched
+    assert loop["shadow"] == [4, 4], loop["shadow"]
+    assert "of 4 steps checked" in loop["lines"]["shadow"]
 
 
 def test_a_job_with_caches_resumes_from_its_checkpoint(everything):

@@ -253,6 +253,7 @@ class CachedEmbeddings:
         self.steps = 0
         self.records: list[CacheRecord] = []
         self.keep_records = False  # keep every step's record in ``records`` (tests, debugging)
+        self.last_record: CacheRecord | None = None
         self._totals = np.zeros(len(RECORD_KINDS), dtype=np.int64)
         self.stats = ExchangeStats()
         self._prepared: _Step | None = None
@@ -516,6 +517,7 @@ class CachedEmbeddings:
         self.steps += 1
         record = CacheRecord(**prep.record, evictions=evictions, evict_pushes=evict_pushes)
         self._totals += np.array([record.counts()[k] for k in RECORD_KINDS], dtype=np.int64)
+        self.last_record = record
         if self.keep_records:
             self.records.append(record)
 

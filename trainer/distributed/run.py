@@ -59,6 +59,10 @@ class DistributedSummary:
         cache: with caches, each transfer kind's rows over the job, every rank summed
             (``reads``, ``pulls``, ``pushes``, ``shared``, ``evictions``, ``evict_pushes``).
         cache_per_rank: the same, one dict per rank.
+        shadow_steps: with caches and an in-process dispatcher, the steps whose transfers were
+            compared with what the dispatcher's shadow predicted, and ``shadow_matched`` those
+            where every rank's matched row for row (the shadow restarts from empty caches at
+            every epoch, the caches keep their rows, so later epochs differ).
     """
 
     world_size: int
@@ -72,6 +76,8 @@ class DistributedSummary:
     cache_rows: int = 0
     cache: dict[str, int] = field(default_factory=dict)
     cache_per_rank: list[dict[str, int]] = field(default_factory=list)
+    shadow_steps: int = 0
+    shadow_matched: int = 0
 
     def lines(self) -> list[tuple[str, str]]:
         ex = self.exchange
@@ -85,6 +91,11 @@ class DistributedSummary:
                 ("transfers", f"{c.get('pulls', 0):,} miss pulls, {c.get('pushes', 0):,} update "
                               f"pushes, {c.get('evict_pushes', 0):,} evict pushes, "
                               f"{c.get('shared', 0):,} shared reads (gradients sent home)"),
+                *(
+                    [("shadow", f"the dispatcher predicted every transfer of {self.shadow_matched:,}"
+                                f" of {self.shadow_steps:,} steps checked")]
+                    if self.shadow_steps else []
+                ),
                 ("remainder", f"{self.remainder_rows:,} rows of the last epoch not dealt"),
             ]  # fmt: skip
         return [
@@ -138,6 +149,8 @@ class _RankRun:
         if config.resume and config.checkpoint is not None:
             self.resume_state = read_checkpoint(config.checkpoint)
         self.trainer = self._make_trainer()
+        self.shadow_cut: Any = None  # the dispatch cut, when it runs in this process
+        self._shadow_missed: list[int] = []  # per step checked: 1 where this rank differed
         self._make_loaders()
         self.log = RunLog(config, device=self.device, write=comm.rank == 0)
         self.unreduced: list[dict[str, Any]] = []  # metrics records waiting for their loss
@@ -213,6 +226,10 @@ class _RankRun:
                        bandwidths=opts.bandwidths, **caches)  # fmt: skip
         self.train_ds = RankBatchDataset(cfg.dataset, config=reader, splits=train, cut=cut,
                                          **common)  # fmt: skip
+        # the caches' transfers can be checked against the dispatcher's shadow when the cut runs
+        # in this process (no DataLoader workers)
+        in_process = opts.cache_rows and cfg.workers == 0 and hasattr(cut, "recent")
+        self.shadow_cut = cut if in_process else None
         self.eval_ds = RankBatchDataset(
             cfg.dataset, config=ReaderConfig(batch_size=cfg.batch_size), splits=held, **common
         )
@@ -323,6 +340,7 @@ class _RankRun:
                 for batch in self.loader:
                     empty = 0
                     _, logits = self.trainer.train_step(batch, reduce_loss=False)
+                    self._check_shadow()
                     log.add_batch(batch, logits, samples=batch.batch_size * comm.world_size)
                     step = self.trainer.step
                     bar.update(1)
@@ -364,6 +382,11 @@ class _RankRun:
         totals = self.trainer.sparse.stats.as_tensor()
         comm.all_reduce(totals, what="the final counters")
         self.summary.exchange = ExchangeStats.from_tensor(totals)
+        if self.shadow_cut is not None:  # a step matched when it matched on every rank
+            missed = torch.tensor(self._shadow_missed, dtype=torch.int64)
+            comm.all_reduce(missed, what="the shadow check", op="max")
+            self.summary.shadow_steps = int(missed.numel())
+            self.summary.shadow_matched = int((missed == 0).sum())
         if self.options.cache_rows:
             per_rank = self.trainer.sparse.totals()
             self.summary.cache_per_rank = per_rank
@@ -373,6 +396,23 @@ class _RankRun:
             steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,
             train_splits=self.train_splits, eval_splits=self.eval_splits,
         )  # fmt: skip
+
+    def _check_shadow(self) -> None:
+        """Compare this rank's cache transfers of the step with the dispatcher's prediction
+        (the step just dispatched: the readers run in this process, one batch at a time)."""
+        if self.shadow_cut is None:
+            return
+        from trainer.distributed.cache import RECORD_KINDS
+
+        record = self.trainer.sparse.last_record
+        predicted = self.shadow_cut.recent()[-1].transfers
+        rank = self.comm.rank
+        same = all(
+            np.array_equal(getattr(record, kind),
+                           self.shadow_cut.row_pairs(getattr(predicted, kind)[rank]))
+            for kind in RECORD_KINDS
+        )  # fmt: skip
+        self._shadow_missed.append(0 if same else 1)
 
     def _finished(self, target_steps: int | None, target_epochs: int | None) -> bool:
         if target_steps is not None:
