@@ -14,8 +14,9 @@ empty caches. Every rank sees the same steps in the same order, so the copies ag
 ranks calling one copy (in one process) get the same placement from a short memo of the last
 steps it dispatched.
 
-A rank's micro-batch holds its rows in the global batch's order, so the rows of a session (a
-piece) stay together; every rank gets exactly ``batch_size`` rows and every row goes to one
+A rank's micro-batch holds its rows in the global batch's order; the rows of a session (a
+piece) go to one rank, interleaved with other sessions' rows where the batch interleaves them.
+Every rank gets exactly ``batch_size`` rows and every row goes to one
 rank (:class:`~readers.dispatch.dispatcher.Dispatcher` guarantees both).
 
 The cut prices the ids the batch holds (before any preprocessing, one table per sparse
