@@ -113,7 +113,8 @@ class _Cache:
         self.version = np.zeros(0, dtype=np.int64)
         self.dirty = np.zeros(0, dtype=np.bool_)
         self.last_use = np.zeros(0, dtype=np.int64)
-        self.free: list[int] = []
+        self.free = np.zeros(0, dtype=np.int64)  # a stack of free slots: free[:n_free]
+        self.n_free = 0
 
     @property
     def size(self) -> int:
@@ -141,7 +142,14 @@ class _Cache:
         for name in ("table", "ids", "entry", "version", "last_use"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, np.int64)]))
         self.dirty = np.concatenate([self.dirty, np.zeros(grow, np.bool_)])
-        self.free.extend(range(size - 1, have - 1, -1))
+        self._push_free(np.arange(have, size, dtype=np.int64))
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        need = self.n_free + slots.size
+        if need > self.free.size:
+            self.free = np.concatenate([self.free, np.zeros(need - self.free.size, np.int64)])
+        self.free[self.n_free : need] = slots
+        self.n_free = need
 
     def install(self, t: int, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Slots for table ``t``'s ``ids`` (``slots``: their current slots, -1 where absent,
@@ -150,9 +158,10 @@ class _Cache:
         absent = np.flatnonzero(slots < 0)
         if not absent.size:
             return slots
-        if len(self.free) < absent.size:
-            self._grow(absent.size - len(self.free))
-        new = np.array([self.free.pop() for _ in range(absent.size)], dtype=np.int64)
+        if self.n_free < absent.size:
+            self._grow(absent.size - self.n_free)
+        self.n_free -= absent.size
+        new = self.free[self.n_free : self.n_free + absent.size].copy()
         entries, _ = self.index[t].insert(np.ascontiguousarray(ids[absent], dtype=np.int64))
         if self.index[t].num_rows > self.slot_of[t].size:
             grown = np.full(max(self.index[t].num_rows, 2 * self.slot_of[t].size), -1, np.int64)
@@ -171,7 +180,7 @@ class _Cache:
             self.slot_of[int(t)][self.entry[mine]] = -1
         self.used[slots] = False
         self.dirty[slots] = False
-        self.free.extend(int(s) for s in slots[::-1])
+        self._push_free(slots)
 
     def packed(self, slots: np.ndarray) -> torch.Tensor:
         """``[n, D (+1)]`` values of ``slots`` (and their state as a last column)."""
@@ -490,7 +499,7 @@ class CachedEmbeddings:
             cache.dirty[cache_slots] = True
         # rows read by several ranks: gradients home, summed in float64, rounded once
         shared_sent = prep.order[prep.shared[prep.order]]
-        send = np.bincount(owner_of(self._ids_of(prep, shared_sent), w), minlength=w)
+        send = np.bincount(owner_of(self.cache.ids[prep.slots[shared_sent]], w), minlength=w)
         recv = np.bincount(prep.got_src[prep.got_shared], minlength=w)
         got = self._a2a(prep.grad.index_select(0, torch.from_numpy(shared_sent)), send, recv,
                         what="the caches' shared gradients")  # fmt: skip
@@ -499,7 +508,7 @@ class CachedEmbeddings:
             sel = np.flatnonzero(prep.got_table[home_sel] == t)
             rows = prep.got_row[home_sel[sel]]
             table = self.tables[int(t)]
-            slot = np.full(table.shard.num_rows, -1, dtype=np.int64)
+            slot = self.base._scratch(int(t), table.shard.num_rows)  # all -1, and again after
             uniq, sums = K.sum_by_row(got.numpy(), sel, rows, slot)
             table.shard.apply(self.optimizer, uniq, torch.from_numpy(sums).to(self.dtype))
             self.home.version[int(t)][uniq] += 1
@@ -528,9 +537,6 @@ class CachedEmbeddings:
             torch.from_numpy(self._totals.copy()), what="the caches' totals"
         )
         return [dict(zip(RECORD_KINDS, (int(v) for v in t.tolist()), strict=True)) for t in every]
-
-    def _ids_of(self, prep: _Step, positions: np.ndarray) -> np.ndarray:
-        return self.cache.ids[prep.slots[positions]]
 
     def _trim(self) -> tuple[np.ndarray, np.ndarray]:
         """Drop the least recently used rows over capacity; dirty ones go home (collective)."""

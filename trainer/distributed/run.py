@@ -28,6 +28,7 @@ import torch
 from recpipe.errors import RecpipeError
 from trainer.checkpoint import checkpoint_file
 from trainer.config import TrainConfig
+from trainer.distributed.cache import RECORD_KINDS
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
 from trainer.distributed.comm import Comm
 from trainer.distributed.config import DistributedConfig
@@ -402,8 +403,6 @@ class _RankRun:
         (the step just dispatched: the readers run in this process, one batch at a time)."""
         if self.shadow_cut is None:
             return
-        from trainer.distributed.cache import RECORD_KINDS
-
         record = self.trainer.sparse.last_record
         predicted = self.shadow_cut.recent()[-1].transfers
         rank = self.comm.rank
