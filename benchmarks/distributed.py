@@ -18,6 +18,8 @@ Figures (written to benchmarks/results/distributed.json):
                            exchange timed on the job's own group (step time vs hot rows R, vs
                            cold ids, vs hot ids looked up). Target >= 0.9
   chosen_vs_best_measured  step time at the chosen R / at the best R measured. Target <= 1.05
+                           (R is chosen among the sizes whose predicted saving over R = 0 is 2
+                           standard errors wide: `predicted_saving_se_s`)
   a2a_bytes_ratio          all-to-all bytes per step at R = 0 / at the chosen R (counted)
   vs_torchrec_dmp          our samples/s (chosen R, dedup on) / TorchRec DMP's (table-wise
                            sharding, fused row-wise Adagrad, FBGEMM's CPU kernels) on the same
@@ -26,16 +28,24 @@ Figures (written to benchmarks/results/distributed.json):
                            dedup on our side
   scaling_2_ranks          samples/s of 2 ranks / of 1 rank with the same batch per rank
                            (report; 2 cores)
+  a2a_bytes_vs_torchrec    bytes a rank sends to the others by all_to_all_single per step, ours
+                           (chosen R, dedup on) / TorchRec DMP's, both counted the same way
+                           (every call intercepted for `--steps` untimed steps; per-step values in
+                           `a2a_sent_bytes_per_step`). TorchRec's table-wise sharding sends each
+                           bag's pooled vector, 2FP every distinct cold row: the ratio shows which
+                           moves more on this job (report)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2048, help="rows per rank per step")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches per rank")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per case and repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="alternated repeats per case")
+    parser.add_argument("--repeats", type=int, default=5, help="alternated repeats per case")
     parser.add_argument("--embedding-dim", type=int, default=16)
     parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
     parser.add_argument("--probe-rows", type=int, default=65536, help="largest cost probe")
@@ -180,6 +190,36 @@ def _torchrec_dmp(dataset: str, args: dict) -> tuple[Any, Any]:
     return dmp, torch.optim.Adagrad(dense, lr=0.05)
 
 
+@contextlib.contextmanager
+def _a2a_sent_bytes() -> Iterator[dict[str, int]]:
+    """Count the bytes this rank sends to other ranks through ``all_to_all_single`` (ours and
+    TorchRec's both call it as ``torch.distributed.all_to_all_single``), and the calls."""
+    import torch.distributed as dist
+
+    real = dist.all_to_all_single
+    tally = {"bytes": 0, "calls": 0}
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                async_op=False):  # fmt: skip
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        total = input.numel() * input.element_size()
+        if input_split_sizes is None:  # equal splits
+            to_self = total // world
+        else:
+            row = total // max(input.shape[0], 1) if input.dim() else input.element_size()
+            to_self = int(input_split_sizes[me]) * row
+        tally["bytes"] += total - to_self
+        tally["calls"] += 1
+        return real(output, input, output_split_sizes, input_split_sizes, group=group,
+                    async_op=async_op)  # fmt: skip
+
+    dist.all_to_all_single = counted
+    try:
+        yield tally
+    finally:
+        dist.all_to_all_single = real
+
+
 def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     """One rank of the benchmark job (started by elastic_launch)."""
     import numpy as np
@@ -257,6 +297,11 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     for trainer in [*trainers.values(), dedup_off]:
         trainer.sparse.stats = type(trainer.sparse.stats)()
     runs = alternate(cases, repeats=args["repeats"])
+    sent = {}
+    for name, case in (("ours", cases[f"R={plan.num_hot}"]), ("torchrec_dmp", theirs)):
+        with _a2a_sent_bytes() as tally:  # untimed: the wrapper costs a little
+            case()
+        sent[name] = {"bytes": tally["bytes"] / steps, "calls": tally["calls"] / steps}
     totals = {}
     for r, trainer in trainers.items():
         stats = trainer.sparse.stats.as_tensor()
@@ -277,6 +322,10 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
             str(r): float(fit.cost(r, rho[min(r, rho.size - 1)], candidates.accesses_per_step))
             for r in sizes
         },
+        "predicted_saving_se_s": {
+            str(r): float(fit.saving_se(r, rho[min(r, rho.size - 1)], candidates.accesses_per_step))
+            for r in sizes
+        },
         "exchange": {str(r): dict(zip(fields, v, strict=True)) for r, v in totals.items()},
         "fit": {
             **{
@@ -289,6 +338,7 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
             "r2": fit.r2,
         },
         "dedup_factor": float(np.mean([_dedup_factor(b) for b in on])),
+        "a2a_sent": sent,
         "steps": steps,
         "world": world,
     }
@@ -355,6 +405,7 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "cost_model_r2": raw["fit"]["r2"],
         "cost_model": raw["fit"],
         "predicted_cost_s": raw["predicted_cost_s"],
+        "predicted_saving_se_s": raw["predicted_saving_se_s"],
         "chosen_vs_best_measured": rate_ratio(f"R={best}", f"R={chosen}"),
         "a2a_bytes_per_step": {str(r): v for r, v in sorted(bytes_per_step.items())},
         "a2a_bytes_ratio": bytes_per_step[0] / bytes_per_step[chosen]
@@ -363,6 +414,10 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "vs_torchrec_dmp": rate_ratio(f"R={chosen}", "torchrec_dmp"),
         "vs_torchrec_dmp_dedup_off": rate_ratio("dedup_off", "torchrec_dmp"),
         "scaling_2_ranks": rate_ratio(f"R={chosen}", "one_rank"),
+        "a2a_sent_bytes_per_step": {k: v["bytes"] for k, v in raw["a2a_sent"].items()},
+        "a2a_calls_per_step": {k: v["calls"] for k, v in raw["a2a_sent"].items()},
+        "a2a_bytes_vs_torchrec": raw["a2a_sent"]["ours"]["bytes"]
+        / max(raw["a2a_sent"]["torchrec_dmp"]["bytes"], 1.0),
         "exchange": ex,
         "dedup_factor": raw["dedup_factor"],
     }
@@ -392,6 +447,10 @@ def _table(results: dict[str, Any]) -> str:
         ("vs_torchrec_dmp", f"{results['vs_torchrec_dmp']['median']:.3f} (dedup off: "
                             f"{results['vs_torchrec_dmp_dedup_off']['median']:.3f})"),
         ("scaling_2_ranks", f"{results['scaling_2_ranks']['median']:.3f}"),
+        ("a2a_bytes_vs_torchrec", f"{results['a2a_bytes_vs_torchrec']:.3f} ("
+                                  + " / ".join(f"{v / 1e6:.2f} MB"
+                                               for v in results["a2a_sent_bytes_per_step"].values())
+                                  + " per step and rank)"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

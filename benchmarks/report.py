@@ -762,6 +762,18 @@ DISTRIBUTED = Table(
             target=Target(">=", 1.0),
         ),
         Row(
+            "`a2a_bytes_vs_torchrec` (bytes a rank sends by all-to-all per step, ours at the "
+            "chosen R / TorchRec DMP's, both intercepted the same way)",
+            "a2a_bytes_vs_torchrec",
+            lambda d: (
+                f"{{v}} ({mb(d['a2a_sent_bytes_per_step']['ours'])} / "
+                f"{mb(d['a2a_sent_bytes_per_step']['torchrec_dmp'])}; all-to-all calls per "
+                f"step {d['a2a_calls_per_step']['ours']:g} / "
+                f"{d['a2a_calls_per_step']['torchrec_dmp']:g})"
+            ),
+            reference="report",
+        ),
+        Row(
             "`scaling_2_ranks` (samples/s of 2 ranks / 1 rank, same batch per rank; 2 cores)",
             "scaling_2_ranks",
             lambda d: "{v}",

@@ -27,7 +27,7 @@ def test_help(capsys):
     for word in (*FIGURES, "cost_model_r2", "a2a_bytes_ratio", "samples_per_s"):
         assert word in out
     args = bench.parse_args([])
-    assert (args.requests, args.batch_size, args.repeats) == (200_000, 2048, 3)
+    assert (args.requests, args.batch_size, args.repeats) == (200_000, 2048, 5)
 
 
 @pytest.mark.slow
@@ -56,3 +56,7 @@ def test_tiny_run_writes_results(tmp_path):
     rows = results["a2a_bytes_per_step"]
     assert rows["0"] >= rows[str(results["all_rows"])]  # hot rows cross no all-to-all
     assert "vs_torchrec_dmp" in done.stdout
+    sent = results["a2a_sent_bytes_per_step"]
+    assert sent["ours"] > 0 and sent["torchrec_dmp"] > 0
+    assert results["a2a_bytes_vs_torchrec"] == pytest.approx(sent["ours"] / sent["torchrec_dmp"])
+    assert set(results["predicted_saving_se_s"]) == {str(r) for r in measured}

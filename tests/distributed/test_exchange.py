@@ -157,6 +157,49 @@ def test_line_fit_and_choice_of_r_match_brute_force():
     assert plan.coefficients.c_a2a == pytest.approx(4e-7)  # (9e-7 - 1e-7) / 2 ranks
 
 
+def test_line_fit_slope_error_is_the_textbook_one():
+    # (1, 1), (2, 3), (3, 2), (4, 4): slope 0.8, residuals ±0.3, ±0.9, SSR 1.8, Sxx 5
+    fit = LineFit.of([1, 2, 3, 4], [1.0, 3.0, 2.0, 4.0])
+    assert fit.slope == pytest.approx(0.8)
+    assert fit.slope_se == pytest.approx(np.sqrt(1.8 / 2 / 5))
+    assert LineFit.of([1, 2], [1.0, 3.0]).slope_se == 0.0  # nothing to estimate it from
+    assert LineFit.of([1, 2, 4], [3.0, 5.0, 9.0]).slope_se == pytest.approx(0.0, abs=1e-12)
+
+
+def test_choice_of_r_keeps_no_hot_set_when_the_saving_is_within_the_fits_noise():
+    rng = np.random.default_rng(0)
+    counts = np.sort(rng.zipf(1.3, 500).astype(np.int64))[::-1]
+    cand = HotCandidates(counts, np.zeros(500, np.int64), np.arange(500), int(counts.sum()) + 50, 4)
+    rho, n = cand.rho(), cand.accesses_per_step
+
+    def fit(se: float) -> CostFit:
+        return CostFit(
+            all_reduce=LineFit(3e-7, 2e-5, 1.0, (), ()),
+            all_to_all=LineFit(9e-7, 0.0, 1.0, (), (), se),
+            hot_lookup=LineFit(1e-7 + 2 * 3e-7, 0.0, 1.0, (), ()),
+            world_size=2,
+        )
+
+    exact = fit(0.0)
+    plain = choose_num_hot(cand, exact)
+    saving = exact.cost(0, 0.0, n) - exact.cost(plain.num_hot, rho[plain.num_hot], n)
+    assert plain.num_hot > 0 and saving > 0
+    # c_a2a's error is se / W; the best R's saving within 2 errors of it: no hot set
+    noisy = fit(2 * saving / (n * rho[plain.num_hot]))
+    assert noisy.c_a2a_se == pytest.approx(saving / (n * rho[plain.num_hot]))
+    assert choose_num_hot(cand, noisy).num_hot == 0
+    assert choose_num_hot(cand, noisy, confidence=0.0).num_hot == plain.num_hot
+    # a little noise: a hot set that is still surely worth it, the smallest-cost one among them
+    slight = fit(0.2 * saving / (n * rho[plain.num_hot]))
+    chosen = choose_num_hot(cand, slight)
+    sizes = np.arange(rho.size)
+    sure = slight.cost(0, 0.0, n) - slight.cost(sizes, rho, n) > 2 * slight.saving_se(sizes, rho, n)
+    assert chosen.num_hot > 0 and sure[chosen.num_hot]
+    assert slight.cost(chosen.num_hot, rho[chosen.num_hot], n) == pytest.approx(
+        slight.cost(sizes[sure], rho[sure], n).min()
+    )
+
+
 def test_cost_fit_runs_on_one_process():
     fit = fit_costs(Comm.single(), dim=4, ar_rows=(64, 256), a2a_rows=(64, 256), repeats=1)
     assert fit.world_size == 1 and fit.backend == "local"

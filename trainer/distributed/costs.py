@@ -17,7 +17,11 @@ rotated orders, with untimed steps after every change of size; a visit keeps the
 fastest step, a size its fastest visit (every rank fits the same numbers, so every rank chooses
 the same R). A line is fitted to each kind; its r² says how well a line explains the
 times. :func:`choose_num_hot` evaluates ``f`` at every R up to the candidates and takes the
-smallest minimum (exact: no convexity assumed).
+smallest minimum (exact: no convexity assumed) among the R whose saving over no hot set,
+``f(0) − f(R)``, the fit is confident of: the saving less ``confidence`` standard errors (from
+the lines' slope errors) must stay positive. A gain the probe's own noise could explain buys a
+hot set's all-reduce on every step for nothing, and the probe (one table, synthetic ids)
+misses costs of the real job, so doubt falls on the side of no hot set.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from trainer.store import CostCoefficients, HotPlan
 __all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
 
 PROBE_ROWS: tuple[int, ...] = (1024, 4096, 16384, 65536)
+#: standard errors a hot set's predicted saving must exceed (:func:`choose_num_hot`)
+CONFIDENCE = 2.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class LineFit:
         sizes: the sizes timed.
         seconds: the time at each size (over its visits, the fastest of the slowest rank's
             fastest steps).
+        slope_se: the slope's standard error, from the residuals (0 with two sizes or fewer:
+            nothing to estimate it from).
     """
 
     slope: float
@@ -57,6 +65,7 @@ class LineFit:
     r2: float
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    slope_se: float = 0.0
 
     @classmethod
     def of(cls, sizes: Sequence[int], seconds: Sequence[float]) -> LineFit:
@@ -66,8 +75,12 @@ class LineFit:
         resid = y - (intercept + slope * x)
         total = float(((y - y.mean()) ** 2).sum())
         r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
+        spread = float(((x - x.mean()) ** 2).sum())
+        se = 0.0
+        if x.size > 2 and spread > 0:
+            se = float(np.sqrt((resid**2).sum() / (x.size - 2) / spread))
         return cls(float(slope), float(intercept), r2, tuple(int(s) for s in sizes),
-                   tuple(float(v) for v in seconds))  # fmt: skip
+                   tuple(float(v) for v in seconds), se)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,19 @@ class CostFit:
         return max((self.all_to_all.slope - self.hot_lookup_slope) / self.world_size, 1e-12)
 
     @property
+    def c_ar_se(self) -> float:
+        """Standard error of :attr:`c_ar`."""
+        return self.all_reduce.slope_se
+
+    @property
+    def c_a2a_se(self) -> float:
+        """Standard error of :attr:`c_a2a` (the three slopes' errors, taken as independent)."""
+        w = self.world_size
+        var = (self.all_to_all.slope_se**2 + self.hot_lookup.slope_se**2
+               + (w * self.all_reduce.slope_se) ** 2)  # fmt: skip
+        return float(np.sqrt(var)) / w
+
+    @property
     def r2(self) -> float:
         """The worst of the fits' r²."""
         return min(self.all_reduce.r2, self.all_to_all.r2, self.hot_lookup.r2)
@@ -131,6 +157,13 @@ class CostFit:
         r = np.asarray(num_hot, dtype=np.float64)
         hot = np.where(r > 0, self.a_ar + r * self.c_ar, 0.0)
         return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
+
+    def saving_se(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float):
+        """Standard error of the saving ``f(0) − f(R)`` (from :attr:`c_ar_se` and
+        :attr:`c_a2a_se`)."""
+        r = np.asarray(num_hot, dtype=np.float64)
+        a2a = accesses * np.asarray(rho) * self.c_a2a_se
+        return np.sqrt(a2a * a2a + (r * self.c_ar_se) ** 2)
 
 
 _Step = Callable[[], float]
@@ -297,12 +330,19 @@ def fit_costs(
     )
 
 
-def choose_num_hot(candidates: HotCandidates, fit: CostFit) -> HotPlan:
-    """The R in ``[0, len(candidates)]`` minimising ``f(R)`` (the smallest on ties)."""
+def choose_num_hot(
+    candidates: HotCandidates, fit: CostFit, *, confidence: float = CONFIDENCE
+) -> HotPlan:
+    """The R in ``[0, len(candidates)]`` minimising ``f(R)`` (the smallest on ties), among R = 0
+    and the R whose saving ``f(0) − f(R)`` exceeds ``confidence`` standard errors of it
+    (``confidence=0``: the plain minimum)."""
     rho = candidates.rho()
     accesses = candidates.accesses_per_step
-    cost = fit.cost(np.arange(rho.size), rho, accesses)
-    best = int(np.argmin(cost))
+    sizes = np.arange(rho.size)
+    cost = fit.cost(sizes, rho, accesses)
+    sure = cost[0] - cost - confidence * fit.saving_se(sizes, rho, accesses) > 0
+    sure[0] = True
+    best = int(np.flatnonzero(sure)[np.argmin(cost[sure])])
     return HotPlan(
         num_hot=best,
         rho=float(rho[best]),
