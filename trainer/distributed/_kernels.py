@@ -123,16 +123,3 @@ def first_unique(ids, sizes, tables, shift):
                 j = (j + 1) & mask
             i += 1
     return keys[:k], inverse, True
-
-
-@njit(cache=True, nogil=True)
-def sorted_inverse(inverse, order, starts, shift, keys):
-    """Turn :func:`first_unique`'s inverse into each value's index among its table's sorted
-    distinct ids, given ``order`` (the keys' sorting permutation) and the tables' ``starts``
-    in the sorted keys; in place."""
-    rank = np.empty(order.size, dtype=np.int64)
-    for r in range(order.size):
-        q = order[r]
-        rank[q] = r - starts[keys[q] >> shift]
-    for i in range(inverse.size):
-        inverse[i] = rank[inverse[i]]

@@ -119,12 +119,15 @@ class Comm:
         recv: Sequence[int],
         *,
         what: str,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``all_to_all_single`` of the rows of ``payload``: ``send[d]`` rows go to rank ``d``,
         ``recv[s]`` rows come from rank ``s`` (both known beforehand: exchange counts first,
-        gloo aborts on mismatched sizes)."""
+        gloo aborts on mismatched sizes). ``out``: where to receive them (a contiguous tensor
+        of ``sum(recv)`` rows shaped and typed as ``payload``'s; a new one by default)."""
         rows = int(sum(recv))
-        out = payload.new_empty((rows, *payload.shape[1:]))
+        if out is None:
+            out = payload.new_empty((rows, *payload.shape[1:]))
         if self.world_size == 1:
             out.copy_(payload)
             return out

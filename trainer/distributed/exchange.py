@@ -126,7 +126,7 @@ class _TableBatch:
         self.clear()
 
     def clear(self) -> None:
-        self.uniq: np.ndarray | None = None  # sorted unique ids of the prepared batch
+        self.uniq: np.ndarray | None = None  # distinct ids of the prepared batch (first seen first)
         self.rows: torch.Tensor | None = None  # [U, D] their rows
         self.grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
         self.known: dict[tuple[int, ...], torch.Tensor] = {}  # feature values -> positions
@@ -176,7 +176,8 @@ class ShardedTable(nn.Module):
         if self._batch.uniq is None:
             msg = f"table {self.config.name!r}: no rows prepared; call ShardedEmbeddings.prepare(batch)"
             raise RecpipeError(msg)
-        uniq = torch.from_numpy(self._batch.uniq).to(self._batch.rows.device)
+        order = np.argsort(self._batch.uniq, kind="stable")  # other values: found by search
+        uniq = torch.from_numpy(self._batch.uniq[order]).to(self._batch.rows.device)
         ids = ids.to(uniq.device, torch.int64)
         pos = torch.searchsorted(uniq, ids)
         if ids.numel() and (pos.max() >= uniq.numel() or not torch.equal(uniq[pos], ids)):
@@ -185,7 +186,7 @@ class ShardedTable(nn.Module):
                 "the model runs on"
             )
             raise RecpipeError(msg)
-        return pos
+        return torch.from_numpy(order).to(pos.device)[pos]
 
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
         """Pooled ``[R, D]`` bags of the prepared rows."""
@@ -321,36 +322,38 @@ def _table_slices(counts: np.ndarray, n_tables: int) -> list[np.ndarray]:
 def _unique_per_table(
     ids: Sequence[torch.Tensor], features_per_table: Sequence[int]
 ) -> tuple[list[np.ndarray], np.ndarray]:
-    """Each table's sorted unique ids, and where each value of ``ids`` (int64 CPU tensors, one
-    per feature, tables one after the other) sits among its table's.
+    """Each table's distinct ids in order of first appearance, and where each value of ``ids``
+    (int64 CPU tensors, one per feature, tables one after the other) sits among its table's.
 
-    Every table's ids at once, the table's number in the key's high bits, when the ids leave
-    room for it (non-negative, below ``2**(63 - bits)``): one hash pass finds the distinct keys
-    (linear), and only those are sorted. One ``torch.unique`` per table otherwise. Both give
-    the same result.
+    First appearance, not sorted: the rows of a batch then sit in the order its values first
+    read them, so the poolings and their backward walk the rows nearly in order (sorting the
+    distinct ids cost a tenth of a step on 2 CPU ranks, most of it in cache misses of the
+    lookups that followed). Every table's ids at once, the table's number in the key's high
+    bits, when the ids leave room for it (non-negative, below ``2**(63 - bits)``): one hash
+    pass. Table by table otherwise. Both give the same result.
     """
     n_tables = len(features_per_table)
-    sizes = [i.numel() for i in ids]
+    sizes = np.asarray([i.numel() for i in ids], dtype=np.int64)
     flat = torch.cat(list(ids)) if len(ids) > 1 else ids[0]
     shift = 63 - max(n_tables - 1, 1).bit_length()
     feature_table = np.repeat(np.arange(n_tables, dtype=np.int64), features_per_table)
-    first, inverse, ok = K.first_unique(
-        flat.numpy(), np.asarray(sizes, dtype=np.int64), feature_table, shift
-    )
-    if ok:
-        order = np.argsort(first)  # the distinct keys are few: sort them, not every value
-        keys = first[order]
-        starts = np.searchsorted(keys >> shift, np.arange(n_tables + 1))
-        K.sorted_inverse(inverse, order, starts, shift, first)
-        ids_only = keys & ((1 << shift) - 1)
+    first, inverse, ok = K.first_unique(flat.numpy(), sizes, feature_table, shift)
+    if ok:  # features come table after table, so their keys do too
+        starts = np.searchsorted(first >> shift, np.arange(n_tables + 1))
+        inverse -= starts[np.repeat(feature_table, sizes)]  # index within the value's table
+        ids_only = first & ((1 << shift) - 1)
         return [ids_only[starts[t] : starts[t + 1]] for t in range(n_tables)], inverse
     uniq, inverses, at = [], [], 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
     for n in features_per_table:
-        part = flat[sum(sizes[:at]) : sum(sizes[: at + n])]
+        part = flat[bounds[at] : bounds[at + n]].numpy()
         at += n
-        u, inv = torch.unique(part, return_inverse=True)
-        uniq.append(u.numpy())
-        inverses.append(inv.numpy())
+        sorted_ids, where, inv = np.unique(part, return_index=True, return_inverse=True)
+        order = np.argsort(where, kind="stable")  # sorted -> first appearance
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        uniq.append(sorted_ids[order])
+        inverses.append(rank[inv.reshape(-1)])
     return uniq, np.concatenate(inverses) if inverses else np.zeros(0, dtype=np.int64)
 
 
@@ -424,6 +427,7 @@ class ShardedEmbeddings:
         self.stats = ExchangeStats()
         self._prepared: _Prepared | None = None
         self._slots = [np.zeros(0, dtype=np.int64) for _ in self.tables]
+        self._buffers: dict[str, torch.Tensor] = {}
         self._pack_hot()
         self.candidates: HotCandidates | None = None
 
@@ -434,9 +438,9 @@ class ShardedEmbeddings:
 
     # -- forward --------------------------------------------------------------------------------
     def _batch_ids(self, batch: Batch, *, positions: bool = False) -> list[np.ndarray]:
-        """Every table's unique ids in ``batch`` (sorted). With ``positions``, each table also
-        learns where each of its features' values sits among them (the model's lookups then
-        need no search)."""
+        """Every table's distinct ids in ``batch`` (in order of first appearance). With
+        ``positions``, each table also learns where each of its features' values sits among
+        them (the model's lookups then need no search)."""
         features = [f for table in self.tables for f in table.config.features]
         found = locate_features(batch, features)
         values = [found[f].jagged.values for f in features]
@@ -496,7 +500,7 @@ class ShardedEmbeddings:
             torch.from_numpy(send_ids), send_rows, recv_rows, what="the exchange's ids"
         ).numpy()
         recv_sel = _table_slices(recv_counts, n_tables)  # positions in the receive buffer
-        response = torch.empty(got_ids.size, self.dim, dtype=self.dtype, device=device)
+        response = self._buffer("response", got_ids.size, self.dtype)
         owner_rows = []
         for table, sel in zip(self.tables, recv_sel, strict=True):
             if not sel.size:
@@ -511,14 +515,15 @@ class ShardedEmbeddings:
                 rows = np.zeros(0, np.int64)
                 response.index_copy_(0, at, table.shard.lookup(ids))
             owner_rows.append(rows)
-        fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows")
-        rows = torch.empty(all_ids.size, self.dim, dtype=self.dtype, device=device)
+        fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows",
+                                  out=self._buffer("fetched", int(send_rows.sum()), self.dtype))  # fmt: skip
+        rows = self._buffer("rows", all_ids.size, self.dtype)
         if hot_pos is not None and hot_pos.size:
             idx = torch.from_numpy(hot_idx).to(device)
             rows.index_copy_(0, torch.from_numpy(hot_pos).to(device),
                              self._hot_values.index_select(0, idx))  # fmt: skip
         rows.index_copy_(0, torch.from_numpy(send_pos).to(device), fetched)
-        grad = rows.new_zeros(rows.shape, dtype=GRAD_DTYPE) if train else None
+        grad = self._buffer("grad", all_ids.size, GRAD_DTYPE).zero_() if train else None
         for t, table in enumerate(self.tables):
             lo, hi = int(starts[t]), int(starts[t + 1])
             table._batch.uniq = uniq[t]
@@ -593,10 +598,13 @@ class ShardedEmbeddings:
         self.optimizer.apply(self._hot_values, self._hot_state, touched, grad)
 
     def _cold_step(self, prep: _Prepared) -> None:
-        send = prep.grad.index_select(0, torch.from_numpy(prep.send_pos).to(self.device))
+        at = torch.from_numpy(prep.send_pos).to(self.device)
+        send = self._buffer("send", at.numel(), GRAD_DTYPE)
+        torch.index_select(prep.grad, 0, at, out=send)
         got = self.comm.all_to_all(
-            send, prep.send_counts, prep.recv_counts, what="the exchange's gradients"
-        )
+            send, prep.send_counts, prep.recv_counts, what="the exchange's gradients",
+            out=self._buffer("got", int(prep.recv_counts.sum()), GRAD_DTYPE),
+        )  # fmt: skip
         for t, table in enumerate(self.tables):
             rows = prep.owner_rows[t]
             if not rows.size:
@@ -612,6 +620,18 @@ class ShardedEmbeddings:
                 summed.index_add_(0, inv.to(self.device), got.index_select(0, at))
                 uniq = uniq_t.numpy()
             table.shard.apply(self.optimizer, uniq, summed.to(self.dtype))  # rounded once
+
+    def _buffer(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, D]`` of the exchange's buffer ``name``, kept from step to step: a fresh
+        tensor of a few MB each step costs its first touch of every page (the allocator
+        returns such blocks to the system when they are freed), more than the copy into it.
+        A buffer lives until the next step needs it again (nothing of a step outlives it)."""
+        buf = self._buffers.get(name)
+        need = rows * self.dim
+        if buf is None or buf.numel() < need or buf.dtype != dtype:
+            size = max(need, int(buf.numel() * 1.25) if buf is not None else 0)
+            buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return buf[:need].view(rows, self.dim)
 
     def _scratch(self, t: int, rows: int) -> np.ndarray:
         """Table ``t``'s scratch of -1 for :func:`_kernels.sum_by_row` (at least ``rows``)."""
