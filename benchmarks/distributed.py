@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=200_000, help="synthetic requests")
     parser.add_argument("--batch-size", type=int, default=2048, help="rows per rank per step")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches per rank")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per case and repeat")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per case and repeat")
     parser.add_argument("--repeats", type=int, default=5, help="alternated repeats per case")
     parser.add_argument("--embedding-dim", type=int, default=16)
     parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
