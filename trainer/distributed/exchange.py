@@ -326,9 +326,9 @@ def _unique_per_table(
     (int64 CPU tensors, one per feature, tables one after the other) sits among its table's.
 
     First appearance, not sorted: the rows of a batch then sit in the order its values first
-    read them, so the poolings and their backward walk the rows nearly in order (sorting the
-    distinct ids cost a tenth of a step on 2 CPU ranks, most of it in cache misses of the
-    lookups that followed). Every table's ids at once, the table's number in the key's high
+    read them, so the poolings and their backward walk the rows nearly in order (sorted ids
+    cost the step more in the cache misses of those lookups than the sort itself).
+    Every table's ids at once, the table's number in the key's high
     bits, when the ids leave room for it (non-negative, below ``2**(63 - bits)``): one hash
     pass. Table by table otherwise. Both give the same result.
     """
