@@ -328,9 +328,10 @@ def _unique_per_table(
     First appearance, not sorted: the rows of a batch then sit in the order its values first
     read them, so the poolings and their backward walk the rows nearly in order (sorted ids
     cost the step more in the cache misses of those lookups than the sort itself).
-    Every table's ids at once, the table's number in the key's high
-    bits, when the ids leave room for it (non-negative, below ``2**(63 - bits)``): one hash
-    pass. Table by table otherwise. Both give the same result.
+
+    Every table's ids at once, the table's number in the key's high bits, when the ids leave
+    room for it (non-negative, below ``2**(63 - bits)``): one hash pass. Table by table
+    otherwise. Both give the same result.
     """
     n_tables = len(features_per_table)
     sizes = np.asarray([i.numel() for i in ids], dtype=np.int64)
