@@ -25,7 +25,8 @@ Figures (written to benchmarks/results/distributed.json):
                            sharding, fused row-wise Adagrad, FBGEMM's CPU kernels) on the same
                            batches (TorchRec gets them without dedup: it has no grouped IKJT).
                            Target >= 1.0; `vs_torchrec_dmp_dedup_off` compares the same without
-                           dedup on our side
+                           dedup on our side; `vs_torchrec_dmp_paired` the same from `--pairs`
+                           single steps of each run back to back (quartiles `q1`, `q3`)
   scaling_2_ranks          samples/s of 2 ranks / of 1 rank with the same batch per rank
                            (report; 2 cores)
   a2a_bytes_vs_torchrec    bytes a rank sends to the others by all_to_all_single per step, ours
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -68,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=8, help="distinct batches per rank")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per case and repeat")
     parser.add_argument("--repeats", type=int, default=5, help="alternated repeats per case")
+    parser.add_argument(
+        "--pairs", type=int, default=64,
+        help="single steps of ours and of TorchRec DMP, back to back, for vs_torchrec_dmp_paired",
+    )  # fmt: skip
     parser.add_argument("--embedding-dim", type=int, default=16)
     parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
     parser.add_argument("--probe-rows", type=int, default=65536, help="largest cost probe")
@@ -220,6 +226,24 @@ def _a2a_sent_bytes() -> Iterator[dict[str, int]]:
         dist.all_to_all_single = real
 
 
+def _paired_steps(ours, theirs, *, pairs: int, barrier) -> list[list[float]]:
+    """``pairs`` single steps of each, back to back (the order swapped every pair): the
+    seconds ``[ours, theirs]`` of each pair. A pair's two steps see the same state of the
+    machine, so their ratio cancels the drift that runs of many steps keep."""
+    out = []
+    for k in range(pairs):
+        times = {}
+        for name, step in (
+            (("o", ours), ("t", theirs)) if k % 2 == 0 else (("t", theirs), ("o", ours))
+        ):
+            barrier()
+            start = time.perf_counter()
+            step(k)
+            times[name] = time.perf_counter() - start
+        out.append([times["o"], times["t"]])
+    return out
+
+
 def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     """One rank of the benchmark job (started by elastic_launch)."""
     import numpy as np
@@ -273,14 +297,17 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
 
         return case
 
+    def their_step(k: int) -> None:
+        dense, kjt, labels = plain[k % len(plain)]
+        dmp_opt.zero_grad(set_to_none=True)
+        loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels)
+        loss.backward()
+        dmp_opt.step()
+
     def theirs() -> None:
         comm.barrier(what="benchmark")
         for k in range(steps):
-            dense, kjt, labels = plain[k % len(plain)]
-            dmp_opt.zero_grad(set_to_none=True)
-            loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels)
-            loss.backward()
-            dmp_opt.step()
+            their_step(k)
 
     def one_rank() -> None:
         comm.barrier(what="benchmark")
@@ -297,6 +324,12 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     for trainer in [*trainers.values(), dedup_off]:
         trainer.sparse.stats = type(trainer.sparse.stats)()
     runs = alternate(cases, repeats=args["repeats"])
+    chosen = trainers[plan.num_hot]
+    paired = _paired_steps(
+        lambda k: chosen.train_step(on[k % len(on)], reduce_loss=False), their_step,
+        pairs=args["pairs"], barrier=lambda: comm.barrier(what="benchmark"),
+    )  # fmt: skip
+    chosen.pending_losses()
     sent = {}
     for name, case in (("ours", cases[f"R={plan.num_hot}"]), ("torchrec_dmp", theirs)):
         with _a2a_sent_bytes() as tally:  # untimed: the wrapper costs a little
@@ -339,6 +372,7 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
         },
         "dedup_factor": float(np.mean([_dedup_factor(b) for b in on])),
         "a2a_sent": sent,
+        "paired": paired,
         "steps": steps,
         "world": world,
     }
@@ -363,7 +397,7 @@ def _launch(dataset: Path, args: argparse.Namespace) -> dict[str, Any]:
         min_nodes=1, max_nodes=1, nproc_per_node=WORLD, run_id=f"bench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
     )  # fmt: skip
-    options = {k: getattr(args, k) for k in ("batch_size", "batches", "steps", "repeats",
+    options = {k: getattr(args, k) for k in ("batch_size", "batches", "steps", "repeats", "pairs",
                                                "embedding_dim", "num_embeddings", "probe_rows")}  # fmt: skip
     results = elastic_launch(config, _worker)(str(dataset), options)
     return results[0]
@@ -413,6 +447,7 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         else float("inf"),
         "vs_torchrec_dmp": rate_ratio(f"R={chosen}", "torchrec_dmp"),
         "vs_torchrec_dmp_dedup_off": rate_ratio("dedup_off", "torchrec_dmp"),
+        "vs_torchrec_dmp_paired": _paired_spread(raw["paired"]),
         "scaling_2_ranks": rate_ratio(f"R={chosen}", "one_rank"),
         "a2a_sent_bytes_per_step": {k: v["bytes"] for k, v in raw["a2a_sent"].items()},
         "a2a_calls_per_step": {k: v["calls"] for k, v in raw["a2a_sent"].items()},
@@ -421,6 +456,16 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "exchange": ex,
         "dedup_factor": raw["dedup_factor"],
     }
+
+
+def _paired_spread(pairs: list[list[float]]) -> dict[str, Any]:
+    """Samples/s ours / TorchRec's from single steps run back to back: the spread of the
+    per-pair ratios (their seconds / ours), with quartiles."""
+    ratios = [t / o for o, t in pairs]
+    q1, _, q3 = (
+        statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    )
+    return {**spread(ratios), "q1": q1, "q3": q3}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -445,7 +490,8 @@ def _table(results: dict[str, Any]) -> str:
         ("chosen_vs_best_measured", f"{results['chosen_vs_best_measured']['median']:.3f}"),
         ("a2a_bytes_ratio", f"{results['a2a_bytes_ratio']:.3f}"),
         ("vs_torchrec_dmp", f"{results['vs_torchrec_dmp']['median']:.3f} (dedup off: "
-                            f"{results['vs_torchrec_dmp_dedup_off']['median']:.3f})"),
+                            f"{results['vs_torchrec_dmp_dedup_off']['median']:.3f}; paired steps: "
+                            f"{results['vs_torchrec_dmp_paired']['median']:.3f})"),
         ("scaling_2_ranks", f"{results['scaling_2_ranks']['median']:.3f}"),
         ("a2a_bytes_vs_torchrec", f"{results['a2a_bytes_vs_torchrec']:.3f} ("
                                   + " / ".join(f"{v / 1e6:.2f} MB"

@@ -37,7 +37,7 @@ def test_tiny_run_writes_results(tmp_path):
     out = tmp_path / "distributed.json"
     argv = [
         sys.executable, "-m", "benchmarks.distributed", "--requests", "2000",
-        "--batch-size", "32", "--batches", "2", "--steps", "1", "--repeats", "1",
+        "--batch-size", "32", "--batches", "2", "--steps", "1", "--repeats", "1", "--pairs", "2",
         "--num-embeddings", "1000", "--probe-rows", "1024", "--work", str(tmp_path / "work"),
         "--out", str(out),
     ]  # fmt: skip
@@ -60,3 +60,5 @@ def test_tiny_run_writes_results(tmp_path):
     assert sent["ours"] > 0 and sent["torchrec_dmp"] > 0
     assert results["a2a_bytes_vs_torchrec"] == pytest.approx(sent["ours"] / sent["torchrec_dmp"])
     assert set(results["predicted_saving_se_s"]) == {str(r) for r in measured}
+    paired = results["vs_torchrec_dmp_paired"]
+    assert paired["repeats"] == 2 and paired["min"] <= paired["q1"] <= paired["q3"] <= paired["max"]
