@@ -191,6 +191,9 @@ def test_choice_of_r_keeps_no_hot_set_when_the_saving_is_within_the_fits_noise()
     assert noisy.c_a2a_se == pytest.approx(saving / (n * rho[plain.num_hot]))
     assert choose_num_hot(cand, noisy).num_hot == 0
     assert choose_num_hot(cand, noisy, confidence=0.0).num_hot == plain.num_hot
+    for bad in (-1.0, float("nan"), float("inf"), "2"):
+        with pytest.raises(RecpipeError, match="confidence"):
+            choose_num_hot(cand, noisy, confidence=bad)
     # a little noise: a hot set that is still surely worth it, the smallest-cost one among them
     slight = fit(0.2 * saving / (n * rho[plain.num_hot]))
     chosen = choose_num_hot(cand, slight)

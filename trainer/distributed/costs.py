@@ -33,6 +33,7 @@ from time import perf_counter
 import numpy as np
 import torch
 
+from recpipe.errors import RecpipeError
 from trainer.distributed.comm import Comm
 from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
@@ -336,6 +337,9 @@ def choose_num_hot(
     """The R in ``[0, len(candidates)]`` minimising ``f(R)`` (the smallest on ties), among R = 0
     and the R whose saving ``f(0) − f(R)`` exceeds ``confidence`` standard errors of it
     (``confidence=0``: the plain minimum)."""
+    if not (isinstance(confidence, int | float) and 0 <= confidence < float("inf")):
+        msg = f"`confidence` must be a finite number of standard errors >= 0, got {confidence!r}"
+        raise RecpipeError(msg)
     rho = candidates.rho()
     accesses = candidates.accesses_per_step
     sizes = np.arange(rho.size)

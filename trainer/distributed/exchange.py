@@ -326,8 +326,8 @@ def _unique_per_table(
     (int64 CPU tensors, one per feature, tables one after the other) sits among its table's.
 
     First appearance, not sorted: the rows of a batch then sit in the order its values first
-    read them, so the poolings and their backward walk the rows nearly in order (sorted ids
-    cost the step more in the cache misses of those lookups than the sort itself).
+    read them, so the poolings and their backward walk the rows nearly in order, and no sort
+    of the distinct keys is needed.
 
     Every table's ids at once, the table's number in the key's high bits, when the ids leave
     room for it (non-negative, below ``2**(63 - bits)``): one hash pass. Table by table
@@ -623,10 +623,10 @@ class ShardedEmbeddings:
             table.shard.apply(self.optimizer, uniq, summed.to(self.dtype))  # rounded once
 
     def _buffer(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[rows, D]`` of the exchange's buffer ``name``, kept from step to step: a fresh
-        tensor of a few MB each step costs its first touch of every page (the allocator
-        returns such blocks to the system when they are freed), more than the copy into it.
-        A buffer lives until the next step needs it again (nothing of a step outlives it)."""
+        """``[rows, D]`` of the exchange's buffer ``name``, kept from step to step, so that a
+        step does not allocate (and first-touch) a few MB of fresh tensors. The views handed
+        out are valid until the next call for the same name: nothing of a step outlives it
+        (``step`` clears the tables' views; a ``prepare`` overwrites them)."""
         buf = self._buffers.get(name)
         need = rows * self.dim
         if buf is None or buf.numel() < need or buf.dtype != dtype:

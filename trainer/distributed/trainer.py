@@ -159,24 +159,15 @@ class DistributedTrainer:
         self.lr = DEFAULT_LR[optimizer] if lr is None else float(lr)
         self.module = model.to(self.device)
         global_batch_norms(self.module, comm)
-        kind = "sgd" if optimizer == "sgd" else "rowwise_adagrad"
+        rows = SparseOptimizer("sgd" if optimizer == "sgd" else "rowwise_adagrad", self.lr)
         self.sparse: ShardedEmbeddings | CachedEmbeddings
         if cache_rows is None:
-            self.sparse = ShardedEmbeddings(
-                self.module,
-                comm=comm,
-                optimizer=SparseOptimizer(kind, self.lr),
-                hot_budget_rows=hot_budget_rows,
-                count_steps=count_steps,
-            )
+            self.sparse = ShardedEmbeddings(self.module, comm=comm, optimizer=rows,
+                                            hot_budget_rows=hot_budget_rows,
+                                            count_steps=count_steps)  # fmt: skip
         else:
-            self.sparse = CachedEmbeddings(
-                self.module,
-                comm=comm,
-                optimizer=SparseOptimizer(kind, self.lr),
-                capacity=cache_rows,
-                table_order=table_order,
-            )
+            self.sparse = CachedEmbeddings(self.module, comm=comm, optimizer=rows,
+                                           capacity=cache_rows, table_order=table_order)  # fmt: skip
         self.optimizers = make_optimizers(self.module, optimizer, lr=self.lr)
         self.model = wrap_ddp(self.module, comm, device=self.device)
         self.step = 0
