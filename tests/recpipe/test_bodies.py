@@ -6,6 +6,8 @@ one-thread kernel (in Numba's simulator without a GPU: ``NUMBA_ENABLE_CUDASIM=1`
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -86,14 +88,10 @@ def test_running_max_keeps_the_first_maximum_and_nan_wins():
     assert np.isnan(best) and at == 1
 
 
-@pytest.mark.cuda
-@settings(max_examples=10, deadline=None)
-@given(case=jagged_rows())
-def test_cuda_bodies_match_the_cpu_ones(case):
-    from numba import config
-
-    if not has_module("numba.cuda") or not (config.ENABLE_CUDASIM or _has_gpu()):
-        pytest.skip("no GPU and NUMBA_ENABLE_CUDASIM is not set")
+@functools.cache
+def _cuda_bodies_kernel():
+    """A one-thread kernel running the CUDA-compiled bodies, built once per test run (on a GPU
+    every new kernel object is compiled again, seconds per hypothesis example)."""
     from numba import cuda
 
     dev = bodies.compile_bodies(cuda.jit(device=True))
@@ -105,11 +103,22 @@ def test_cuda_bodies_match_the_cpu_ones(case):
             hashes[r, 0], hashes[r, 1] = fold(values, offsets[r], offsets[r + 1], 7, 9)
             appended[r] = appended_ids(values, offsets, r)
 
+    return kernel
+
+
+@pytest.mark.cuda
+@settings(max_examples=10, deadline=None)
+@given(case=jagged_rows())
+def test_cuda_bodies_match_the_cpu_ones(case):
+    from numba import config
+
+    if not has_module("numba.cuda") or not (config.ENABLE_CUDASIM or _has_gpu()):
+        pytest.skip("no GPU and NUMBA_ENABLE_CUDASIM is not set")
     values, offsets = case
     rows = len(offsets) - 1
     hashes = np.zeros((rows, 2), np.int64)
     appended = np.zeros(rows, np.int64)
-    kernel[1, 1](values, offsets, hashes, appended)
+    _cuda_bodies_kernel()[1, 1](values, offsets, hashes, appended)
     cpu_hashes, cpu_appended, _ = _cpu_results(values, offsets)
     assert [tuple(h) for h in hashes.tolist()] == [tuple(int(x) for x in h) for h in cpu_hashes]
     assert appended.tolist() == cpu_appended
