@@ -342,16 +342,18 @@ def _kernels_title(d: Results) -> str:
     )
 
 
+_GPU_KERNELS = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows")
+
+
 def _kernels_gpu(d: Results) -> str:
     gpu = d["gpu"]
     if "skipped" in gpu:
-        return f"not measured: {gpu['skipped']}"
-    parts = [
-        f"`{name}` {v['gbps']:.0f} GB/s ({100 * v['share_of_peak']:.0f}% of peak)"
-        for name, v in gpu.items()
-        if isinstance(v, Mapping) and "gbps" in v and "share_of_peak" in v
-    ]
-    return "; ".join(parts) or "see `gpu` in the JSON"
+        return f"not measured in this run: {gpu['skipped']} (see the GPU table below)"
+    return "; ".join(
+        f"`{name}` {gpu[f'{name}_gbps']:.0f} GB/s ({100 * gpu[f'{name}_share_of_peak']:.0f}% of "
+        "peak)"
+        for name in _GPU_KERNELS
+    )
 
 
 def _kernels_notes(d: Results) -> str:
@@ -430,6 +432,91 @@ KERNELS = Table(
         ),
     ],
     notes=_kernels_notes,
+)
+
+
+def _kernels_gpu_title(d: Results) -> str:
+    g = d["gpu"]
+    return (
+        f"**Kernels on a GPU** (`benchmarks/kernels.py`, its `gpu` section, run on an "
+        f"{g['device']}: {num(g['rows'])}-row batches, {num(g['unique_rows'])} unique; "
+        f"peak {num(g['peak_bandwidth_gbps'])} GB/s from the memory clock and bus width; "
+        "CUDA events, median of repeats, each call timed whole: host-side set-up and launches "
+        "included). `benchmarks/results/kernels_gpu.json`, written there:"
+    )
+
+
+def _gpu_kernel_row(name: str, what: str) -> Row:
+    return Row(
+        f"`{name}` ({what})",
+        f"gpu.{name}_share_of_peak",
+        lambda d: (
+            f"{{v}} of peak ({d['gpu'][f'{name}_gbps']:.0f} GB/s, "
+            f"{d['gpu'][f'{name}_ms']:.3f} ms; {x(d['gpu'][f'{name}_vs_torch_copy'])} of a "
+            "torch copy's rate)"
+        ),
+        fmt=lambda v: f"{100 * v:.1f}%",
+        target=Target(">=", 0.6) if name != "dedup_rows" else None,
+        target_text=">= 60%" if name != "dedup_rows" else "",
+        reference="" if name != "dedup_rows" else "report",
+    )
+
+
+KERNELS_GPU = Table(
+    "kernels_gpu",
+    _kernels_gpu_title,
+    [
+        _gpu_kernel_row("jagged_index_select", "expand unique rows to the batch"),
+        _gpu_kernel_row("jagged_index_add", "its backward, atomic adds"),
+        _gpu_kernel_row("segment_reduce_sum", "pool each unique row's list"),
+        _gpu_kernel_row("dedup_rows", "hash, sort, verify"),
+        Row(
+            "`torch_copy` (a device-to-device copy of the select's output size: the ceiling)",
+            "gpu.torch_copy_share_of_peak",
+            lambda d: f"{{v}} of peak ({d['gpu']['torch_copy_gbps']:.0f} GB/s)",
+            fmt=lambda v: f"{100 * v:.0f}%",
+            reference="report",
+        ),
+    ],
+    notes=lambda d: (
+        "At this size a call's time is mostly its fixed cost (Numba's launch and argument "
+        "handling, the host sync for the output size): a copy of the same bytes takes "
+        f"{d['gpu']['torch_copy_ms']:.3f} ms. The CPU figures in this file come from that "
+        "machine's 16 cores and are not shown."
+    ),
+)
+
+
+def _trainer_gpu_title(d: Results) -> str:
+    return (
+        f"**Trainer on a GPU** (`benchmarks/trainer.py --device cuda`, same model as above, "
+        f"B={num(d['batch_size'])}, {d['timed_steps']} alternated steps, wall time; run on "
+        f"{d.get('device_name', 'the GPU of the table above')}). "
+        "`benchmarks/results/trainer_gpu.json`:"
+    )
+
+
+TRAINER_GPU = Table(
+    "trainer_gpu",
+    _trainer_gpu_title,
+    [
+        Row(
+            "`dedup_speedup` on the GPU (samples/s dedup on / off)",
+            "dedup_speedup",
+            lambda d: (
+                f"{{v}} ({num(d['samples_per_s_on'])} vs {num(d['samples_per_s_off'])} samples/s;"
+                f" losses on vs off within {d['max_loss_rel_diff_on_vs_off']:.1e} relative)"
+            ),
+            target=Target(">=", 2.5),
+            reference="RecD 2.48x",
+        ),
+        Row(
+            "`activation_memory_ratio` on the GPU (embedding + attention activations, off / on)",
+            "activation_memory_ratio",
+            lambda d: f"{{v}} at a dedup factor of {d['dedup_factor_sparse_values']:.2f}",
+            reference="report",
+        ),
+    ],
 )
 
 
@@ -965,9 +1052,11 @@ TOWERS = Table(
 TABLES: tuple[Table, ...] = (
     ETL,
     KERNELS,
+    KERNELS_GPU,
     READERS,
     SERVICE,
     TRAINER,
+    TRAINER_GPU,
     STORE,
     DISTRIBUTED,
     DISPATCH,

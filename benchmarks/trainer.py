@@ -426,6 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("dedup on/off training steps (alternated):", file=sys.stderr)
         results: dict[str, Any] = {
             "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "batch_size": args.batch_size,
             "threads": args.threads,
             "requests": args.requests if args.data is None else None,
