@@ -348,7 +348,7 @@ _GPU_KERNELS = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum",
 def _kernels_gpu(d: Results) -> str:
     gpu = d["gpu"]
     if "skipped" in gpu:
-        return f"not measured in this run: {gpu['skipped']} (see the GPU table below)"
+        return f"not measured in this run: {gpu['skipped']}; see the GPU table below"
     return "; ".join(
         f"`{name}` {gpu[f'{name}_gbps']:.0f} GB/s ({100 * gpu[f'{name}_share_of_peak']:.0f}% of "
         "peak)"
