@@ -90,8 +90,8 @@ def test_running_max_keeps_the_first_maximum_and_nan_wins():
 
 @functools.cache
 def _cuda_bodies_kernel():
-    """A one-thread kernel running the CUDA-compiled bodies, built once per test run (on a GPU
-    every new kernel object is compiled again, seconds per hypothesis example)."""
+    """A one-thread kernel running the CUDA-compiled bodies, built once per test run (a kernel
+    defined inside the test would be a new kernel, compiled again, for every example)."""
     from numba import cuda
 
     dev = bodies.compile_bodies(cuda.jit(device=True))
