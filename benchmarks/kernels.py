@@ -34,6 +34,8 @@ the repeats, with the CPU-time ratio beside the wall-time one):
   one batch, timed with CUDA events; achieved GB/s = logical bytes (each input element read and
   each output element written once) / time, as a share of the device's peak (2 x memory clock x
   bus width, from Numba) and against a ``torch`` device-to-device copy of the select's output size.
+  ``gpu_sweep`` (``--gpu-rows 4096,16384,...``): the same section again at each batch size, to
+  tell a kernel's fixed cost per call (launch, argument conversion, host sync) from its bandwidth.
 
 Run: ``python -m benchmarks.kernels [--rows 4096] [--batches 20] [--dim 64]``; writes
 ``benchmarks/results/kernels.json`` (``--out``) and prints a table.
@@ -492,6 +494,22 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
     return result
 
 
+_GPU_CASES = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows")
+
+
+def _row_counts(text: str) -> tuple[int, ...]:
+    """``--gpu-rows``: positive batch sizes, comma-separated."""
+    try:
+        rows = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        rows = ()
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive row counts such as 4096,16384, got {text!r}"
+        )
+    return rows
+
+
 def print_table(result: dict[str, Any]) -> None:
     targets = {
         "dedup_rows_per_s": ">= 8e6",
@@ -517,13 +535,22 @@ def print_table(result: dict[str, Any]) -> None:
     peak = gpu["peak_bandwidth_gbps"]
     print(f"gpu: {gpu['device']}, peak {peak:,.0f} GB/s" if peak else f"gpu: {gpu['device']}")
     print(f"{'kernel':<24} {'ms':>10} {'GB/s':>10} {'of peak':>8} {'vs copy':>8}")
-    for name in ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows"):
+    for name in _GPU_CASES:
         share = gpu[f"{name}_share_of_peak"]
         print(
             f"{name:<24} {gpu[f'{name}_ms']:>10.3f} {gpu[f'{name}_gbps']:>10.1f} "
             f"{(f'{share:.0%}' if share is not None else '-'):>8} "
             f"{gpu[f'{name}_vs_torch_copy']:>8.2f}"
         )
+    if result.get("gpu_sweep"):
+        print("share of peak (ms) by batch rows:")
+        for point in result["gpu_sweep"]:
+            cells = [
+                f"{name} {point[f'{name}_ms']:.3f} ms"
+                + (f" {share:.1%}" if (share := point[f"{name}_share_of_peak"]) is not None else "")
+                for name in (*_GPU_CASES, "torch_copy")
+            ]
+            print(f"  {point['rows']:>8,}: " + "; ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -560,12 +587,26 @@ def main(argv: list[str] | None = None) -> int:
         "simulator (needs NUMBA_ENABLE_CUDASIM=1; checks the code path, rates mean nothing)",
     )
     parser.add_argument(
+        "--gpu-rows",
+        type=_row_counts,
+        default=(),
+        metavar="ROWS",
+        help="also time the GPU section at these batch sizes, comma-separated (e.g. "
+        "4096,16384,65536,131072): `gpu_sweep` in the JSON",
+    )
+    parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})"
     )
     args = parser.parse_args(argv)
     result = run(args)
     if args.gpu != "off":
-        result["gpu"] = run_gpu(args, simulate=args.gpu == "simulate")
+        simulate = args.gpu == "simulate"
+        result["gpu"] = run_gpu(args, simulate=simulate)
+        if args.gpu_rows and "skipped" not in result["gpu"]:
+            result["gpu_sweep"] = [
+                run_gpu(argparse.Namespace(**{**vars(args), "rows": rows}), simulate=simulate)
+                for rows in args.gpu_rows
+            ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

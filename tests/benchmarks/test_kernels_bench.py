@@ -51,8 +51,12 @@ def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
         pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 (set by `make test`)")
     module = load_benchmark("kernels")
     out = tmp_path / "kernels.json"
-    assert module.main([*TINY, "--gpu", "simulate", "--out", str(out)]) == 0
-    gpu = json.loads(out.read_text())["gpu"]
+    assert module.main([*TINY, "--gpu", "simulate", "--gpu-rows", "32,48", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    gpu = result["gpu"]
+    # the sweep repeats the section at each size asked for
+    assert [point["rows"] for point in result["gpu_sweep"]] == [32, 48]
+    assert all(point["jagged_index_select_ms"] > 0 for point in result["gpu_sweep"])
     assert gpu["simulated"] and gpu["rows"] == 64 and 0 < gpu["unique_rows"] < 64
     for name in ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows"):
         assert gpu[f"{name}_ms"] > 0 and gpu[f"{name}_gbps"] > 0
@@ -60,4 +64,12 @@ def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
         assert gpu[f"{name}_vs_torch_copy"] > 0
     # the select moves what a copy of its output moves, plus its index arrays
     assert gpu["jagged_index_select_bytes"] > gpu["torch_copy_bytes"]
-    assert "jagged_index_select" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "jagged_index_select" in printed and "by batch rows" in printed
+
+
+@pytest.mark.parametrize("bad", ["", "0,16", "a,b", "16,-4"])
+def test_kernels_benchmark_refuses_bad_gpu_rows(bad, capsys):
+    with pytest.raises(SystemExit):
+        load_benchmark("kernels").main(["--gpu-rows", bad])
+    assert "expected positive row counts" in capsys.readouterr().err
