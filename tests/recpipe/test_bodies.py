@@ -116,9 +116,12 @@ def test_cuda_bodies_match_the_cpu_ones(case):
         pytest.skip("no GPU and NUMBA_ENABLE_CUDASIM is not set")
     values, offsets = case
     rows = len(offsets) - 1
-    hashes = np.zeros((rows, 2), np.int64)
-    appended = np.zeros(rows, np.int64)
-    _cuda_bodies_kernel()[1, 1](values, offsets, hashes, appended)
+    from numba import cuda
+
+    dev = [cuda.to_device(a) for a in (values, offsets, np.zeros((rows, 2), np.int64))]
+    dev.append(cuda.to_device(np.zeros(rows, np.int64)))
+    _cuda_bodies_kernel()[1, 1](*dev)
+    hashes, appended = dev[2].copy_to_host(), dev[3].copy_to_host()
     cpu_hashes, cpu_appended, _ = _cpu_results(values, offsets)
     assert [tuple(h) for h in hashes.tolist()] == [tuple(int(x) for x in h) for h in cpu_hashes]
     assert appended.tolist() == cpu_appended
