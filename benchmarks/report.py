@@ -446,7 +446,7 @@ def _kernels_gpu_title(d: Results) -> str:
     )
 
 
-def _gpu_kernel_row(name: str, what: str) -> Row:
+def _gpu_kernel_row(name: str, what: str, *, bandwidth_target: bool = True) -> Row:
     return Row(
         f"`{name}` ({what})",
         f"gpu.{name}_share_of_peak",
@@ -456,9 +456,9 @@ def _gpu_kernel_row(name: str, what: str) -> Row:
             "torch copy's rate)"
         ),
         fmt=lambda v: f"{100 * v:.1f}%",
-        target=Target(">=", 0.6) if name != "dedup_rows" else None,
-        target_text=">= 60%" if name != "dedup_rows" else "",
-        reference="" if name != "dedup_rows" else "report",
+        target=Target(">=", 0.6) if bandwidth_target else None,
+        target_text=">= 60%" if bandwidth_target else "",
+        reference="" if bandwidth_target else "report",
     )
 
 
@@ -469,7 +469,7 @@ KERNELS_GPU = Table(
         _gpu_kernel_row("jagged_index_select", "expand unique rows to the batch"),
         _gpu_kernel_row("jagged_index_add", "its backward, atomic adds"),
         _gpu_kernel_row("segment_reduce_sum", "pool each unique row's list"),
-        _gpu_kernel_row("dedup_rows", "hash, sort, verify"),
+        _gpu_kernel_row("dedup_rows", "hash, sort, verify", bandwidth_target=False),
         Row(
             "`torch_copy` (a device-to-device copy of the select's output size: the ceiling)",
             "gpu.torch_copy_share_of_peak",
@@ -479,10 +479,11 @@ KERNELS_GPU = Table(
         ),
     ],
     notes=lambda d: (
-        "At this size a call's time is mostly its fixed cost (Numba's launch and argument "
-        "handling, the host sync for the output size): a copy of the same bytes takes "
-        f"{d['gpu']['torch_copy_ms']:.3f} ms. The CPU figures in this file come from that "
-        "machine's 16 cores and are not shown."
+        "Each call is timed whole, so at this size the figures include the host-side cost of "
+        "a call (launch, argument conversion, the sync for the output size), which this file "
+        f"does not separate; a copy of the same bytes takes {d['gpu']['torch_copy_ms']:.3f} ms. "
+        "`--gpu-rows` times the section at larger batches. The CPU figures in this file come "
+        "from that machine's 16 cores and are not shown."
     ),
 )
 
