@@ -31,6 +31,9 @@ __all__ = ["DuckDBEngine"]
 #: run the fast path's text tests compiled (:func:`etl.build._kernels.line_facts`, True) or in
 #: SQL (False: the same rows accepted, slower)
 LINE_FACTS = True
+#: read plain feature lines with the compiled tier first (:mod:`etl.build._plain`, True), or
+#: every line through the SQL tiers (False: the same rows, slower)
+PLAIN_TIER = True
 #: rows of the final sort fetched per Arrow batch
 _FETCH_ROWS = 16_384
 _EMPTY_LINES = (
@@ -149,6 +152,16 @@ class DuckDBEngine(Engine):
             lines = read_lines(f, file_id, max_line_bytes=self.job.config.max_line_bytes)
             for batch in lines:
                 batch = self.job.validator.normalize(batch, kind)
+                if kind == "features" and PLAIN_TIER:  # plain lines first, compiled
+                    parsed, batch = self.job.validator.split_plain(batch)
+                    if parsed is not None:
+                        cur.register(view, parsed)
+                        try:
+                            cur.execute(f"INSERT INTO {table} {self.job.validator.plain_sql(view)}")
+                        finally:
+                            cur.unregister(view)
+                    if not batch.num_rows:
+                        continue
                 cur.register(view, self.job.validator.with_facts(batch) if facts else batch)
                 try:
                     try:  # optimistic: no JSON guard; a malformed line fails the statement

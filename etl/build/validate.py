@@ -5,6 +5,9 @@ as SQL to run in their own DuckDB (:meth:`Validator.feature_sql`, :meth:`Validat
 or as Arrow tables (:meth:`Validator.features`, :meth:`Validator.events`, in an in-memory DuckDB).
 The rules and the wording of every reason live here and nowhere else.
 
+0. The compiled tier (:mod:`etl.build._plain`, feature lines only): a Numba kernel reads the
+   lines written the plain way straight into typed columns, giving exactly the rows the SQL
+   tiers would give; every other line goes on to them unchanged.
 1. The fast path (:func:`feature_select` with ``fast=True``): one typed, lenient ``from_json``
    per line plus cheap text tests that prove no leniency was needed. Nearly every good line
    is accepted here. Its text tests run either in SQL or, faster, precomputed per line by
@@ -32,6 +35,7 @@ import pyarrow.compute as pc
 from etl import reasons
 from etl.build._fastpath import fast_select
 from etl.build._kernels import LINE_FACT_COLUMNS, line_facts
+from etl.build._plain import plain_select, split_plain
 from etl.build._sql import (
     FLOAT32_MAX,
     PENDING,
@@ -456,6 +460,16 @@ class Validator:
         """:func:`event_select` over the relation ``src``."""
         return event_select(self.schema, src, max_line_bytes=self.max_line_bytes)
 
+    def split_plain(self, lines: pa.Table) -> tuple[pa.Table | None, pa.Table]:
+        """The plain lines of a batch of feature lines (in the nested layout), read by the
+        compiled tier, and the rest: :func:`etl.build._plain.split_plain`."""
+        return split_plain(self.schema, lines)
+
+    def plain_sql(self, src: str) -> str:
+        """Validated feature rows (every one good) from :meth:`split_plain`'s parsed rows in
+        the relation ``src``: :func:`etl.build._plain.plain_select`."""
+        return plain_select(self.schema, src)
+
     def with_facts(self, lines: pa.Table) -> pa.Table:
         """``lines`` plus the columns of :func:`etl.build._kernels.line_facts` (``facts=True``)."""
         chunks = lines.column("line").chunks or [pa.array([], pa.large_string())]
@@ -486,10 +500,18 @@ class Validator:
         """
         lines = self.normalize(lines, "features")
         with self._cursor() as cur:
+            parsed, lines = self.split_plain(lines)
+            plain = (
+                []
+                if parsed is None
+                else [cur.sql(self.plain_sql(self._register(cur, parsed))).to_arrow_table()]
+            )
             view = self._register(cur, self.with_facts(lines))
             fast = self._run(
                 cur, lambda g: self.feature_sql(view, fast=True, guarded=g, facts=True)
             )
+            if plain:
+                fast = pa.concat_tables([*plain, fast.cast(plain[0].schema)])
             is_pending = pc.fill_null(pc.equal(fast.column("reason"), PENDING), False)
             pending = fast.filter(is_pending)
             if not pending.num_rows:
