@@ -499,7 +499,7 @@ def _parse_chunk(
     data = (
         np.frombuffer(bufs[2], dtype=np.uint8)
         if bufs[2] is not None and bufs[2].size
-        else np.zeros(1, dtype=np.uint8)
+        else np.frombuffer(b"\0", dtype=np.uint8)  # read-only, as the other: one signature
     )
     if col.null_count:
         usable = usable & col.is_valid().to_numpy(zero_copy_only=False)
