@@ -5,14 +5,15 @@ integer, ``dense`` an object of numbers, ``sparse`` an object of integer lists; 
 between tokens) is read here by a Numba kernel, without the GIL, straight into typed columns.
 Every other line (anything unusual: escapes, non-ASCII ids, ``null``s, unknown or repeated keys,
 fractions, exponents or ``-0`` where an integer belongs, integers of more than 18 digits, lists
-longer than ``max_len``, a number outside float32) is left for the SQL tiers of
-:mod:`etl.build.validate`, unchanged. The tier accepts a subset of what the SQL fast tier accepts
-and gives the same values (tested line by line against it), so a build's bytes do not depend on
-which tier read a line.
+longer than a ``max_len`` that does not truncate, a number outside float32) is left to the SQL
+tiers of :mod:`etl.build.validate`, unchanged. Every line read here is one the full checks call
+good, and its row is theirs, value for value (tested line by line, by fuzzing, and by a build's
+bytes with and without the tier), so a dataset does not depend on which tier read a line.
 
 Dense numbers are cut out as text and converted by Arrow (correctly rounded, as DuckDB's JSON
-reader is); integer-form dense numbers are read as integers by DuckDB, so they are limited to 18
-digits (exact in both) and ``-0`` (``0`` in DuckDB, ``-0.0`` in Arrow) is left to SQL.
+reader is); DuckDB reads an integer-form dense number as an integer, so those are limited to 18
+digits (an int64, rounded to a double as Arrow rounds its text) and ``-0`` (``0`` in DuckDB,
+``-0.0`` in Arrow) is left to SQL.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from schemas import DatasetSchema
 
 __all__ = ["plain_select", "split_plain", "usable_schema"]
 
-_MAX_DIGITS = 18  # integers of at most 18 digits fit int64 and a double's exact range of text
+_MAX_DIGITS = 18  # integers of at most 18 digits fit an int64
 _MAX_NUMBER = 32  # longest dense number token read here (longer ones go to SQL)
-_ID, _TS, _DENSE, _SPARSE = 0, 3, 4, 5  # slots of the top-level keys
+_TS, _DENSE = 3, 4  # slots of the top-level keys (ids 0-2, then ts, dense, sparse)
 
 
 def _blank(data, i, e):  # pragma: no cover - compiled by Numba
@@ -49,10 +50,10 @@ def _integer(data, i, e):  # pragma: no cover - compiled by Numba
     start = i
     v = 0
     while i < e:
-        d = np.int64(data[i]) - 48
-        if d < 0 or d > 9:
+        d = np.uint64(data[i]) - np.uint64(48)  # one test for a digit
+        if d > np.uint64(9):
             break
-        v = v * 10 + d
+        v = v * 10 + np.int64(d)
         i += 1
     digits = i - start
     if digits == 0 or digits > _MAX_DIGITS or (digits > 1 and data[start] == 48):

@@ -500,18 +500,16 @@ class Validator:
         """
         lines = self.normalize(lines, "features")
         with self._cursor() as cur:
-            parsed, lines = self.split_plain(lines)
-            plain = (
-                []
-                if parsed is None
-                else [cur.sql(self.plain_sql(self._register(cur, parsed))).to_arrow_table()]
-            )
+            parsed, lines = self.split_plain(lines)  # plain lines first, compiled
+            plain = None
+            if parsed is not None:
+                plain = cur.sql(self.plain_sql(self._register(cur, parsed))).to_arrow_table()
             view = self._register(cur, self.with_facts(lines))
             fast = self._run(
                 cur, lambda g: self.feature_sql(view, fast=True, guarded=g, facts=True)
             )
-            if plain:
-                fast = pa.concat_tables([*plain, fast.cast(plain[0].schema)])
+            if plain is not None:
+                fast = pa.concat_tables([plain, fast.cast(plain.schema)])
             is_pending = pc.fill_null(pc.equal(fast.column("reason"), PENDING), False)
             pending = fast.filter(is_pending)
             if not pending.num_rows:
