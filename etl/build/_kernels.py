@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["LINE_FACT_COLUMNS", "line_facts", "split_lines"]
+__all__ = ["LINE_FACT_COLUMNS", "line_facts", "pack_words", "split_lines", "text_buffers"]
 
 
 #: the text facts :func:`line_facts` reports per line (columns of its result)
@@ -206,30 +206,46 @@ def line_facts(lines: pa.Array, keys: Sequence[str]) -> dict[str, np.ndarray]:
         keys: the request id, session id, user id and time keys.
     """
     facts = _kernels()[0]
-    if pa.types.is_string(lines.type):
-        off_type = np.int32
-    elif pa.types.is_large_string(lines.type):
-        off_type = np.int64
-    else:
-        lines = lines.cast(pa.large_string())
-        off_type = np.int64
-    n = len(lines)
-    bufs = lines.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=off_type, count=lines.offset + n + 1)[lines.offset :]
-    data = (
-        np.frombuffer(bufs[2], dtype=np.uint8)
-        if bufs[2] is not None and bufs[2].size
-        else np.zeros(1, dtype=np.uint8)
+    offsets, data = text_buffers(lines)
+    n = offsets.size - 1
+    pat, pat_off = pack_words(
+        [f'"{k}":' for k in keys] + ['"dense":', '"sparse":', '"dense"', '"sparse"']
     )
-    words = [f'"{k}":' for k in keys] + ['"dense":', '"sparse":', '"dense"', '"sparse"']
-    encoded = [w.encode() for w in words]
-    pat = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-    pat_off = np.cumsum([0] + [len(w) for w in encoded]).astype(np.int64)
     quotes = np.zeros(n, dtype=np.int32)
     text_ok = np.zeros(n, dtype=np.bool_)
     kinds = np.zeros((n, 4), dtype=np.int8)
-    facts(offsets.astype(np.int64), data, pat, pat_off, quotes, text_ok, kinds)
+    facts(offsets, data, pat, pat_off, quotes, text_ok, kinds)
     out = {"quotes": quotes, "text_ok": text_ok}
     for k, name in enumerate(LINE_FACT_COLUMNS[2:]):
         out[name] = np.ascontiguousarray(kinds[:, k])
     return out
+
+
+def text_buffers(lines: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The ``len + 1`` int64 offsets and the bytes of an Arrow ``string``/``large_string``
+    array (another type is cast first), without copying the text; both read-only, so the
+    kernels see one signature. Nulls read as empty strings."""
+    if pa.types.is_string(lines.type):
+        off_type = np.int32
+    else:
+        lines = lines if pa.types.is_large_string(lines.type) else lines.cast(pa.large_string())
+        off_type = np.int64
+    n = len(lines)
+    bufs = lines.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=off_type, count=lines.offset + n + 1)[lines.offset :]
+    if off_type is np.int32:
+        offsets = offsets.astype(np.int64)
+        offsets.flags.writeable = False
+    data = (
+        np.frombuffer(bufs[2], dtype=np.uint8)
+        if bufs[2] is not None and bufs[2].size
+        else np.frombuffer(b"\0", dtype=np.uint8)
+    )
+    return offsets, data
+
+
+def pack_words(words: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``words`` UTF-8 encoded back to back (uint8), and their ``len + 1`` int64 bounds."""
+    encoded = [w.encode() for w in words]
+    packed = np.frombuffer(b"".join(encoded) or b"\0", dtype=np.uint8)
+    return packed, np.cumsum([0] + [len(w) for w in encoded]).astype(np.int64)

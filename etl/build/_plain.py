@@ -18,12 +18,14 @@ digits (an int64, rounded to a double as Arrow rounds its text) and ``-0`` (``0`
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from etl.build._kernels import pack_words, text_buffers
 from etl.build._sql import FLOAT32_MAX, TS_RANGE, schema_keys, value_columns
 from schemas import DatasetSchema
 
@@ -172,40 +174,30 @@ def _int_list(data, i, e, values, used):  # pragma: no cover - compiled by Numba
         return -1, used  # `.`, `e`, `E` (a fraction or exponent) or anything else
 
 
-def _find_key(data, s, e, names, name_off, lo, hi, hint):  # pragma: no cover - compiled by Numba
-    """The index in ``[lo, hi)`` of the name equal to ``data[s:e]`` (``hint`` first), or -1."""
-    n = e - s
-    for t in range(hi - lo + 1):
-        k = hint if t == 0 else lo + t - 1
-        if k < lo or k >= hi or (t > 0 and k == hint):
-            continue
-        if name_off[k + 1] - name_off[k] != n:
-            continue
-        a = name_off[k]
-        j = 0
-        while j < n and data[s + j] == names[a + j]:
-            j += 1
-        if j == n:
-            return k
-    return -1
+def _name_is(data, i, names, name_off, k):  # pragma: no cover - compiled by Numba
+    """Whether name ``k`` is written at ``data[i:]`` (the caller checks the room for it)."""
+    a, n = name_off[k], name_off[k + 1] - name_off[k]
+    j = 0
+    while j < n and data[i + j] == names[a + j]:
+        j += 1
+    return j == n
 
 
 def _key_at(data, i, e, names, name_off, lo, hi, hint):  # pragma: no cover - compiled by Numba
     """The key whose content starts at ``i`` (after its ``"``): ``(index of its name in
     [lo, hi), index of its closing ")``, the name -1 when it is none of them. The name
-    ``hint`` (the one after the last key read) is tried first, in place."""
+    ``hint`` (the one after the last key read) is tried first."""
     if hint >= lo and hint < hi:
-        a, n = name_off[hint], name_off[hint + 1] - name_off[hint]
-        if i + n < e and data[i + n] == 34:
-            j = 0
-            while j < n and data[i + j] == names[a + j]:
-                j += 1
-            if j == n:
-                return hint, i + n
+        end = i + name_off[hint + 1] - name_off[hint]
+        if end < e and data[end] == 34 and _name_is(data, i, names, name_off, hint):
+            return hint, end
     end = _string(data, i, e)
     if end < 0:
         return -1, -1
-    return _find_key(data, i, end, names, name_off, lo, hi, hint), end
+    for k in range(lo, hi):
+        if name_off[k + 1] - name_off[k] == end - i and _name_is(data, i, names, name_off, k):
+            return k, end
+    return -1, end
 
 
 def _plain_kernel(  # pragma: no cover - compiled by Numba
@@ -429,7 +421,7 @@ _LOCK = threading.Lock()
 
 def _kernels():
     """Compile the kernels (once per process; cached on disk by Numba)."""
-    global _KERNELS, _blank, _integer, _number, _string, _find_key, _int_list, _key_at
+    global _KERNELS, _blank, _integer, _number, _string, _name_is, _int_list, _key_at
     with _LOCK:  # files are parsed on several threads
         if _KERNELS is None:
             from numba import njit
@@ -439,7 +431,7 @@ def _kernels():
             inline = njit(cache=True, nogil=True, inline="always")
             _blank, _integer, _number = inline(_blank), inline(_integer), inline(_number)
             _string, _int_list, _key_at = inline(_string), inline(_int_list), inline(_key_at)
-            _find_key = jit(_find_key)
+            _name_is = inline(_name_is)
             _KERNELS = (jit(_plain_kernel), jit(_gather))
     return _KERNELS
 
@@ -447,9 +439,21 @@ def _kernels():
 def usable_schema(schema: DatasetSchema) -> bool:
     """Whether this tier reads the schema's lines: no passthrough keys, and every key name
     printable ASCII without ``"`` or ``\\`` (written in a line as it is)."""
-    names = [*schema_keys(schema), *(f.name for f in (*schema.dense, *schema.sparse))]
-    plain = all(n and all(32 <= ord(c) <= 126 and c not in '"\\' for c in n) for n in names)
-    return plain and not schema.passthrough
+    return _tables(schema) is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(schema: DatasetSchema) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The kernel's key names and their bounds (top-level keys, dense, sparse) and the
+    sparse ``max_len`` (-1: truncated), once per schema; None when the tier skips it."""
+    words = [*schema_keys(schema), "dense", "sparse"]
+    words += [f.name for f in schema.dense] + [f.name for f in schema.sparse]
+    plain = all(w and all(32 <= ord(c) <= 126 and c not in '"\\' for c in w) for w in words)
+    if schema.passthrough or not plain:
+        return None
+    names, name_off = pack_words(words)
+    max_len = np.array([-1 if f.truncate else int(f.max_len) for f in schema.sparse], np.int64)
+    return names, name_off, max_len
 
 
 def split_plain(schema: DatasetSchema, lines: pa.Table) -> tuple[pa.Table | None, pa.Table]:
@@ -492,26 +496,12 @@ def _parse_chunk(
     """:func:`split_plain` of one chunk of lines: its parsed rows (without ``file_id`` and
     ``line_no``) and their indices in the chunk; ``ok`` is set for them. None when none."""
     kernel, gather = _kernels()
-    if not pa.types.is_large_string(col.type):
-        col = col.cast(pa.large_string())
-    n = len(col)
-    bufs = col.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=np.int64, count=col.offset + n + 1)[col.offset :]
-    data = (
-        np.frombuffer(bufs[2], dtype=np.uint8)
-        if bufs[2] is not None and bufs[2].size
-        else np.frombuffer(b"\0", dtype=np.uint8)  # read-only, as the other: one signature
-    )
+    names, name_off, max_len = _tables(schema)
+    offsets, data = text_buffers(col)
+    n = offsets.size - 1
     if col.null_count:
         usable = usable & col.is_valid().to_numpy(zero_copy_only=False)
-    rk, sk, uk, tk = schema_keys(schema)
-    words = [rk, sk, uk, tk, "dense", "sparse"]
-    words += [f.name for f in schema.dense] + [f.name for f in schema.sparse]
-    encoded = [w.encode() for w in words]
-    names = np.frombuffer(b"".join(encoded) or b"\0", dtype=np.uint8)
-    name_off = np.cumsum([0] + [len(w) for w in encoded]).astype(np.int64)
     nd, ns = len(schema.dense), len(schema.sparse)
-    max_len = np.array([-1 if f.truncate else int(f.max_len) for f in schema.sparse], np.int64)
     rows = np.empty(n, dtype=np.int64)
     spans = np.empty((3 + nd, 2, n), dtype=np.int64)
     ts = np.empty(n, dtype=np.int64)
@@ -579,9 +569,9 @@ SELECT
   NULL::VARCHAR AS raw,
   NULL::VARCHAR AS source,
   NULL::BIGINT AS source_line,
-  request_id::VARCHAR AS request_id,
-  session_key::VARCHAR AS session_key,
-  user_key::VARCHAR AS user_key,
+  request_id,
+  session_key,
+  user_key,
   ts,
 {value_columns(schema, None, None)}  NULL::VARCHAR[] AS unknown,
   NULL::VARCHAR[] AS unknown_keys
