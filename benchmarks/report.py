@@ -446,6 +446,17 @@ def _kernels_gpu_title(d: Results) -> str:
     )
 
 
+def _gpu_sweep(d: Results) -> str:
+    """The sweep's points: each batch size's share of peak, select / add / reduce / copy."""
+    names = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "torch_copy")
+    return "; ".join(
+        f"{num(point['rows'])} rows: "
+        + " / ".join(f"{100 * point[f'{name}_share_of_peak']:.1f}%" for name in names)
+        + f" ({point['jagged_index_select_ms']:.2f} ms select)"
+        for point in d["gpu_sweep"]
+    )
+
+
 def _gpu_kernel_row(name: str, what: str, *, bandwidth_target: bool = True) -> Row:
     return Row(
         f"`{name}` ({what})",
@@ -471,6 +482,12 @@ KERNELS_GPU = Table(
         _gpu_kernel_row("segment_reduce_sum", "pool each unique row's list"),
         _gpu_kernel_row("dedup_rows", "hash, sort, verify", bandwidth_target=False),
         Row(
+            "`gpu_sweep` (`--gpu-rows`): share of peak by batch rows, select / add / reduce / copy",
+            None,
+            _gpu_sweep,
+            reference="report",
+        ),
+        Row(
             "`torch_copy` (a device-to-device copy of the select's output size: the ceiling)",
             "gpu.torch_copy_share_of_peak",
             lambda d: f"{{v}} of peak ({d['gpu']['torch_copy_gbps']:.0f} GB/s)",
@@ -482,8 +499,8 @@ KERNELS_GPU = Table(
         "Each call is timed whole, so at this size the figures include the host-side cost of "
         "a call (launch, argument conversion, the sync for the output size), which this file "
         f"does not separate; a copy of the same bytes takes {d['gpu']['torch_copy_ms']:.3f} ms. "
-        "`--gpu-rows` times the section at larger batches. The CPU figures in this file come "
-        "from that machine's 16 cores and are not shown."
+        "`--gpu-rows` times the section at larger batches (the `gpu_sweep` row). The CPU "
+        "figures in this file come from that machine's cores and are not shown."
     ),
 )
 

@@ -61,3 +61,21 @@ def test_report_check_and_rewrite(tmp_path):
     assert "old" not in text
     data = json.loads(src.read_text())
     assert f"{data['dedup_speedup']:.2f}x" in text
+
+
+def test_gpu_sweep_row_shows_each_batch_size_and_vanishes_without_a_sweep():
+    results = report.load_results()
+    gpu = dict(results["kernels_gpu"])
+    point = {f"{name}_share_of_peak": 0.25 for name in report._GPU_KERNELS}
+    sweep = [
+        {**point, "rows": rows, "torch_copy_share_of_peak": 0.5, "jagged_index_select_ms": 1.25}
+        for rows in (4096, 131072)
+    ]
+    results["kernels_gpu"] = {**gpu, "gpu_sweep": sweep}
+    rows = [line for line in report.render(results).splitlines() if line.startswith("| `gpu_")]
+    assert len(rows) == 1
+    row = rows[0]
+    assert "4,096 rows: 25.0% / 25.0% / 25.0% / 50.0% (1.25 ms select)" in row
+    assert "131,072 rows:" in row
+    results["kernels_gpu"] = {k: v for k, v in gpu.items() if k != "gpu_sweep"}
+    assert not [line for line in report.render(results).splitlines() if line.startswith("| `gpu_")]
