@@ -43,12 +43,14 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from recpipe.batch import Batch
 from recpipe.errors import DataError, RecpipeError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from recpipe.kernels import jagged_index_select
+from trainer import _kernels
 from trainer.config import PoolingMode, TableConfig
 
 __all__ = [
@@ -345,9 +347,39 @@ def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, Fea
     return out
 
 
+class _ExpandRows(torch.autograd.Function):
+    """``pooled[inverse]`` whose backward sums each unique row's gradient over its batch rows
+    with one compiled loop, in batch order: the sums torch's ``index_select`` backward makes
+    (it scatters through ``scatter_add_``, several times slower at these sizes)."""
+
+    @staticmethod
+    def forward(ctx, pooled, inverse):
+        ctx.inverse, ctx.rows = inverse, pooled.shape[0]
+        return pooled.index_select(0, inverse)  # (B, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.rows, grad.shape[1])  # (U, D)
+        _kernels.add_rows(grad.contiguous().numpy(), ctx.inverse.numpy(), out.numpy())
+        return out, None
+
+
 def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
     """``[U, ...]`` -> ``[B, ...]`` by the inverse lookup (backward sums duplicates, O5)."""
-    return pooled if inverse is None else pooled.index_select(0, inverse)
+    if inverse is None:
+        return pooled
+    if (
+        pooled.requires_grad
+        and torch.is_grad_enabled()
+        and pooled.device.type == "cpu"
+        and pooled.dim() == 2
+        and pooled.dtype in (torch.float32, torch.float64)
+        and inverse.dtype == torch.int64
+        and inverse.is_contiguous()
+    ):
+        return _ExpandRows.apply(pooled, inverse)
+    return pooled.index_select(0, inverse)
 
 
 # -------------------------------------------------------------------------------------------

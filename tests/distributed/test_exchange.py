@@ -136,6 +136,30 @@ def test_owner_sums_and_row_wise_adagrad_kernels_match_torch():
     torch.testing.assert_close(state, ref_state, rtol=1e-6, atol=0)
 
 
+def test_row_copy_kernels_match_numpy():
+    """The exchange's row copies (into the response, into the batch's rows) are numpy's fancy
+    gathers and scatters; the shard's ``gather_into`` is its ``gather`` placed at ``at``."""
+    from trainer.distributed import _kernels as K
+
+    rng = np.random.default_rng(5)
+    src = rng.standard_normal((30, 4)).astype(np.float32)
+    src_index, out_index = rng.integers(0, 30, size=12), rng.permutation(20)[:12]
+    out, want = np.zeros((20, 4), np.float32), np.zeros((20, 4), np.float32)
+    K.copy_rows(src, src_index, out, out_index)
+    want[out_index] = src[src_index]
+    assert np.array_equal(out, want)
+    out, want = np.zeros((20, 4), np.float32), np.zeros((20, 4), np.float32)
+    K.scatter_rows(src[:12], out_index, out)
+    want[out_index] = src[:12]
+    assert np.array_equal(out, want)
+    shard = RowShard(dim=4, seed=1)
+    rows = shard.rows(np.array([7, 3, 9, 11], dtype=np.int64))
+    placed = torch.zeros(6, 4)
+    shard.gather_into(rows[[2, 0]], placed, np.array([5, 1]))
+    assert torch.equal(placed[[5, 1]], shard.gather(rows[[2, 0]]))
+    assert not placed[[0, 2, 3, 4]].any()
+
+
 # -- the cost model -------------------------------------------------------------------------------
 def test_line_fit_and_choice_of_r_match_brute_force():
     fit = LineFit.of([1, 2, 4, 8], [3.0, 5.0, 9.0, 17.0])

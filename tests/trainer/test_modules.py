@@ -23,6 +23,7 @@ from trainer.modules import (
     PooledEmbeddings,
     SequenceEmbeddings,
     TableConfig,
+    expand_rows,
     locate_features,
 )
 
@@ -139,6 +140,25 @@ def test_ebc_dedup_matches_plain_values_and_gradients(small_schema, batch, pooli
         torch.testing.assert_close(out_k[f], out_p[f], rtol=0, atol=0)
     for name in grads_p:
         torch.testing.assert_close(grads_d[name], grads_p[name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_expand_rows_backward_is_index_selects_bit_for_bit(dtype):
+    """The compiled backward of the expansion sums each unique row's gradient in batch order:
+    the values torch's own index_select backward gives, bit for bit (unreached rows get 0)."""
+    gen = torch.Generator().manual_seed(3)
+    pooled = torch.randn(40, 8, generator=gen, dtype=dtype)
+    inverse = torch.randint(0, 37, (300,), generator=gen)  # rows 37..39 never read
+    grad = torch.randn(300, 8, generator=gen, dtype=dtype) * torch.logspace(-6, 6, 8, dtype=dtype)
+    ours = pooled.clone().requires_grad_()
+    out = expand_rows(ours, inverse)
+    out.backward(grad)
+    ref = pooled.clone().requires_grad_()
+    ref.index_select(0, inverse).backward(grad)
+    assert out.grad_fn is not None and "ExpandRows" in type(out.grad_fn).__name__
+    assert torch.equal(out, pooled[inverse]) and torch.equal(ours.grad, ref.grad)
+    assert not ours.grad[37:].any()
+    assert expand_rows(pooled, None) is pooled
 
 
 def test_ebc_looks_up_unique_rows_only(small_schema, batch):

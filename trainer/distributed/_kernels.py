@@ -1,5 +1,6 @@
 """Numba CPU kernels of the exchange: gradients of the prepared rows and of the rows an owner
-receives, summed in float64, and the row-wise Adagrad update.
+receives, summed in float64, the row-wise Adagrad update, and the copies of rows into and out of
+the exchange's buffers.
 
 One pass over the ids, no ``[ids, D]`` intermediate; the sums run in id order, as
 ``index_add_`` does, so they give the same float64 values as the torch form (used on CUDA).
@@ -29,13 +30,25 @@ def pool_backward(grad, pos, offsets, mean, out):
 
 
 @njit(cache=True, nogil=True)
-def add_rows(grad, pos, out):
-    """out[pos[i]] += grad[i] for every looked-up row i."""
-    dim = grad.shape[1]
-    for i in range(pos.size):
-        r = pos[i]
+def copy_rows(src, src_index, out, out_index):
+    """``out[out_index[i]] = src[src_index[i]]`` for every ``i``: a gather and a scatter of rows
+    in one pass (torch's ``index_copy_`` of an ``index_select`` takes two, the first into a
+    temporary)."""
+    dim = src.shape[1]
+    for i in range(src_index.size):
+        s, d = src_index[i], out_index[i]
         for j in range(dim):
-            out[r, j] += np.float64(grad[i, j])
+            out[d, j] = src[s, j]
+
+
+@njit(cache=True, nogil=True)
+def scatter_rows(src, index, out):
+    """``out[index[i]] = src[i]`` for every row ``i`` (``index_copy_``, a few times faster)."""
+    dim = src.shape[1]
+    for i in range(index.size):
+        d = index[i]
+        for j in range(dim):
+            out[d, j] = src[i, j]
 
 
 @njit(cache=True, nogil=True)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.errors import RecpipeError
+from trainer._kernels import add_rows
 from trainer.distributed import _kernels as K
 from trainer.distributed.comm import Comm
 from trainer.distributed.shard import RowShard, SparseOptimizer, owner_of
@@ -83,7 +84,7 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx, grad):
         acc = ctx.table._batch.grad
         if acc is not None and acc.device.type == "cpu":
-            K.add_rows(grad.contiguous().numpy(), ctx.pos.numpy(), acc.numpy())
+            add_rows(grad.contiguous().numpy(), ctx.pos.numpy(), acc.numpy())
         elif acc is not None:
             acc.index_add_(0, ctx.pos, grad.to(GRAD_DTYPE))
         return None, None, None
@@ -508,22 +509,26 @@ class ShardedEmbeddings:
                 owner_rows.append(np.zeros(0, np.int64))
                 continue
             ids = got_ids[sel]
-            at = torch.from_numpy(sel).to(device)
             if train:
                 rows = table.shard.rows(ids)
-                response.index_copy_(0, at, table.shard.gather(rows))
+                table.shard.gather_into(rows, response, sel)
             else:
                 rows = np.zeros(0, np.int64)
-                response.index_copy_(0, at, table.shard.lookup(ids))
+                response.index_copy_(0, torch.from_numpy(sel).to(device), table.shard.lookup(ids))
             owner_rows.append(rows)
         fetched = comm.all_to_all(response, recv_rows, send_rows, what="the exchange's rows",
                                   out=self._buffer("fetched", int(send_rows.sum()), self.dtype))  # fmt: skip
         rows = self._buffer("rows", all_ids.size, self.dtype)
-        if hot_pos is not None and hot_pos.size:
-            idx = torch.from_numpy(hot_idx).to(device)
-            rows.index_copy_(0, torch.from_numpy(hot_pos).to(device),
-                             self._hot_values.index_select(0, idx))  # fmt: skip
-        rows.index_copy_(0, torch.from_numpy(send_pos).to(device), fetched)
+        if device.type == "cpu":  # one compiled pass each
+            if hot_pos is not None and hot_pos.size:
+                K.copy_rows(self._hot_values.numpy(), hot_idx, rows.numpy(), hot_pos)
+            K.scatter_rows(fetched.numpy(), send_pos, rows.numpy())
+        else:
+            if hot_pos is not None and hot_pos.size:
+                idx = torch.from_numpy(hot_idx).to(device)
+                rows.index_copy_(0, torch.from_numpy(hot_pos).to(device),
+                                 self._hot_values.index_select(0, idx))  # fmt: skip
+            rows.index_copy_(0, torch.from_numpy(send_pos).to(device), fetched)
         grad = self._buffer("grad", all_ids.size, GRAD_DTYPE).zero_() if train else None
         for t, table in enumerate(self.tables):
             lo, hi = int(starts[t]), int(starts[t + 1])

@@ -176,6 +176,13 @@ class RowShard:
     def gather(self, rows: np.ndarray) -> torch.Tensor:
         return self.values.index_select(0, torch.from_numpy(rows).to(self.device))
 
+    def gather_into(self, rows: np.ndarray, out: torch.Tensor, at: np.ndarray) -> None:
+        """``out[at[i]] = values[rows[i]]`` (``out`` [m, D] of the values' dtype and device)."""
+        if self.device.type == "cpu":
+            K.copy_rows(self.values.numpy(), rows, out.numpy(), at)
+            return
+        out.index_copy_(0, torch.from_numpy(at).to(self.device), self.gather(rows))
+
     def apply(self, optimizer: SparseOptimizer, rows: np.ndarray, grads: torch.Tensor) -> None:
         """Optimizer step on ``rows`` (unique) with ``grads`` [n, D]."""
         optimizer.apply(self.values, self.state, torch.from_numpy(rows).to(self.device), grads)
