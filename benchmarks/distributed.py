@@ -27,6 +27,10 @@ Figures (written to benchmarks/results/distributed.json):
                            Target >= 1.0; `vs_torchrec_dmp_dedup_off` compares the same without
                            dedup on our side; `vs_torchrec_dmp_paired` the same from `--pairs`
                            single steps of each run back to back (quartiles `q1`, `q3`)
+  exact_dense_vs_default   samples/s with the dense gradients summed in float64 and rounded
+                           once (--exact-dense: bit for bit one process) / with DDP's float32
+                           sums, both at the chosen R (report); `vs_torchrec_dmp_exact_dense`
+                           compares the exact run with TorchRec DMP
   scaling_2_ranks          samples/s of 2 ranks / of 1 rank with the same batch per rank
                            (report; 2 cores)
   a2a_bytes_vs_torchrec    bytes a rank sends to the others by all_to_all_single per step, ours
@@ -119,14 +123,15 @@ def _model_config(args: dict) -> Any:
                        num_embeddings=args["num_embeddings"], attention="none")  # fmt: skip
 
 
-def _ours(dataset: str, args: dict, comm: Any) -> Any:
+def _ours(dataset: str, args: dict, comm: Any, *, exact_dense: bool = False) -> Any:
     from readers.dataset import dataset_schema
     from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
     from trainer.models import DLRM
 
     factory = sharded_table_factory(optimizer="adagrad")
     model = DLRM.from_schema(dataset_schema(dataset), _model_config(args), table_factory=factory)
-    return DistributedTrainer(model, comm=comm, optimizer="adagrad", hot_budget_rows=1 << 24)
+    return DistributedTrainer(model, comm=comm, optimizer="adagrad", hot_budget_rows=1 << 24,
+                              exact_dense=exact_dense)  # fmt: skip
 
 
 class _TorchRecDLRM:
@@ -279,8 +284,10 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
         trainer.sparse.reshard(r)
         trainers[r] = trainer
     dedup_off = _ours(dataset, args, comm)
-    dedup_off.sparse.candidates, dedup_off.sparse.count_left = candidates, 0
-    dedup_off.sparse.reshard(plan.num_hot)
+    exact = _ours(dataset, args, comm, exact_dense=True)
+    for trainer in (dedup_off, exact):
+        trainer.sparse.candidates, trainer.sparse.count_left = candidates, 0
+        trainer.sparse.reshard(plan.num_hot)
     single = _ours(dataset, args, Comm.single()) if rank == 0 else None
     if single is not None:
         single.sparse.count_left = 0
@@ -319,9 +326,10 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
 
     cases = {f"R={r}": ours(t, on) for r, t in trainers.items()}
     cases["dedup_off"] = ours(dedup_off, off)
+    cases["exact_dense"] = ours(exact, on)
     cases["torchrec_dmp"] = theirs
     cases["one_rank"] = one_rank
-    for trainer in [*trainers.values(), dedup_off]:
+    for trainer in [*trainers.values(), dedup_off, exact]:
         trainer.sparse.stats = type(trainer.sparse.stats)()
     runs = alternate(cases, repeats=args["repeats"])
     chosen = trainers[plan.num_hot]
@@ -448,6 +456,8 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "vs_torchrec_dmp": rate_ratio(f"R={chosen}", "torchrec_dmp"),
         "vs_torchrec_dmp_dedup_off": rate_ratio("dedup_off", "torchrec_dmp"),
         "vs_torchrec_dmp_paired": _paired_spread(raw["paired"]),
+        "exact_dense_vs_default": rate_ratio("exact_dense", f"R={chosen}"),
+        "vs_torchrec_dmp_exact_dense": rate_ratio("exact_dense", "torchrec_dmp"),
         "scaling_2_ranks": rate_ratio(f"R={chosen}", "one_rank"),
         "a2a_sent_bytes_per_step": {k: v["bytes"] for k, v in raw["a2a_sent"].items()},
         "a2a_calls_per_step": {k: v["calls"] for k, v in raw["a2a_sent"].items()},
@@ -491,7 +501,9 @@ def _table(results: dict[str, Any]) -> str:
         ("a2a_bytes_ratio", f"{results['a2a_bytes_ratio']:.3f}"),
         ("vs_torchrec_dmp", f"{results['vs_torchrec_dmp']['median']:.3f} (dedup off: "
                             f"{results['vs_torchrec_dmp_dedup_off']['median']:.3f}; paired steps: "
-                            f"{results['vs_torchrec_dmp_paired']['median']:.3f})"),
+                            f"{results['vs_torchrec_dmp_paired']['median']:.3f}; exact dense: "
+                            f"{results['vs_torchrec_dmp_exact_dense']['median']:.3f})"),
+        ("exact_dense_vs_default", f"{results['exact_dense_vs_default']['median']:.3f}"),
         ("scaling_2_ranks", f"{results['scaling_2_ranks']['median']:.3f}"),
         ("a2a_bytes_vs_torchrec", f"{results['a2a_bytes_vs_torchrec']:.3f} ("
                                   + " / ".join(f"{v / 1e6:.2f} MB"

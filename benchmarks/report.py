@@ -884,6 +884,14 @@ DISTRIBUTED = Table(
             reference="report",
         ),
         Row(
+            "`exact_dense_vs_default` (samples/s with `--exact-dense`, the dense gradients "
+            "summed in float64 and rounded once: bit for bit one process / with DDP's float32 "
+            "sums)",
+            "exact_dense_vs_default",
+            lambda d: f"{{v}} (against TorchRec DMP: {x(d['vs_torchrec_dmp_exact_dense'])})",
+            reference="report",
+        ),
+        Row(
             "`scaling_2_ranks` (samples/s of 2 ranks / 1 rank, same batch per rank; 2 cores)",
             "scaling_2_ranks",
             lambda d: "{v}",

@@ -15,7 +15,14 @@ from _bench import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
-FIGURES = ("best_r_vs_r0", "chosen_vs_best_measured", "vs_torchrec_dmp", "scaling_2_ranks")
+FIGURES = (
+    "best_r_vs_r0",
+    "chosen_vs_best_measured",
+    "vs_torchrec_dmp",
+    "scaling_2_ranks",
+    "exact_dense_vs_default",
+    "vs_torchrec_dmp_exact_dense",
+)
 
 
 def test_help(capsys):

@@ -51,6 +51,9 @@ CONFIGS = [
 # another order for every split of it) and no attention pooling (it pads a batch to its longest
 # row, so a micro-batch and the global batch sum its softmax and products over other lengths)
 EXCHANGE_ONLY = [("adagrad", "chosen", dedup, "float32") for dedup in (True, False)]
+# the dense part learning, its gradients summed in float64 (--exact-dense) and no attention
+# pooling: every float32 case must meet 1e-6
+EXACT_DENSE = [c for c in CONFIGS if c[3] == "float32" and c[1] != "reshard"]
 
 
 def subgroup_comm(world: int) -> Comm | None:
@@ -78,15 +81,24 @@ def rank_batches(dataset: str, *, rank: int, world: int, dedup: bool, steps: int
 
 
 def build(
-    dataset: str, opt: str, comm: Comm, dtype: torch.dtype, *, frozen: bool = False
+    dataset: str,
+    opt: str,
+    comm: Comm,
+    dtype: torch.dtype,
+    *,
+    frozen: bool = False,
+    exact: bool = False,
 ) -> DistributedTrainer:
     """A trainer of the small model; ``frozen``: without attention pooling, and its dense part
-    does not learn (lr 0)."""
+    does not learn (lr 0); ``exact``: without attention pooling, its dense gradients summed in
+    float64 (``exact_dense``)."""
     schema = dataset_schema(dataset)
     factory = sharded_table_factory(optimizer=opt, dtype=dtype)
-    config = replace(SMALL_MODEL, attention="none") if frozen else SMALL_MODEL
+    config = replace(SMALL_MODEL, attention="none") if frozen or exact else SMALL_MODEL
     model = DLRM.from_schema(schema, config, table_factory=factory).to(dtype)
-    trainer = DistributedTrainer(model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20)
+    trainer = DistributedTrainer(
+        model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20, exact_dense=exact
+    )
     if frozen:
         for group in (g for o in trainer.optimizers for g in o.param_groups):
             group["lr"] = 0.0
@@ -148,10 +160,16 @@ def replicas_equal(comm: Comm, trainer: DistributedTrainer) -> bool:
 
 
 def one_process(
-    dataset: str, opt: str, dtype: torch.dtype, streams: list, *, frozen: bool = False
+    dataset: str,
+    opt: str,
+    dtype: torch.dtype,
+    streams: list,
+    *,
+    frozen: bool = False,
+    exact: bool = False,
 ) -> dict:
     """One process on the global batches made of ``streams`` (one per rank)."""
-    trainer = build(dataset, opt, Comm.single(), dtype, frozen=frozen)
+    trainer = build(dataset, opt, Comm.single(), dtype, frozen=frozen, exact=exact)
     losses = [float(trainer.train_step(b)[0]) for b in global_batches(streams)]
     return {
         "losses": losses,
@@ -161,16 +179,23 @@ def one_process(
 
 
 def reference(
-    dataset: str, opt: str, dedup: bool, dtype: torch.dtype, world: int, *, frozen: bool = False
+    dataset: str,
+    opt: str,
+    dedup: bool,
+    dtype: torch.dtype,
+    world: int,
+    *,
+    frozen: bool = False,
+    exact: bool = False,
 ) -> dict:
     """One process on the global batches of a ``world``-rank job; and how far one process
     drifts from itself in float32 when the same global batches hold their rows in another order
     (the micro-batches concatenated in reverse): the floor of any comparison in float32."""
     streams = [rank_batches(dataset, rank=r, world=world, dedup=dedup, steps=STEPS)
                for r in range(world)]  # fmt: skip
-    ref = one_process(dataset, opt, dtype, streams, frozen=frozen)
+    ref = one_process(dataset, opt, dtype, streams, frozen=frozen, exact=exact)
     if dtype == torch.float32:
-        again = one_process(dataset, opt, dtype, streams[::-1], frozen=frozen)
+        again = one_process(dataset, opt, dtype, streams[::-1], frozen=frozen, exact=exact)
         ref["table_noise"] = compare_tables(again["tables"], ref["tables"])
         ref["dense_noise"] = compare_dense(again["dense"], ref["dense"])
     return ref
@@ -192,13 +217,14 @@ def _single_rows(trainer: DistributedTrainer) -> dict:
 
 
 def run_case(
-    comm: Comm, dataset: str, case: tuple, refs: dict, *, frozen: bool = False
+    comm: Comm, dataset: str, case: tuple, refs: dict, *, frozen: bool = False, exact: bool = False
 ) -> dict | None:
     opt, hot, dedup, dtype_name = case
     dtype = getattr(torch, dtype_name)
     world = comm.world_size
     batches = rank_batches(dataset, rank=comm.rank, world=world, dedup=dedup, steps=STEPS)
-    trainer = build(dataset, opt, comm, dtype, frozen=frozen)
+    trainer = build(dataset, opt, comm, dtype, frozen=frozen, exact=exact)
+    initial = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     for batch in batches:  # count this job's accesses first: the hot set is chosen from them
         trainer.sparse.count(batch)
     cand = trainer.sparse.gather_counts()
@@ -223,14 +249,15 @@ def run_case(
     tables = all_rows(comm, trainer)
     if comm.rank != 0:
         return None
-    key = (opt, dedup, dtype_name, frozen)
+    key = (opt, dedup, dtype_name, frozen, exact)
     if key not in refs:
-        refs[key] = reference(dataset, opt, dedup, dtype, world, frozen=frozen)
+        refs[key] = reference(dataset, opt, dedup, dtype, world, frozen=frozen, exact=exact)
     ref = refs[key]
     loss_dev = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
     return {
         "case": list(case),
         "exchange_only": frozen,
+        "exact_dense": exact,
         "world": world,
         "hot_rows": sizes,
         "all_rows": everything,
@@ -239,6 +266,7 @@ def run_case(
         "loss_dev": loss_dev,
         "table_dev": compare_tables(tables, ref["tables"]),
         "dense_dev": compare_dense(trainer.module.state_dict(), ref["dense"]),
+        "dense_moved": compare_dense(trainer.module.state_dict(), initial),
         "tolerance": TOLERANCE[dtype],
         "table_noise": ref.get("table_noise", 0.0),
         "dense_noise": ref.get("dense_noise", 0.0),
@@ -259,6 +287,7 @@ def matrix(rank: int, world_size: int, dataset: str, out: str) -> None:
             refs: dict = {}
             results = [run_case(comm, dataset, case, refs) for case in CONFIGS]
             results += [run_case(comm, dataset, c, refs, frozen=True) for c in EXCHANGE_ONLY]
+            results += [run_case(comm, dataset, c, refs, exact=True) for c in EXACT_DENSE]
             if comm.rank == 0:
                 Path(out, f"matrix-{world}.json").write_text(json.dumps(results))
             if world == 2:

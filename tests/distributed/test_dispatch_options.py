@@ -63,3 +63,8 @@ def test_cache_rows_and_bandwidths_reach_the_distributed_config():
 def test_the_cache_options_check_themselves(kwargs, message):
     with pytest.raises(RecpipeError, match=message):
         DistributedConfig(**kwargs)
+
+
+def test_exact_dense_reaches_the_distributed_config():
+    assert distributed_config(_parse()).exact_dense is False
+    assert distributed_config(_parse("--exact-dense")).exact_dense is True

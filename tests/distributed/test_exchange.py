@@ -160,6 +160,40 @@ def test_row_copy_kernels_match_numpy():
     assert not placed[[0, 2, 3, 4]].any()
 
 
+def test_exact_dense_gradients_do_not_depend_on_how_the_batch_is_split():
+    """The Linear layers' gradients as float64 sums rounded once: a batch in one piece and the
+    same batch in two (two ranks' partial sums, added in float64) give the same float32
+    gradients bit for bit; the input gradients and the forward are torch's own."""
+    from trainer.distributed.dense import ExactDense
+
+    torch.manual_seed(0)
+    x, y = torch.randn(96, 6), torch.randn(96, 1)
+
+    def grads(pieces):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        plain = [p.detach().clone() for p in model.parameters()]
+        exact = ExactDense(model, Comm.single())
+        for part in pieces:
+            out = model(x[part])
+            ((out - y[part]) ** 2).sum().backward()
+        assert all(p.grad is None for p in model.parameters())  # held in float64 until reduce
+        exact.reduce()
+        return exact.linears, [p.grad for p in model.parameters()], plain
+
+    linears, whole, plain = grads([slice(0, 96)])
+    _, split, _ = grads([slice(0, 40), slice(40, 96)])
+    assert linears == 2
+    assert all(torch.equal(a, b) for a, b in zip(whole, split, strict=True))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), plain, strict=True):
+            p.copy_(q)
+    ((model(x) - y) ** 2).sum().backward()  # float32 sums: within rounding of the exact ones
+    for a, p in zip(whole, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-5)
+
+
 # -- the cost model -------------------------------------------------------------------------------
 def test_line_fit_and_choice_of_r_match_brute_force():
     fit = LineFit.of([1, 2, 4, 8], [3.0, 5.0, 9.0, 17.0])

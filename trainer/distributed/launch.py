@@ -62,7 +62,7 @@ def _hot_rows(text: str) -> str | int:
 
 def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool = True) -> None:
     """Add the multi-rank options to the ``recpipe train`` parser: the fields of
-    :class:`~trainer.distributed.config.LaunchConfig` and seven of
+    :class:`~trainer.distributed.config.LaunchConfig` and eight of
     :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`).
 
     ``exchange=False`` (a command without the 2FP exchange and the sample dispatch, e.g.
@@ -100,6 +100,7 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
                 "alpha",
                 "cache_rows",
                 "bandwidths",
+                "exact_dense",
             )
             if exchange
             else ("timeout_s",)

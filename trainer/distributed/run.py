@@ -64,6 +64,7 @@ class DistributedSummary:
             compared with what the dispatcher's shadow predicted, and ``shadow_matched`` those
             where every rank's matched row for row (the shadow restarts from empty caches at
             every epoch, the caches keep their rows, so later epochs differ).
+        exact_dense: the dense gradients were summed in float64 (``--exact-dense``).
     """
 
     world_size: int
@@ -79,8 +80,13 @@ class DistributedSummary:
     cache_per_rank: list[dict[str, int]] = field(default_factory=list)
     shadow_steps: int = 0
     shadow_matched: int = 0
+    exact_dense: bool = False
 
     def lines(self) -> list[tuple[str, str]]:
+        return [*self._exchange_lines(), ("dense grads", "float64 sums, rounded once (--exact-dense)"
+                if self.exact_dense else "DDP, float32 sums")]  # fmt: skip
+
+    def _exchange_lines(self) -> list[tuple[str, str]]:
         ex = self.exchange
         if self.cache_rows:
             c = self.cache
@@ -150,6 +156,13 @@ class _RankRun:
         if config.resume and config.checkpoint is not None:
             self.resume_state = read_checkpoint(config.checkpoint)
         self.trainer = self._make_trainer()
+        outside = self.trainer.exact.outside if self.trainer.exact is not None else []
+        if outside and comm.rank == 0:
+            _log.warning(
+                "--exact-dense: %d parameters are not nn.Linear layers' (%s%s): their gradients "
+                "are float32 sums, the same on every rank but not bit for bit one process's",
+                len(outside), ", ".join(outside[:3]), ", ..." if len(outside) > 3 else "",
+            )  # fmt: skip
         self.shadow_cut: Any = None  # the dispatch cut, when it runs in this process
         self._shadow_missed: list[int] = []  # per step checked: 1 where this rank differed
         self._make_loaders()
@@ -158,8 +171,8 @@ class _RankRun:
         self.saved_step: int | None = None
         self.hot_chosen = bool(options.cache_rows)  # a job with caches has no hot set
         self.fit: CostFit | None = None
-        self.summary = DistributedSummary(world_size=comm.world_size,
-                                          cache_rows=options.cache_rows)  # fmt: skip
+        self.summary = DistributedSummary(world_size=comm.world_size, cache_rows=options.cache_rows,
+                                          exact_dense=options.exact_dense)  # fmt: skip
         _log.info(
             "rank %d of %d on %s: %d row groups with training rows, %d with held-out rows",
             comm.rank, comm.world_size, self.device, self.train_splits, self.eval_splits,
@@ -182,6 +195,7 @@ class _RankRun:
             count_steps=self.options.count_steps,
             cache_rows=self.options.cache_rows or None,
             table_order=self._table_order(model),
+            exact_dense=self.options.exact_dense,
         )
 
     def _table_order(self, model: Any) -> list[str] | None:

@@ -27,7 +27,7 @@ from recpipe.errors import RecpipeError
 from trainer.config import DEFAULT_LR
 from trainer.distributed.cache import CachedEmbeddings
 from trainer.distributed.comm import Comm
-from trainer.distributed.dense import global_batch_norms, wrap_ddp
+from trainer.distributed.dense import ExactDense, global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.metrics import auc
@@ -136,6 +136,10 @@ class DistributedTrainer:
             2FP exchange (``None``).
         table_order: with ``cache_rows``, the tables in the order that breaks recency ties at
             eviction (the dispatcher's).
+        exact_dense: sum the dense gradients in float64 and round once
+            (:class:`~trainer.distributed.dense.ExactDense`, in place of DDP): the ``nn.Linear``
+            parameters then get the float32 gradients one process computes, bit for bit. Costs
+            the float64 products of the weights' gradients.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class DistributedTrainer:
         count_steps: int | None = None,
         cache_rows: int | None = None,
         table_order: Sequence[str] | None = None,
+        exact_dense: bool = False,
     ) -> None:
         if optimizer not in ("sgd", "adagrad"):
             msg = f"`optimizer` must be 'sgd' or 'adagrad' with sharded tables, got {optimizer!r}"
@@ -169,7 +174,8 @@ class DistributedTrainer:
             self.sparse = CachedEmbeddings(self.module, comm=comm, optimizer=rows,
                                            capacity=cache_rows, table_order=table_order)  # fmt: skip
         self.optimizers = make_optimizers(self.module, optimizer, lr=self.lr)
-        self.model = wrap_ddp(self.module, comm, device=self.device)
+        self.exact = ExactDense(self.module, comm) if exact_dense else None
+        self.model = self.module if exact_dense else wrap_ddp(self.module, comm, device=self.device)
         self.step = 0
         self._pending = PendingLosses()
 
@@ -199,6 +205,8 @@ class DistributedTrainer:
             logits, batch.labels.to(logits.dtype), reduction="sum"
         )
         (loss_sum / global_rows).backward()
+        if self.exact is not None:
+            self.exact.reduce()
         for opt in self.optimizers:
             opt.step()
         self.sparse.step()
