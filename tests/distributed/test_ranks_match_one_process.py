@@ -18,7 +18,10 @@ length than the global batch; Adagrad, which divides by the gradient's own size,
 last bits into ~1e-6 to 3e-5 differences within two steps, and the tables follow. One process is not reproducible to 1e-6
 itself there: trained on the same global batches with their rows in another order (the ranks'
 micro-batches concatenated in reverse) it drifts from itself by up to ~3e-5 (both are recorded,
-``table_noise``/``dense_noise``). Float64 shows that nothing but rounding differs.
+``table_noise``/``dense_noise``). Float64 shows that nothing but rounding differs. With the
+dense gradients summed in float64 and rounded once (``exact_dense``, no attention pooling),
+every float32 case meets 1e-6 with the dense part learning, and one process no longer drifts
+from itself (measured: bit for bit, both).
 """
 
 from __future__ import annotations
