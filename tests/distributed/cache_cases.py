@@ -79,7 +79,8 @@ def _case(comm: Comm, dataset: str, *, frozen: bool) -> dict | None:
     if comm.rank != 0:
         return None
     streams = [_stream(dataset, rank=r, world=world, cut=_cut(schema, world)) for r in range(world)]
-    ref = dist_cases.one_process(dataset, "adagrad", torch.float32, streams, frozen=frozen)
+    dense = "frozen" if frozen else "learning"
+    ref = dist_cases.one_process(dataset, "adagrad", torch.float32, streams, dense=dense)
     return {
         "world": world,
         "frozen": frozen,

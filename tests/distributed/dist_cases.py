@@ -80,26 +80,24 @@ def rank_batches(dataset: str, *, rank: int, world: int, dedup: bool, steps: int
     return _BATCHES[key]
 
 
+DENSE_MODES = ("learning", "frozen", "exact")
+
+
 def build(
-    dataset: str,
-    opt: str,
-    comm: Comm,
-    dtype: torch.dtype,
-    *,
-    frozen: bool = False,
-    exact: bool = False,
+    dataset: str, opt: str, comm: Comm, dtype: torch.dtype, *, dense: str = "learning"
 ) -> DistributedTrainer:
-    """A trainer of the small model; ``frozen``: without attention pooling, and its dense part
-    does not learn (lr 0); ``exact``: without attention pooling, its dense gradients summed in
-    float64 (``exact_dense``)."""
+    """A trainer of the small model. ``dense``: ``"learning"`` (attention pooling, DDP);
+    ``"frozen"`` (no attention pooling, the dense part does not learn: lr 0); ``"exact"`` (no
+    attention pooling, the dense gradients summed in float64: ``exact_dense``)."""
+    assert dense in DENSE_MODES, dense
     schema = dataset_schema(dataset)
     factory = sharded_table_factory(optimizer=opt, dtype=dtype)
-    config = replace(SMALL_MODEL, attention="none") if frozen or exact else SMALL_MODEL
+    config = replace(SMALL_MODEL, attention="none") if dense != "learning" else SMALL_MODEL
     model = DLRM.from_schema(schema, config, table_factory=factory).to(dtype)
     trainer = DistributedTrainer(
-        model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20, exact_dense=exact
+        model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20, exact_dense=dense == "exact"
     )
-    if frozen:
+    if dense == "frozen":
         for group in (g for o in trainer.optimizers for g in o.param_groups):
             group["lr"] = 0.0
     return trainer
@@ -160,16 +158,10 @@ def replicas_equal(comm: Comm, trainer: DistributedTrainer) -> bool:
 
 
 def one_process(
-    dataset: str,
-    opt: str,
-    dtype: torch.dtype,
-    streams: list,
-    *,
-    frozen: bool = False,
-    exact: bool = False,
+    dataset: str, opt: str, dtype: torch.dtype, streams: list, *, dense: str = "learning"
 ) -> dict:
     """One process on the global batches made of ``streams`` (one per rank)."""
-    trainer = build(dataset, opt, Comm.single(), dtype, frozen=frozen, exact=exact)
+    trainer = build(dataset, opt, Comm.single(), dtype, dense=dense)
     losses = [float(trainer.train_step(b)[0]) for b in global_batches(streams)]
     return {
         "losses": losses,
@@ -179,23 +171,16 @@ def one_process(
 
 
 def reference(
-    dataset: str,
-    opt: str,
-    dedup: bool,
-    dtype: torch.dtype,
-    world: int,
-    *,
-    frozen: bool = False,
-    exact: bool = False,
+    dataset: str, opt: str, dedup: bool, dtype: torch.dtype, world: int, *, dense: str = "learning"
 ) -> dict:
     """One process on the global batches of a ``world``-rank job; and how far one process
     drifts from itself in float32 when the same global batches hold their rows in another order
     (the micro-batches concatenated in reverse): the floor of any comparison in float32."""
     streams = [rank_batches(dataset, rank=r, world=world, dedup=dedup, steps=STEPS)
                for r in range(world)]  # fmt: skip
-    ref = one_process(dataset, opt, dtype, streams, frozen=frozen, exact=exact)
+    ref = one_process(dataset, opt, dtype, streams, dense=dense)
     if dtype == torch.float32:
-        again = one_process(dataset, opt, dtype, streams[::-1], frozen=frozen, exact=exact)
+        again = one_process(dataset, opt, dtype, streams[::-1], dense=dense)
         ref["table_noise"] = compare_tables(again["tables"], ref["tables"])
         ref["dense_noise"] = compare_dense(again["dense"], ref["dense"])
     return ref
@@ -217,13 +202,13 @@ def _single_rows(trainer: DistributedTrainer) -> dict:
 
 
 def run_case(
-    comm: Comm, dataset: str, case: tuple, refs: dict, *, frozen: bool = False, exact: bool = False
+    comm: Comm, dataset: str, case: tuple, refs: dict, *, dense: str = "learning"
 ) -> dict | None:
     opt, hot, dedup, dtype_name = case
     dtype = getattr(torch, dtype_name)
     world = comm.world_size
     batches = rank_batches(dataset, rank=comm.rank, world=world, dedup=dedup, steps=STEPS)
-    trainer = build(dataset, opt, comm, dtype, frozen=frozen, exact=exact)
+    trainer = build(dataset, opt, comm, dtype, dense=dense)
     initial = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     for batch in batches:  # count this job's accesses first: the hot set is chosen from them
         trainer.sparse.count(batch)
@@ -249,15 +234,15 @@ def run_case(
     tables = all_rows(comm, trainer)
     if comm.rank != 0:
         return None
-    key = (opt, dedup, dtype_name, frozen, exact)
+    key = (opt, dedup, dtype_name, dense)
     if key not in refs:
-        refs[key] = reference(dataset, opt, dedup, dtype, world, frozen=frozen, exact=exact)
+        refs[key] = reference(dataset, opt, dedup, dtype, world, dense=dense)
     ref = refs[key]
     loss_dev = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
     return {
         "case": list(case),
-        "exchange_only": frozen,
-        "exact_dense": exact,
+        "exchange_only": dense == "frozen",
+        "exact_dense": dense == "exact",
         "world": world,
         "hot_rows": sizes,
         "all_rows": everything,
@@ -286,8 +271,8 @@ def matrix(rank: int, world_size: int, dataset: str, out: str) -> None:
         if comm is not None:
             refs: dict = {}
             results = [run_case(comm, dataset, case, refs) for case in CONFIGS]
-            results += [run_case(comm, dataset, c, refs, frozen=True) for c in EXCHANGE_ONLY]
-            results += [run_case(comm, dataset, c, refs, exact=True) for c in EXACT_DENSE]
+            results += [run_case(comm, dataset, c, refs, dense="frozen") for c in EXCHANGE_ONLY]
+            results += [run_case(comm, dataset, c, refs, dense="exact") for c in EXACT_DENSE]
             if comm.rank == 0:
                 Path(out, f"matrix-{world}.json").write_text(json.dumps(results))
             if world == 2:

@@ -43,7 +43,7 @@ def copy_rows(src, src_index, out, out_index):
 
 @njit(cache=True, nogil=True)
 def scatter_rows(src, index, out):
-    """``out[index[i]] = src[i]`` for every row ``i`` (``index_copy_``, a few times faster)."""
+    """``out[index[i]] = src[i]`` for every row ``i`` (``index_copy_`` in one compiled loop)."""
     dim = src.shape[1]
     for i in range(index.size):
         d = index[i]
