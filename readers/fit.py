@@ -33,6 +33,7 @@ from readers.holdout import holdout_splits, session_hashes
 from readers.pipeline import load_preprocess_entries
 from readers.source import DatasetSource, discover_files
 from recpipe.errors import DataError, SchemaError
+from recpipe.paths import check_output
 
 if TYPE_CHECKING:
     import duckdb
@@ -79,6 +80,8 @@ def fit_preprocess(
     if not root.is_dir():
         msg = f"`dataset` {os.fspath(dataset)!r} is not a dataset directory"
         raise DataError(msg)
+    if write:  # the fitted state goes into the dataset: refuse a read-only one before any work
+        check_output(fitted_path(root), kind="file", arg="dataset")
     schema = schema or dataset_schema(root)
     origin = f"{os.fspath(preprocess)} " if isinstance(preprocess, str | os.PathLike) else ""
     entries = (

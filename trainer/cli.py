@@ -74,9 +74,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 def run(config: TrainConfig, args: argparse.Namespace) -> int:
     """Train ``config`` (on several ranks when ``args`` asks for it), print the summary and
     write ``--json``; the exit code. A torchrun worker of ``--nproc`` enters here too."""
+    from trainer.outputs import check_train_outputs
     from trainer.runlog import format_summary
     from trainer.train import train
 
+    check_train_outputs(config, json=args.json)
     summary = None
     if distributed.requested(args):
         ran = distributed.run(args, config)

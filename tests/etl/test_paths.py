@@ -1,4 +1,5 @@
-"""Output paths: `etl.paths.check_output`, and every command's `--out` through the real CLI.
+"""Output paths: `recpipe.paths.check_output` (re-exported by `etl.paths`), and every
+command's outputs through the real CLI.
 
 The CLI cases are regressions: an output that was an input was replaced by the result
 (`etl build SHARDS --out SHARDS --overwrite` exited 0), and `--out AFILE/x` or `--out /proc/x`
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import etl.paths
+import recpipe.paths
 from etl.paths import check_output
 from recpipe.errors import DataError
+from recpipe.paths import check_outputs
 from recpipe_cli import main
 
 LINES = "".join(
@@ -59,7 +61,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def test_docstring_example_runs():
-    assert doctest.testmod(etl.paths, optionflags=doctest.ELLIPSIS).failed == 0
+    assert doctest.testmod(recpipe.paths, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 @pytest.mark.parametrize(
@@ -168,6 +170,57 @@ def test_existing_directories_by_kind(tmp_path):
     assert not [p for p in tmp_path.rglob(".*probe*")]  # no probe left behind
 
 
+def test_file_outputs(tmp_path, logs):
+    """One output file (`--json`, `--out plan.toml`): not an input nor inside one, not an
+    existing directory; an existing file is replaced (its parent is made)."""
+    with pytest.raises(DataError, match=r"`--json` '.*logs/_manifest.json' lies inside the input"):
+        check_output(logs / "_manifest.json", kind="file", inputs=[logs], arg="--json")
+    with pytest.raises(DataError, match=r"`--json` '.*f\.jsonl' is the input"):
+        check_output(logs / "f.jsonl", kind="file", inputs=[logs / "f.jsonl"], arg="--json")
+    with pytest.raises(DataError, match=r"`--json` '.*logs' is a directory, not a file"):
+        check_output(logs, kind="file", arg="--json")
+    (tmp_path / "AFILE").write_text("x")
+    with pytest.raises(DataError, match=r"'.*AFILE' is a file, not a directory"):
+        check_output(tmp_path / "AFILE" / "out.json", kind="file")
+    check_output(tmp_path / "AFILE", kind="file")  # replaced by the command
+    check_output(tmp_path / "new" / "out.json", kind="file", inputs=[logs])
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "out.json").exists()
+    assert not [p for p in tmp_path.rglob(".*probe*")]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_file_output_not_creatable():
+    with pytest.raises(
+        DataError, match=r"`--json` '/proc/recpipe-x.json': cannot write in '/proc'"
+    ):
+        check_output("/proc/recpipe-x.json", kind="file", arg="--json")
+
+
+def test_directory_outputs(tmp_path, logs):
+    """A folder of the command's own files (`--checkpoint`): anywhere but in an input."""
+    for out in (logs, logs / "ckpt", logs / "_ckpt", logs / "f.jsonl", tmp_path):
+        with pytest.raises(DataError, match=r"`--checkpoint` .* the input"):
+            check_output(out, kind="directory", inputs=[logs], arg="--checkpoint")
+    (tmp_path / "AFILE").write_text("x")
+    with pytest.raises(DataError, match=r"`--checkpoint` '.*AFILE' exists and is not a directory"):
+        check_output(tmp_path / "AFILE", kind="directory", arg="--checkpoint")
+    check_output(tmp_path / "ckpt", kind="directory", inputs=[logs], arg="--checkpoint")
+    assert (tmp_path / "ckpt").is_dir()
+
+
+def test_outputs_of_one_command_do_not_overlap(tmp_path, logs):
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match=r"`--metrics` '.*m.csv' is the same path as `--json`"):
+        check_outputs([("--json", out / "m.csv", "file"), ("--metrics", out / "m.csv", "file")])
+    with pytest.raises(DataError, match=r"`--json` '.*ck/s.json' lies inside `--checkpoint`"):
+        check_outputs([("--checkpoint", out / "ck", "directory"),
+                       ("--json", out / "ck" / "s.json", "file")])  # fmt: skip
+    with pytest.raises(DataError, match=r"`--out` '.*logs/t.toml' lies inside the input"):
+        check_outputs([("--out", logs / "t.toml", "file"), ("--plot", None, "file")],
+                      inputs=[logs])  # fmt: skip
+    check_outputs([("--json", out / "s.json", "file"), ("--checkpoint", out / "ck", "directory")])
+
+
 def test_bad_kind(tmp_path):
     with pytest.raises(DataError, match=r"`kind` must be one of .*got 'nope'"):
         check_output(tmp_path, kind="nope")
@@ -260,3 +313,87 @@ def test_bad_out_is_a_clear_error_for_every_command(tmp_path, logs, command, cap
         assert code == 1
         assert "`--out` '/proc/recpipe-x'" in err and "Traceback" not in err
     assert (tmp_path / "AFILE").read_text() == "x"
+
+
+# --------------------------------------------------------------------------------------------
+# The other commands' outputs (`recpipe train`, `recpipe fit`; `recpipe towers` in
+# tests/towers/test_towers_outputs.py): regressions, `train DS --json DS/_manifest.json`
+# replaced the dataset's manifest and `--checkpoint DS/part-00000.parquet` was a raw
+# FileExistsError
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> Path:
+    from tests.common.data import synthetic_dataset
+
+    return synthetic_dataset(tmp_path_factory.mktemp("paths"), requests=300, seed=1, files=1)
+
+
+TRAIN = ["--steps", "1", "--batch-size", "16", "--embedding-dim", "4", "--num-embeddings", "50",
+         "--bottom-mlp", "4", "--top-mlp", "4", "--eval-fraction", "0", "--quiet"]  # fmt: skip
+
+
+def one_error_line(err: str, *needles: str) -> None:
+    """The CLI's error: one line (and at most a hint), naming what it should, no traceback."""
+    lines = err.strip().splitlines()
+    assert lines and lines[0].startswith("recpipe "), err
+    assert all(line.startswith("hint:") for line in lines[1:]), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+@pytest.mark.parametrize(
+    ("option", "out", "says"),
+    [
+        ("--json", "_manifest.json", "lies inside the input"),
+        ("--metrics", "metrics.csv", "lies inside the input"),
+        ("--checkpoint", "part-00000.parquet", "lies inside the input"),
+        ("--checkpoint", ".", "is the input"),
+        ("--tensorboard", "_tb", "lies inside the input"),
+    ],
+)
+def test_train_never_writes_into_its_dataset(small_dataset, option, out, says, capsys):
+    before = snapshot(small_dataset)
+    path = small_dataset / out
+    code, err = run_cli(["train", small_dataset, *TRAIN, option, path], capsys)
+    assert code == 1
+    one_error_line(err, f"`{option}` '{os.path.normpath(path)}", says)
+    assert snapshot(small_dataset) == before
+
+
+def test_train_outputs_elsewhere(small_dataset, tmp_path, capsys):
+    (tmp_path / "AFILE").write_text("x")
+    cases = [
+        (["--checkpoint", tmp_path / "AFILE"], "`--checkpoint`", "exists and is not a directory"),
+        (["--json", tmp_path], "`--json`", "is a directory, not a file"),
+        (["--json", tmp_path / "AFILE" / "s.json"], "`--json`", "is a file, not a directory"),
+        (["--json", tmp_path / "s.csv", "--metrics", tmp_path / "s.csv"], "`--metrics`",
+         "is the same path as `--json`"),
+    ]  # fmt: skip
+    if Path("/proc/self").is_dir():
+        cases.append((["--json", "/proc/recpipe-x.json"], "`--json`", "cannot write in '/proc'"))
+    for extra, flag, says in cases:
+        code, err = run_cli(["train", small_dataset, *TRAIN, *extra], capsys)
+        assert code == 1, (extra, err)
+        one_error_line(err, flag, says)
+    assert (tmp_path / "AFILE").read_text() == "x"
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_fit_refuses_a_fitted_state_it_cannot_write_before_any_work(
+    small_dataset, tmp_path, capsys
+):
+    config = tmp_path / "pre.toml"
+    config.write_text(
+        '[[preprocess]]\ntransform = "Normalize"\nfeatures = ["user_age"]\nfit = true\n'
+    )
+    target = small_dataset / "_preprocess_fitted.json"
+    target.mkdir()  # something in the way: a directory where the fitted state goes
+    try:
+        code, err = run_cli(["fit", small_dataset, "--preprocess", config], capsys)
+    finally:
+        target.rmdir()
+    assert code == 1
+    one_error_line(err, f"`dataset` '{target}' is a directory, not a file")

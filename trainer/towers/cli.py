@@ -95,9 +95,14 @@ def _add_partition(commands: argparse._SubParsersAction) -> None:
 
 def run_partition(config: PartitionConfig, args: argparse.Namespace) -> int:
     """Partition, write the plan (and the plot), print the towers."""
+    from recpipe.paths import check_outputs
     from trainer.towers.partition import plot_partition
     from trainer.towers.run import describe_partition, partition
 
+    check_outputs(
+        [("--out", config.out, "file"), ("--plot", config.plot, "file")],
+        inputs=[config.dataset, config.checkpoint],
+    )
     part = partition(config, progress=not args.quiet)
     path = part.plan.save(config.out)
     print(f"recpipe towers partition: {part.plan.num_towers} towers -> {path}")
@@ -160,10 +165,12 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
     """Train (launching torchrun's workers with ``--nproc``), print the summary, write
     ``--json``; the exit code. A worker of ``--nproc`` enters here too."""
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
+    from trainer.outputs import check_train_outputs
     from trainer.runlog import format_summary
     from trainer.towers.run import train_towers
 
     config, towers = configs
+    check_train_outputs(config, json=args.json, reads=[towers.towers])
     timeout_s = launch.distributed_config(args).timeout_s
     if launch.requested(args) and not launched_by_torchrun():
         worker = argparse.Namespace(
