@@ -19,6 +19,7 @@ from etl.paths import check_output
 from recpipe.errors import DataError
 from recpipe.paths import check_outputs
 from recpipe_cli import main
+from tests.common.cli import one_error_line, run_cli
 
 LINES = "".join(
     f'{{"request_id": "r{i}", "session_id": "s{i % 3}", "user_id": {i % 3}, '
@@ -48,11 +49,6 @@ def shards(tmp_path, logs) -> Path:
     out = tmp_path / "shards"
     assert main(["etl", "shard", str(logs), "--out", str(out), "--num-shards", "2", "--quiet"]) == 0
     return out
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,16 +328,6 @@ def small_dataset(tmp_path_factory) -> Path:
 
 TRAIN = ["--steps", "1", "--batch-size", "16", "--embedding-dim", "4", "--num-embeddings", "50",
          "--bottom-mlp", "4", "--top-mlp", "4", "--eval-fraction", "0", "--quiet"]  # fmt: skip
-
-
-def one_error_line(err: str, *needles: str) -> None:
-    """The CLI's error: one line (and at most a hint), naming what it should, no traceback."""
-    lines = err.strip().splitlines()
-    assert lines and lines[0].startswith("recpipe "), err
-    assert all(line.startswith("hint:") for line in lines[1:]), err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0], err
 
 
 @pytest.mark.parametrize(

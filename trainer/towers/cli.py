@@ -167,10 +167,11 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
     from trainer.outputs import check_train_outputs
     from trainer.runlog import format_summary
-    from trainer.towers.run import train_towers
+    from trainer.towers.run import checked_plan, train_towers
 
     config, towers = configs
     check_train_outputs(config, json=args.json, reads=[towers.towers])
+    checked_plan(config, towers)  # before any worker starts
     timeout_s = launch.distributed_config(args).timeout_s
     if launch.requested(args) and not launched_by_torchrun():
         worker = argparse.Namespace(

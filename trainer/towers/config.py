@@ -87,7 +87,7 @@ class TowerPlan:
         if not towers:
             msg = f"{self.where}: `towers` must hold at least one tower, got none"
             raise TowerError(msg)
-        seen: dict[str, int] = {}
+        seen: dict[str, list[int]] = {}
         for t, features in enumerate(towers):
             if not features:
                 msg = f"{self.where}: tower {t} has no feature"
@@ -96,10 +96,15 @@ class TowerPlan:
                 if not isinstance(name, str) or not name:
                     msg = f"{self.where}: tower {t}: feature names must be strings, got {name!r}"
                     raise TowerError(msg)
-                if name in seen:
-                    msg = f"{self.where}: feature {name!r} is in towers {seen[name]} and {t}"
-                    raise TowerError(msg)
-                seen[name] = t
+                seen.setdefault(name, []).append(t)
+        twice = [
+            f"feature {name!r} is in towers {', '.join(map(str, ts[:-1]))} and {ts[-1]}"
+            for name, ts in seen.items()
+            if len(ts) > 1
+        ]
+        if twice:
+            msg = f"{self.where}: " + "; ".join(twice) + " (each feature belongs to one tower)"
+            raise TowerError(msg)
 
     @property
     def num_towers(self) -> int:
@@ -124,18 +129,27 @@ class TowerPlan:
         msg = f"{self.where}: feature {feature!r} is in no tower"
         raise TowerError(msg)
 
-    def check_features(self, features: Iterable[str]) -> None:
-        """Raise unless the towers hold exactly ``features`` (the model's sparse features)."""
+    def check_features(
+        self, features: Iterable[str], *, owner: str = "the model", hint: str | None = None
+    ) -> None:
+        """Raise unless the towers hold exactly ``features`` (the sparse features of
+        ``owner``, named in the message with ``hint``), each once."""
         want = list(features)
-        missing = [f for f in want if f not in set(self.features)]
-        extra = [f for f in self.features if f not in set(want)]
+        have, wanted = set(self.features), set(want)
+        missing = [f for f in want if f not in have]
+        extra = [f for f in self.features if f not in wanted]
         if missing or extra:
             parts = []
             if missing:
-                parts.append(f"the model's features {missing!r} are in no tower")
+                parts.append(
+                    f"{len(missing)} of the {len(want)} sparse features of {owner} are in no "
+                    f"tower: {missing!r}"
+                )
             if extra:
-                parts.append(f"the towers name {extra!r}, not sparse features of the model")
+                parts.append(f"the towers name {extra!r}, not sparse features of {owner}")
             msg = f"{self.where}: " + "; ".join(parts)
+            if hint:
+                msg += f"\nhint: {hint}"
             raise TowerError(msg)
 
     @classmethod
@@ -395,7 +409,8 @@ class TowersConfig:
             The job needs hosts = towers.
         schedule: ``sptt``, or ``flat`` (pass-through only: the flat table-wise all-to-all of
             pooled embeddings, the baseline).
-        features: the model's sparse features (default: every feature of the plan).
+        features: the model's sparse features, which the plan must hold exactly (default:
+            every sparse feature of the dataset, so a plan must hold each of them once).
     """
 
     towers: str

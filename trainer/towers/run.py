@@ -30,7 +30,14 @@ from trainer.towers.model import FlopCount, TowerDLRM, model_tables
 from trainer.towers.partition import Partition, affinity_from_gram, partition_features
 from trainer.towers.sptt import CollectiveTraffic
 
-__all__ = ["TowersSummary", "describe_partition", "model_config", "partition", "train_towers"]
+__all__ = [
+    "TowersSummary",
+    "checked_plan",
+    "describe_partition",
+    "model_config",
+    "partition",
+    "train_towers",
+]
 
 
 def model_config(config: TrainConfig) -> ModelConfig:
@@ -155,6 +162,31 @@ class TowersSummary:
         return out
 
 
+def checked_plan(config: TrainConfig, options: TowersConfig, *, schema: Any = None) -> TowerPlan:
+    """The tower plan of ``options``, checked to hold the features the model trains on, each
+    once: ``options.features`` when given, else every sparse feature of the dataset.
+
+    Raises:
+        TowerError: naming the plan and the features missing from it or unknown.
+    """
+    from readers.dataset import dataset_schema
+
+    plan = load_plan(options.towers)
+    if options.features is not None:
+        plan.check_features(options.features, owner="`--features`")
+        return plan
+    schema = schema if schema is not None else dataset_schema(config.dataset)
+    plan.check_features(
+        schema.sparse_names,
+        owner=f"the dataset {config.dataset!r}",
+        hint=(
+            "`recpipe towers partition DATASET --towers T --out FILE` writes a plan of every "
+            "sparse feature; to train on the plan's features only, name them in --features"
+        ),
+    )
+    return plan
+
+
 def _ranks_per_host(options: TowersConfig, world: int) -> int:
     if options.ranks_per_host is not None:
         return options.ranks_per_host
@@ -180,10 +212,9 @@ class _Run:
         self.progress = progress and comm.rank == 0
         self.schema = dataset_schema(config.dataset)
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
-        plan: TowerPlan = load_plan(options.towers)
+        plan = checked_plan(config, options, schema=self.schema)
         mcfg = model_config(config)
-        features = options.features if options.features is not None else plan.features
-        tables = model_tables(self.schema, mcfg, features)
+        tables = model_tables(self.schema, mcfg, plan.features)
         mcfg = replace(mcfg, tables=tables)
         factory = sharded_table_factory(optimizer=config.optimizer, device=self.device)
         model = TowerDLRM.from_schema(self.schema, mcfg, plan=plan,
