@@ -216,6 +216,9 @@ class DatasetProducer:
         if ranks.state is None:
             reader.set_epoch(epoch)
         else:
+            layout = ranks.state.get("layout")
+            if layout is not None:
+                _check_layout(layout, reader.geometry(int(layout["epoch"])).num_batches)
             reader.load_state_dict(ranks.state)
         return reader.state_dict()
 
@@ -249,6 +252,26 @@ class DatasetProducer:
         return resolve_dedup_groups(
             self.dedup_groups, schema=schema, dataset=self.dataset, batch_size=self.batch_size
         )
+
+
+def _check_layout(layout: Mapping[str, Any], num_batches: int) -> None:
+    """Refuse a saved rank layout (:meth:`readers.ranks.EpochLayout.to_state`, its types and
+    sizes already checked) that is not one of this dataset's epochs: runs past its
+    ``num_batches`` global batches, or overlapping, or more batches than it holds.
+
+    Raises:
+        DataError: the layout does not fit the dataset.
+    """
+    runs = sorted((int(a), int(b)) for rank in layout["runs"] for a, b in rank)
+    total = sum(b - a for a, b in runs)
+    overlap = any(b0 > a1 for (_, b0), (a1, _) in itertools.pairwise(runs))
+    if overlap or total > num_batches or (runs and runs[-1][1] > num_batches):
+        msg = (
+            f"`state` holds a layout of {total:,} global batches (up to batch "
+            f"{runs[-1][1] if runs else 0:,}{', overlapping' if overlap else ''}) but epoch "
+            f"{layout['epoch']} of this dataset has {num_batches:,}: it was saved for other data"
+        )
+        raise DataError(msg)
 
 
 @dataclass(frozen=True)

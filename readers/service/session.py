@@ -23,6 +23,9 @@ its readers round-robin, reader ``j`` making steps ``j``, ``j + readers``, ...).
 (:func:`read_hello`): no queue, no semaphore, no shared memory. The whole HELLO must arrive
 within ``handshake_timeout_s`` of the start (one deadline, not one per read), the token is
 compared in constant time, and only then does a :class:`ClientSession` take its resources.
+Every field is checked for its type and bounded (:data:`MAX_SHARDS`, :data:`MAX_WORLD_SIZE`,
+:data:`MAX_EPOCH`, unknown fields refused; a ``ranks.state``'s layout checked for its shape,
+then against the dataset's own epoch) before anything is computed from it.
 The token is a shared secret against accidental or casual use, not encryption: keep the
 service on loopback or a private network.
 
@@ -49,6 +52,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 from readers.holdout import Holdout
 from readers.service.config import TOKEN_ENV, ServiceConfig, SessionStats, fmt_bytes
@@ -88,6 +93,19 @@ _LINGER_S = 1.0  # a refused peer has this long to read the ERROR before the soc
 _POLL_S = 0.2
 _HOLDOUT_KEYS = frozenset({"fraction", "seed", "part"})
 _RANKS_KEYS = frozenset({"rank", "world_size", "state"})
+_HELLO_KEYS = frozenset({"token", "shard", "num_shards", "epoch", "holdout", "batch_size", "ranks"})
+_STATE_KEYS = frozenset({"version", "kind", "epoch", "delivered", "batch_size", "layout"})
+_LAYOUT_COUNTS = ("epoch", "world_size", "batches_per_rank", "remainder_rows",
+                  "remainder_batches", "total_rows")  # fmt: skip
+
+# What a HELLO may ask for, checked before anything is computed from it (a rank client's
+# layout holds one entry per rank, so `world_size` alone sizes what the server builds).
+MAX_SHARDS = 1 << 20  # `num_shards`
+MAX_WORLD_SIZE = 1 << 16  # `ranks.world_size` (and the world size of a `ranks.state`)
+MAX_EPOCH = (1 << 31) - 1  # `epoch`
+MAX_BATCH_SIZE = (1 << 31) - 1  # `batch_size`
+MAX_COUNT = 1 << 48  # rows, batches and run bounds in a `ranks.state`
+_MAX_STATE_BYTES = HELLO_MAX_BYTES - 4096  # a WELCOME carries it back, a resuming HELLO too
 
 SessionState = Literal["streaming", "done", "disconnected", "failed", "stopped"]
 
@@ -140,22 +158,21 @@ def _check_token(hello: Frame, expected: str | None) -> None:
 
 
 def _parse_request(meta: dict[str, Any], *, num_readers: int) -> Request:
-    values = {}
-    for name, default in (("shard", 0), ("num_shards", 1), ("epoch", 0)):
-        value = meta.get(name, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            msg = f"HELLO field `{name}` must be a non-negative integer, got {value!r:.50}"
-            raise ProtocolError(msg)
-        values[name] = value
+    unknown = sorted(set(meta) - _HELLO_KEYS)
+    if unknown:
+        msg = f"HELLO has unknown field(s) {', '.join(map(repr, unknown))[:200]}"
+        raise ProtocolError(msg)
+    values = {
+        "shard": _hello_int(meta, "shard", 0, MAX_SHARDS - 1),
+        "num_shards": _hello_int(meta, "num_shards", 1, MAX_SHARDS, default=1),
+        "epoch": _hello_int(meta, "epoch", 0, MAX_EPOCH),
+    }
     if not values["shard"] < values["num_shards"]:
         msg = f"HELLO asks for shard {values['shard']} of {values['num_shards']}"
         raise ProtocolError(msg)
     batch_size = meta.get("batch_size")
-    if batch_size is not None and (
-        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
-    ):
-        msg = f"HELLO field `batch_size` must be a positive integer, got {batch_size!r:.50}"
-        raise ProtocolError(msg)
+    if batch_size is not None:
+        batch_size = _hello_int(meta, "batch_size", 1, MAX_BATCH_SIZE)
     ranks = _parse_ranks(meta.get("ranks"))
     if ranks is not None:
         values["shard"], values["num_shards"] = ranks.rank, ranks.world_size
@@ -166,6 +183,20 @@ def _parse_request(meta: dict[str, Any], *, num_readers: int) -> Request:
     return Request(spec, batch_size)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _hello_int(meta: dict[str, Any], name: str, least: int, most: int, *, default: int = 0) -> int:
+    """Integer field ``name`` of a HELLO (or of a dict in it), in ``[least, most]``."""
+    value = meta.get(name, default)
+    if not _is_int(value) or not least <= value <= most:
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(least, "an integer")
+        msg = f"HELLO field `{name}` must be {what} (at most {most:,}), got {value!r:.50}"
+        raise ProtocolError(msg)
+    return value
+
+
 def _parse_ranks(value: Any) -> RankRequest | None:
     if value is None:
         return None
@@ -173,16 +204,60 @@ def _parse_ranks(value: Any) -> RankRequest | None:
         msg = f"HELLO field `ranks` must be {{rank, world_size, state}}, got {value!r:.100}"
         raise ProtocolError(msg)
     rank, world = value.get("rank"), value.get("world_size")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world)) or not (
-        0 <= rank < world
-    ):
+    if not _is_int(rank) or not _is_int(world) or not 0 <= rank < world:
         msg = f"HELLO field `ranks` needs 0 <= rank < world_size, got {value!r:.100}"
         raise ProtocolError(msg)
-    state = value.get("state")
-    if state is not None and not isinstance(state, dict):
-        msg = f"HELLO field `ranks.state` must be a rank reader state or null, got {state!r:.100}"
+    if world > MAX_WORLD_SIZE:
+        msg = (
+            f"HELLO field `ranks.world_size` must be at most {MAX_WORLD_SIZE:,} ranks, "
+            f"got {world!r}"
+        )
         raise ProtocolError(msg)
+    state = value.get("state")
+    if state is not None:
+        _check_state_shape(state)
     return RankRequest(rank, world, state)
+
+
+def _check_state_shape(state: Any) -> None:
+    """Check a rank reader state's types and sizes (not yet against the dataset, see
+    :meth:`~readers.service.producers.DatasetProducer.rank_state`): nothing in it may make the
+    server build more than the dataset's own layout."""
+
+    def bad(why: str) -> ProtocolError:
+        return ProtocolError(f"HELLO field `ranks.state` {why}")
+
+    if not isinstance(state, dict) or not set(state) <= _STATE_KEYS:
+        raise bad(f"must be a rank reader state or null, got {state!r:.100}")
+    for name in ("epoch", "delivered", "batch_size"):
+        if name in state and not (_is_int(state[name]) and 0 <= state[name] <= MAX_COUNT):
+            raise bad(f"has an invalid `{name}` {state[name]!r:.50}")
+    if not isinstance(state.get("kind"), str | None) or not _is_int(state.get("version", 0)):
+        raise bad("has an invalid `kind` or `version`")
+    layout = state.get("layout")
+    if layout is None:
+        return
+    if not isinstance(layout, dict) or set(layout) != {*_LAYOUT_COUNTS, "runs"}:
+        raise bad(f"has an invalid `layout` {layout!r:.100}")
+    for name in _LAYOUT_COUNTS:
+        if not (_is_int(layout[name]) and 0 <= layout[name] <= MAX_COUNT):
+            raise bad(f"has an invalid `layout.{name}` {layout[name]!r:.50}")
+    world, per_rank, runs = layout["world_size"], layout["batches_per_rank"], layout["runs"]
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise bad(f"has a `layout.world_size` of {world!r}, not in [1, {MAX_WORLD_SIZE:,}]")
+    if not isinstance(runs, list) or len(runs) != world:
+        raise bad(f"needs one list of runs per rank in `layout.runs` ({world})")
+    for rank_runs in runs:
+        if not isinstance(rank_runs, list):
+            raise bad(f"has an invalid run list {rank_runs!r:.100}")
+        for run in rank_runs:
+            if not (
+                isinstance(run, list) and len(run) == 2 and all(map(_is_int, run))
+                and 0 <= run[0] < run[1] <= MAX_COUNT
+            ):  # fmt: skip
+                raise bad(f"has an invalid run {run!r:.100} (needs [start, stop))")
+        if sum(stop - start for start, stop in rank_runs) != per_rank:
+            raise bad(f"has a rank whose runs do not hold `batches_per_rank`={per_rank}")
 
 
 def _parse_holdout(value: Any) -> Holdout | None:
@@ -251,6 +326,13 @@ def _check_ranks(request: Request, producer: BatchProducer) -> Request:
     except Exception as exc:  # a foreign state, an unreadable dataset: say so, by name
         msg = f"cannot serve rank {spec.ranks.rank}: {type(exc).__name__}: {exc}"
         raise ServiceError(msg) from None
+    size = len(orjson.dumps(state))
+    if size > _MAX_STATE_BYTES:
+        msg = (
+            f"the position of rank {spec.ranks.rank} of {spec.ranks.world_size} takes {size:,} "
+            f"bytes, more than a handshake frame holds ({_MAX_STATE_BYTES:,}): use fewer ranks"
+        )
+        raise ServiceError(msg)
     ranks = dataclasses.replace(spec.ranks, state=state)
     spec = dataclasses.replace(spec, epoch=int(state["epoch"]), ranks=ranks)
     return dataclasses.replace(request, spec=spec)
