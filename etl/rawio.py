@@ -18,9 +18,12 @@ reader keeps its first :data:`LONG_LINE_PREFIX` bytes and its length, whatever i
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import io
+import os
+import stat
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,7 +39,9 @@ __all__ = [
     "LONG_LINE_PREFIX",
     "UNROUTABLE_NAME",
     "PartialLine",
+    "check_unchanged_read",
     "expand_inputs",
+    "file_stamp",
     "iter_lines",
     "iter_raw_lines",
     "iter_unroutable",
@@ -62,12 +67,114 @@ _PARQUET_MAGIC = b"PAR1"
 _CHUNK = 1 << 20
 
 
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(("_", ".")) for part in path.relative_to(root).parts)
-
-
 def _matches(path: Path, patterns: Sequence[str]) -> bool:
     return any(path.match(p) for p in patterns)
+
+
+def _unreadable(path: Path | str, item: str | Path, exc: OSError) -> DataError:
+    """The error of a directory or file under the input ``item`` that cannot be read."""
+    where = "" if str(path) == str(item) else f" (under the input {str(item)!r})"
+    return DataError(f"`inputs`: cannot read {str(path)!r}{where}: {exc.strerror or exc}")
+
+
+def _stat(path: Path, item: str | Path, *, follow: bool = True) -> os.stat_result | None:
+    """``path``'s status (None when it does not exist); any other failure is an error."""
+    try:
+        return path.stat() if follow else path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise _unreadable(path, item, exc) from None
+
+
+def _is_file(path: Path, item: str | Path) -> bool:
+    st = _stat(path, item)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def _is_dir(path: Path, item: str | Path, *, follow: bool = True) -> bool:
+    st = _stat(path, item, follow=follow)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def _checked_file(path: Path, item: str | Path) -> Path:
+    """``path``, once it can be opened for reading (an unreadable input is never skipped)."""
+    if not os.access(path, os.R_OK):
+        raise _unreadable(path, item, PermissionError(13, "Permission denied"))
+    return path
+
+
+def _walk(root: Path, patterns: Sequence[str]) -> list[Path]:
+    """The files under ``root`` matching ``patterns``, names starting with ``_`` or ``.`` (and
+    everything under such a directory) left out; symlinked directories are not followed.
+
+    Raises:
+        DataError: naming a directory or file that cannot be read (``Path.rglob`` skips such
+            directories silently, which would build from part of the input).
+    """
+
+    def fail(exc: OSError) -> None:
+        raise _unreadable(exc.filename or root, root, exc)
+
+    hits = []
+    for top, dirs, names in os.walk(root, onerror=fail):
+        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+        for name in names:
+            p = Path(top, name)
+            if not name.startswith(("_", ".")) and _matches(p, patterns) and _is_file(p, root):
+                hits.append(_checked_file(p, root))
+    return sorted(hits)
+
+
+def _glob(pattern: str) -> list[Path]:
+    """The paths ``glob.glob(pattern, recursive=True)`` finds, sorted, but a directory it must
+    list (or a path it must look at) and cannot is an error, not a silent miss.
+
+    Raises:
+        DataError: naming the path that cannot be read.
+    """
+
+    def listed(base: Path) -> list[str]:
+        try:
+            with os.scandir(base) as entries:
+                return [e.name for e in entries]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise _unreadable(base, pattern, exc) from None
+
+    def below(base: Path, *, files: bool, up: frozenset = frozenset()) -> list[Path]:
+        """What ``**`` matches under ``base``: its directories (and files with ``files``);
+        a symlinked directory is followed unless it leads back to one it is in (``up``)."""
+        out = []
+        for name in listed(base):
+            p = base / name
+            st = _stat(p, pattern)
+            if name.startswith(".") or st is None:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if stat.S_ISDIR(st.st_mode) and key not in up:
+                out += [p, *below(p, files=files, up=up | {key})]
+            elif files or stat.S_ISDIR(st.st_mode):
+                out.append(p)
+        return out
+
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    found = [Path(*parts[:fixed])] if fixed else [Path()]
+    for depth, part in enumerate(parts[fixed:], fixed):
+        last = depth == len(parts) - 1
+        step: list[Path] = []
+        for base in found:
+            if part == "**":
+                step += [base, *below(base, files=last)]
+            elif glob.has_magic(part):
+                names = fnmatch.filter(listed(base), part)
+                step += [base / n for n in names if part.startswith(".") or n[0] != "."]
+            elif _stat(base / part, pattern, follow=False) is not None:
+                step.append(base / part)
+        found = step if last else [p for p in step if _is_dir(p, pattern)]
+    return sorted(set(found))
 
 
 def expand_inputs(
@@ -79,14 +186,17 @@ def expand_inputs(
 
     Directories are searched recursively for files matching ``patterns``; files and directories
     whose name starts with ``_`` or ``.`` (``_manifest.json``, ``_unroutable.jsonl.zst``,
-    ``.tmp``) are skipped there. A file named explicitly is always taken.
+    ``.tmp``) are skipped there. A file named explicitly is always taken. Nothing is skipped
+    because it cannot be read: a directory that cannot be listed, or an input file that cannot
+    be opened, is an error naming it.
 
     Args:
         inputs: one path/glob or a list of them.
         patterns: file-name patterns taken from directories and globs.
 
     Raises:
-        DataError: if an input does not exist, matches nothing, or no files are found at all.
+        DataError: if an input does not exist, matches nothing, cannot be read (or holds a
+            directory or input file that cannot), or no files are found at all.
     """
     items = [inputs] if isinstance(inputs, str | Path) else list(inputs)
     if not items:
@@ -94,25 +204,24 @@ def expand_inputs(
     found: list[Path] = []
     for item in items:
         path = Path(item)
-        if path.is_file():
-            found.append(path)
-        elif path.is_dir():
-            hits = [
-                p
-                for p in path.rglob("*")
-                if p.is_file() and _matches(p, patterns) and not _hidden(p, path)
-            ]
+        if _is_file(path, item):
+            found.append(_checked_file(path, item))
+        elif _is_dir(path, item):
+            hits = _walk(path, patterns)
             if not hits:
                 raise DataError(
                     f"`inputs`: directory {str(path)!r} holds no files matching {list(patterns)}"
                 )
-            found += sorted(hits)
+            found += hits
         elif glob.has_magic(str(item)):
-            hits = [Path(p) for p in sorted(glob.glob(str(item), recursive=True))]
-            hits = [p for p in hits if p.is_file() and not p.name.startswith(("_", "."))]
+            hits = [
+                p
+                for p in _glob(str(item))
+                if not p.name.startswith(("_", ".")) and _is_file(p, item)
+            ]
             if not hits:
                 raise DataError(f"`inputs`: glob {str(item)!r} matches no files")
-            found += hits
+            found += [_checked_file(p, item) for p in hits]
         else:
             raise DataError(f"`inputs`: {str(item)!r} does not exist")
     seen: set[Path] = set()
@@ -132,66 +241,104 @@ def _iter_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
     """
     try:
         fh = open(path, "rb")  # noqa: SIM115 - closed in finally, generator
+        opened = os.fstat(fh.fileno())
     except OSError as exc:
         raise DataError(f"cannot open input {str(path)!r}: {exc}") from None
     try:
-        head = fh.read(4)
-        if head == _PARQUET_MAGIC:
-            raise CorruptInputError(
-                f"{path}: is a Parquet file, not JSON Lines (expected .jsonl or .jsonl.zst)"
-            )
-        if not head:
-            return
-        is_zstd = head == _ZSTD_MAGIC
-        if not is_zstd and path.name.endswith(".zst"):
-            raise CorruptInputError(
-                f"{path}: not a zstd file (bad magic bytes {head!r}); the file is corrupt "
-                "or was renamed"
-            )
-        if head[:2] == _GZIP_MAGIC:
-            yield from _gzip_chunks(path, fh, size)
-            return
-        if not is_zstd:
-            yield head
-            while chunk := fh.read(size):
-                yield chunk
-            return
-        pending = head
-        dctx = zstandard.ZstdDecompressor()
-        dobj = dctx.decompressobj()
-        in_frame = False  # the current frame has started but not ended
-        offset = 0  # compressed bytes consumed
-        while True:
-            data = pending or fh.read(size)
-            pending = b""
-            if not data:
-                break
-            while data:
-                try:
-                    out = dobj.decompress(data)
-                except zstandard.ZstdError as exc:
-                    raise CorruptInputError(
-                        f"{path}: corrupt zstd data in compressed bytes {offset}..{offset + len(data)}"
-                        f": {exc}"
-                    ) from None
-                in_frame = True
-                if out:
-                    yield out
-                if dobj.eof:  # a frame ended; the rest may be another frame
-                    offset += len(data) - len(dobj.unused_data)
-                    data = dobj.unused_data
-                    dobj = dctx.decompressobj()
-                    in_frame = False
-                else:
-                    offset += len(data)
-                    data = b""
-        if in_frame:
-            raise CorruptInputError(
-                f"{path}: truncated zstd file (the last frame ends early, after "
-                f"{offset} compressed bytes); the file is incomplete"
-            )
+        yield from _decoded(path, fh, size)
+        check_unchanged_read(path, fh, opened)
+    except CorruptInputError:
+        check_unchanged_read(path, fh, opened, whole=False)  # a file cut under the reader
+        raise
+    except OSError as exc:
+        raise DataError(f"cannot read input {str(path)!r}: {exc}") from None
     finally:
         fh.close()
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What a change of a file's bytes (or its replacement by another file) changes in its
+    status: size, modification and change times, inode and device."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+
+
+def check_unchanged_read(
+    path: Path, fh: io.BufferedReader, opened: os.stat_result, *, whole: bool = True
+) -> None:
+    """Refuse a file that changed while it was read (``fh``, open on it): its size or time
+    stamps differ from ``opened`` (its status when it was opened), or, read to its end
+    (``whole``), the bytes read do not add up to its size (a file cut or grown under the reader).
+
+    Raises:
+        DataError: naming the file.
+    """
+    now = os.fstat(fh.fileno())
+    read = fh.tell()
+    if (whole and read != opened.st_size) or file_stamp(now) != file_stamp(opened):
+        raise DataError(
+            f"{path}: the file changed while it was read ({opened.st_size:,} bytes when "
+            f"opened, {read:,} read, {now.st_size:,} now): refusing a file that is being "
+            "written\nhint: run again once the file is complete"
+        )
+
+
+def _decoded(path: Path, fh: io.BufferedReader, size: int) -> Iterator[bytes]:
+    """The decompressed bytes of the open file ``fh`` (``size`` read at a time), to its end."""
+    head = fh.read(4)
+    if head == _PARQUET_MAGIC:
+        raise CorruptInputError(
+            f"{path}: is a Parquet file, not JSON Lines (expected .jsonl or .jsonl.zst)"
+        )
+    if not head:
+        return
+    is_zstd = head == _ZSTD_MAGIC
+    if not is_zstd and path.name.endswith(".zst"):
+        raise CorruptInputError(
+            f"{path}: not a zstd file (bad magic bytes {head!r}); the file is corrupt "
+            "or was renamed"
+        )
+    if head[:2] == _GZIP_MAGIC:
+        yield from _gzip_chunks(path, fh, size)
+        return
+    if not is_zstd:
+        yield head
+        while chunk := fh.read(size):
+            yield chunk
+        return
+    pending = head
+    dctx = zstandard.ZstdDecompressor()
+    dobj = dctx.decompressobj()
+    in_frame = False  # the current frame has started but not ended
+    offset = 0  # compressed bytes consumed
+    while True:
+        data = pending or fh.read(size)
+        pending = b""
+        if not data:
+            break
+        while data:
+            try:
+                out = dobj.decompress(data)
+            except zstandard.ZstdError as exc:
+                raise CorruptInputError(
+                    f"{path}: corrupt zstd data in compressed bytes {offset}..{offset + len(data)}"
+                    f": {exc}"
+                ) from None
+            in_frame = True
+            if out:
+                yield out
+            if dobj.eof:  # a frame ended; the rest may be another frame
+                offset += len(data) - len(dobj.unused_data)
+                data = dobj.unused_data
+                dobj = dctx.decompressobj()
+                in_frame = False
+            else:
+                offset += len(data)
+                data = b""
+    if in_frame:
+        raise CorruptInputError(
+            f"{path}: truncated zstd file (the last frame ends early, after "
+            f"{offset} compressed bytes); the file is incomplete"
+        )
 
 
 def _gzip_chunks(path: Path, fh: io.BufferedReader, size: int) -> Iterator[bytes]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from etl.build.config import BuildConfig
 from etl.build.engine import BuildJob, Engine, engine_class
-from etl.build.inputs import check_structure, digest, list_inputs
+from etl.build.inputs import check_structure, check_unchanged, digest, list_inputs
 from etl.build.output import (
     BuildCounts,
     build_manifest,
@@ -117,12 +117,12 @@ def build(
 def _run(engine_cls: type[Engine], job: BuildJob, phases: _Phases) -> dict:
     """The phases, in order; returns the manifest (without ``elapsed_s``)."""
     t = phases.start()
-    digests = _check_inputs(job)
+    inputs = _Inputs(job)
     with engine_cls(job) as engine:
         t = phases.timed("setup", t)
         engine.load("features")
         engine.load("events")
-        inputs = [d.result() for d in digests]
+        inputs.digests()
         t = phases.timed("parse", t)
         counts = _combine(engine, phases)
         t = phases.timed("dedup_join_sessionize", t)
@@ -133,10 +133,11 @@ def _run(engine_cls: type[Engine], job: BuildJob, phases: _Phases) -> dict:
         with phases.bar("write parquet", total=counts.rows_out, unit="row", unit_scale=True) as bar:
             files = write_rows(writer, engine.rows(), config=job.config, progress=bar.update)
         phases.timed("write", t)
+    inputs.check_unchanged()
     return build_manifest(
         schema=job.schema,
         config=job.config,
-        inputs=inputs,
+        inputs=inputs.digests(),
         feat_files=job.feature_files,
         ev_files=job.event_files,
         counts=counts,
@@ -147,17 +148,32 @@ def _run(engine_cls: type[Engine], job: BuildJob, phases: _Phases) -> dict:
     )
 
 
-def _check_inputs(job: BuildJob) -> list[Future]:
-    """Fail fast on a truncated or mislabelled file; digest every input on a second thread
-    (overlapping the parse)."""
-    files = [*job.feature_files, *job.event_files]
-    for f in files:
-        check_structure(f)
-    pool = ThreadPoolExecutor(max_workers=1)
-    try:
-        return [pool.submit(digest, f) for f in files]
-    finally:
-        pool.shutdown(wait=False)
+class _Inputs:
+    """The build's input files: checked before anything reads them (failing fast on a truncated
+    or mislabelled file), digested on a second thread (overlapping the parse), and checked
+    again at the end: the digests describe exactly the bytes the build parsed, or the build
+    fails naming the file that changed."""
+
+    def __init__(self, job: BuildJob) -> None:
+        self.files = [*job.feature_files, *job.event_files]
+        self.since = time.time()
+        self.checked = [check_structure(f) for f in self.files]
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            self.futures: list[Future] = [
+                pool.submit(digest, f, st) for f, st in zip(self.files, self.checked)
+            ]
+        finally:
+            pool.shutdown(wait=False)
+
+    def digests(self) -> list[dict]:
+        """``{path, bytes, sha256}`` of each input (waits for the hashing)."""
+        return [d.result() for d in self.futures]
+
+    def check_unchanged(self) -> None:
+        """Refuse an input that changed since it was checked (:func:`check_unchanged`)."""
+        for f, st, rec in zip(self.files, self.checked, self.digests()):
+            check_unchanged(f, st, rec, since=self.since)
 
 
 def _combine(engine: Engine, phases: _Phases) -> BuildCounts:

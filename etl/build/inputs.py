@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from etl.rawio import (
     LONG_LINE_PREFIX,
     UNROUTABLE_NAME,
     PartialLine,
+    check_unchanged_read,
     expand_inputs,
+    file_stamp,
     iter_lines,
     line_prefix,
     read_chunks,
@@ -48,8 +51,10 @@ __all__ = [
     "INPUT_PATTERNS",
     "LINE_COLUMNS",
     "LINE_SCHEMA",
+    "RACY_S",
     "InputFile",
     "check_structure",
+    "check_unchanged",
     "digest",
     "duckdb_path",
     "empty_lines",
@@ -177,19 +182,24 @@ def _check_zstd_frames(path: Path, fh: io.BufferedReader, size: int) -> None:
             )
 
 
-def check_structure(f: InputFile) -> None:
+def check_structure(f: InputFile) -> os.stat_result:
     """Fail fast, before parsing, on a file that would be misread or rejected obscurely.
 
     Catches a truncated zstd file (a streaming reader stops silently at the cut), a ``.parquet``
     that is not Parquet, a Parquet file handed in as JSON Lines and a ``.zst`` that is not zstd.
+
+    Returns:
+        the file's status as it was checked: what :func:`digest` and :func:`check_unchanged`
+        compare it with.
 
     Raises:
         CorruptInputError: naming the file.
     """
     path = f.path
     try:
-        size = path.stat().st_size
         with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            size = st.st_size
             head = fh.read(4)
             if f.kind == "parquet":
                 fh.seek(max(size - 4, 0))
@@ -210,19 +220,69 @@ def check_structure(f: InputFile) -> None:
                 )
     except OSError as exc:
         raise DataError(f"cannot read input {str(path)!r}: {exc}") from None
+    return st
 
 
-def digest(f: InputFile) -> dict:
-    """``{path, bytes, sha256}`` of one input file (for the manifest)."""
+def digest(f: InputFile, checked: os.stat_result | None = None) -> dict:
+    """``{path, bytes, sha256}`` of one input file (for the manifest).
+
+    Args:
+        f: the file.
+        checked: its status from :func:`check_structure`: the bytes hashed are the file as it
+            was then, or this is an error.
+
+    Raises:
+        DataError: the file cannot be read, or changed since ``checked`` or while hashed.
+    """
     h = hashlib.sha256()
     try:
         with open(f.path, "rb") as fh:
+            opened = os.fstat(fh.fileno())
+            if checked is not None and file_stamp(opened) != file_stamp(checked):
+                raise _changed(f.path, checked, opened)
             while chunk := fh.read(1 << 22):
                 h.update(chunk)
-        size = f.path.stat().st_size
+            check_unchanged_read(f.path, fh, opened)
     except OSError as exc:
         raise DataError(f"cannot read input {str(f.path)!r}: {exc}") from None
-    return {"path": str(f.path), "bytes": size, "sha256": h.hexdigest()}
+    return {"path": str(f.path), "bytes": opened.st_size, "sha256": h.hexdigest()}
+
+
+#: seconds within which a file modified before a build may still change with the same time
+#: stamps (they are coarser than the clock): :func:`check_unchanged` hashes such a file again
+RACY_S = 2.0
+
+
+def check_unchanged(f: InputFile, checked: os.stat_result, recorded: dict, *, since: float) -> None:
+    """Refuse an input that changed during the build: its status differs from ``checked``
+    (taken by :func:`check_structure` before anything was read), so the bytes the build parsed
+    may not be the bytes its manifest records (``recorded``, from :func:`digest`).
+
+    A file modified within :data:`RACY_S` seconds before ``since`` (the wall-clock time the
+    statuses were taken) could have changed again without changing its time stamps: it is
+    hashed again and compared with ``recorded``.
+
+    Raises:
+        DataError: naming the file.
+    """
+    try:
+        now = f.path.stat()
+    except OSError as exc:
+        raise DataError(f"{f.path}: the input changed during the build ({exc.strerror})") from None
+    if file_stamp(now) != file_stamp(checked):
+        raise _changed(f.path, checked, now)
+    if max(checked.st_mtime_ns, checked.st_ctime_ns) >= (since - RACY_S) * 1e9:
+        again = digest(f, checked)
+        if again["sha256"] != recorded["sha256"]:
+            raise _changed(f.path, checked, now)
+
+
+def _changed(path: Path, before: os.stat_result, now: os.stat_result) -> DataError:
+    return DataError(
+        f"{path}: the input changed during the build ({before.st_size:,} bytes when checked, "
+        f"{now.st_size:,} now): the dataset would not match what its manifest records\n"
+        "hint: run again once the file is complete"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
