@@ -1,14 +1,20 @@
 """``recpipe etl verify DATASET``: is the dataset exactly what the build wrote?
 
-Three checks, against the dataset's ``_manifest.json`` (see :mod:`recpipe.integrity`):
+Five checks, against the dataset's ``_manifest.json`` (see :mod:`recpipe.integrity`):
 
-1. **files**: every file the manifest lists exists with its size and sha256, and holds the
+1. **totals**: the manifest agrees with itself: ``rows_out``, ``row_groups``, ``bytes_out``
+   and ``sessions`` are those of its ``files[]``, its counts reconcile
+   (:func:`recpipe.integrity.check_totals`), so a file deleted together with its entry shows;
+2. **files**: every file the manifest lists exists with its size and sha256, and holds the
    rows and row groups the manifest says;
-2. **no strays**: no Parquet file that a reader would read (any ``*.parquet`` outside folders
+3. **no strays**: no Parquet file that a reader would read (any ``*.parquet`` outside folders
    whose name starts with ``_`` or ``.``) is missing from the manifest;
-3. **pages**: every page of every listed file is read with Parquet page-checksum (CRC)
-   verification, which names the row group and column of a corrupt page. A file written
-   without page checksums passes this check without proof; the sha256 still covers it.
+4. **quarantine**: the quarantine files the manifest names hold ``rows_quarantined`` and
+   ``events_quarantined`` rows;
+5. **pages**: every page of every listed file is read with Parquet page-checksum (CRC)
+   verification, which names the row group and column of a corrupt page, and each file's
+   distinct session ids are counted against its ``sessions``. A file written without page
+   checksums passes the CRC part without proof; the sha256 still covers it.
 
 >>> import tempfile, pathlib
 >>> verify_dataset(pathlib.Path(tempfile.mkdtemp()))
@@ -21,18 +27,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from recpipe.config_cli import add_quiet_option
-from recpipe.errors import CorruptInputError
+from recpipe.errors import RecpipeError
 from recpipe.integrity import (
     MANIFEST_NAME,
     ListedFile,
     check_digest,
+    check_totals,
     listed_files,
+    mismatch_error,
     read_manifest,
 )
 
@@ -111,14 +120,8 @@ class VerifyReport:
 
     def raise_if_failed(self, *, hint: str | None = None) -> None:
         """Raise :class:`~recpipe.errors.CorruptInputError` listing the problems, if any."""
-        if self.ok:
-            return
-        shown = "\n".join(f"  {self.root / p.path}: {p.what}" for p in self.problems[:10])
-        more = f"\n  ... and {len(self.problems) - 10} more" if len(self.problems) > 10 else ""
-        msg = f"dataset {str(self.root)!r} does not match its manifest:\n{shown}{more}"
-        if hint:
-            msg += f"\nhint: {hint}"
-        raise CorruptInputError(msg)
+        if not self.ok:
+            raise mismatch_error(self.root, [(p.path, p.what) for p in self.problems], hint=hint)
 
 
 def verify_dataset(
@@ -139,7 +142,8 @@ def verify_dataset(
         DataError: the directory has no readable manifest, or its ``files`` list is malformed.
     """
     root = Path(dataset_dir)
-    entries = listed_files(read_manifest(root), source=str(root / MANIFEST_NAME))
+    manifest = read_manifest(root)
+    entries = listed_files(manifest, source=str(root / MANIFEST_NAME))
     report = VerifyReport(
         root=root,
         files=len(entries),
@@ -147,10 +151,13 @@ def verify_dataset(
         row_groups=sum(e.row_groups for e in entries),
         bytes=sum(e.bytes for e in entries),
     )
+    report.problems += [Problem(MANIFEST_NAME, what) for what in check_totals(manifest, entries)]
     intact = _check_digests(report, entries, progress=progress)
     _check_strays(report, entries)
+    _check_quarantine(report, manifest)
     if pages:
-        _check_pages(report, [e for e in entries if e.path in intact], progress=progress)
+        present = [e for e in entries if e.path in intact]
+        _check_pages(report, present, session_key=_session_key(manifest), progress=progress)
     report.problems.sort(key=lambda p: p.path)  # stable: a file's problems in check order
     return report
 
@@ -197,23 +204,74 @@ def _check_digests(report: VerifyReport, entries: list[ListedFile], *, progress:
 
 
 def _check_strays(report: VerifyReport, entries: list[ListedFile]) -> None:
+    """Parquet files a reader would read that the manifest does not list; a folder that cannot
+    be listed is a problem too (it could hide one)."""
     listed = {e.path for e in entries}
-    for path in sorted(report.root.rglob("*.parquet")):
-        rel = path.relative_to(report.root)
-        if any(part.startswith(("_", ".")) for part in rel.parts):
-            continue
-        if rel.as_posix() not in listed:
-            report.problems.append(
-                Problem(
-                    rel.as_posix(),
-                    "not listed in the manifest, but readers of the dataset would read it",
+
+    def unlistable(exc: OSError) -> None:
+        rel = Path(exc.filename).relative_to(report.root).as_posix()
+        report.problems.append(Problem(rel, f"cannot be listed: {exc.strerror}"))
+
+    for folder, dirs, names in os.walk(report.root, onerror=unlistable):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        for name in sorted(names):
+            rel = (Path(folder) / name).relative_to(report.root).as_posix()
+            if name.endswith(".parquet") and not name.startswith(("_", ".")) and rel not in listed:
+                report.problems.append(
+                    Problem(
+                        rel, "not listed in the manifest, but readers of the dataset would read it"
+                    )
                 )
+
+
+def _check_quarantine(report: VerifyReport, manifest: dict[str, Any]) -> None:
+    """The quarantine files the manifest names hold the rows it counts (footers only)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    named = manifest.get("quarantine")
+    if not isinstance(named, dict):
+        return
+    for kind, key in (("features", "rows_quarantined"), ("events", "events_quarantined")):
+        rel, said = named.get(kind), manifest.get(key)
+        if not isinstance(rel, str) or not isinstance(said, int):
+            continue
+        path = report.root / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            report.problems.append(
+                Problem(MANIFEST_NAME, f"`quarantine.{kind}` {rel!r} leaves the dataset")
             )
+        elif not path.is_file():
+            report.problems.append(Problem(rel, "missing: the manifest names it as the quarantine"))
+        else:
+            try:
+                held = pq.read_metadata(path).num_rows
+            except (pa.ArrowException, OSError) as exc:
+                report.problems.append(Problem(rel, f"not a readable Parquet file: {exc}"))
+                continue
+            if held != said:
+                report.problems.append(Problem(rel, f"holds {held:,} rows, `{key}` says {said:,}"))
 
 
-def _check_pages(report: VerifyReport, entries: list[ListedFile], *, progress: bool) -> None:
+def _session_key(manifest: dict[str, Any]) -> str | None:
+    """The session column named by the manifest's schema (``None``: it has none)."""
+    text = manifest.get("schema")
+    if not isinstance(text, str):
+        return None
+    from schemas import parse_schema
+
+    try:
+        return parse_schema(text, source=f"{MANIFEST_NAME} (schema)").session_key
+    except RecpipeError:
+        return None  # the readers refuse it by name; the files can still be checked
+
+
+def _check_pages(
+    report: VerifyReport, entries: list[ListedFile], *, session_key: str | None, progress: bool
+) -> None:
     """Read every row group of ``entries`` with page-checksum verification; check the footer's
-    row and row-group counts against the manifest."""
+    row and row-group counts and the distinct values of ``session_key`` against the manifest."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -237,15 +295,28 @@ def _check_pages(report: VerifyReport, entries: list[ListedFile], *, progress: b
                             f"groups, the file has {meta.num_rows:,} in {meta.num_row_groups:,}",
                         )
                     )
+                count = entry.sessions is not None and session_key in pf.schema_arrow.names
+                sessions, readable = [], True
                 for rg in range(meta.num_row_groups):
                     try:
-                        pf.read_row_group(rg, use_threads=False)
+                        table = pf.read_row_group(rg, use_threads=False)
+                        if count:
+                            sessions.append(np.unique(table.column(session_key).to_numpy()))
                     except (pa.ArrowException, OSError) as exc:
+                        readable = False
                         column = _bad_column(pf, rg)
                         where = f"row group {rg}" + (f" column `{column}`" if column else "")
                         report.problems.append(Problem(entry.path, f"{where}: {_first_line(exc)}"))
                     report.pages_checked += 1
                     bar.update(1)
+                held = len(np.unique(np.concatenate(sessions))) if sessions else 0
+                if count and readable and held != entry.sessions:
+                    report.problems.append(
+                        Problem(
+                            entry.path,
+                            f"the manifest says {entry.sessions:,} sessions, the file has {held:,}",
+                        )
+                    )
 
 
 def _bad_column(pf: Any, row_group: int) -> str | None:
@@ -276,8 +347,10 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
         help="check a dataset against its manifest: sizes, sha256, strays, page checksums",
         description=(
             "Check that a dataset built by `recpipe etl build` is exactly what the build wrote: "
-            "every file listed in _manifest.json exists with its size, sha256, rows and row "
-            "groups; no unlisted Parquet file would be read; and every page passes its Parquet "
+            "the manifest's totals (rows, row groups, bytes, sessions) are those of its file "
+            "list and its counts reconcile; every file listed in _manifest.json exists with its "
+            "size, sha256, rows, row groups and sessions; no unlisted Parquet file would be "
+            "read; the quarantine holds the rows counted; and every page passes its Parquet "
             "page checksum (CRC), naming the row group and column of a corrupt one. Exits 1 on "
             "any difference, listing each. This is the full check: `recpipe stats` compares "
             "sizes and sha256 only, and readers check page checksums as they read "
@@ -288,7 +361,8 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-pages",
         action="store_true",
-        help="skip the page checksums (sizes, sha256 and strays only: no decoding)",
+        help="skip the page checksums and session counts (totals, sizes, sha256, strays and "
+        "quarantine only: no decoding)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     add_quiet_option(parser)

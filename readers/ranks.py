@@ -418,7 +418,7 @@ _SESSION_CACHE_SIZE = 8  # split lists (a reader process of the service serves a
 def _session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict[int, int]:
     """Session runs of every split (reads the session column only, once per split list and
     process: the reader service builds a rank reader per client and epoch)."""
-    key_of = tuple((s.path, s.row_group, s.num_rows, s.index, s.keep) for s in splits)
+    key_of = tuple((s.path, s.row_group, s.num_rows, s.index, s.keep, s.file) for s in splits)
     with _SESSION_CACHE_LOCK:
         if key_of in _SESSION_CACHE:
             _SESSION_CACHE.move_to_end(key_of)
@@ -438,8 +438,9 @@ def _read_session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict
     try:
         for split in splits:
             handle = handles.get(split.path) or handles.setdefault(
-                split.path, pq.ParquetFile(split.path)
+                split.path, source.open_file(split)
             )
+            split.check_unchanged()
             table = handle.read_row_group(split.row_group, columns=[key])
             out[split.index] = count_sessions(split.kept(table, session_key=key).column(0))
     finally:

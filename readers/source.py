@@ -32,13 +32,12 @@ session-packed reads).
 
 from __future__ import annotations
 
-import glob as _glob
 import logging
 import os
 import queue
 import threading
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -47,14 +46,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from readers.extras import check_extras
+from readers.listing import Listed, discover_files, is_hidden, list_files
 from recpipe.errors import CorruptInputError, DataError
 from recpipe.integrity import (
     MANIFEST_NAME,
-    ListedFile,
+    FileChangedError,
+    FileId,
     check_digest,
-    find_manifest,
-    listed_files,
-    read_manifest,
+    check_unchanged,
 )
 
 if TYPE_CHECKING:
@@ -96,14 +95,17 @@ class ReaderConfig:
             (at most this many extra row groups in memory); 0 reads each split when the stream
             reaches it, on the reader's one core. The stream is the same either way; what it
             gains is measured by ``read_ahead_speedup`` in ``benchmarks/service.py``.
-        verify: how much of the files is checked. ``"pages"`` (the default) verifies each Parquet
-            page's checksum (CRC) as it is read, so a corrupt page raises
+        verify: how much of the files' bytes is checked. ``"pages"`` (the default) verifies
+            each Parquet page's checksum (CRC) as it is read, so a corrupt page raises
             :class:`~recpipe.errors.CorruptInputError` naming the file, row group and column (or
             is skipped and counted with ``on_error="skip"``) instead of decoding to different
             lists; files written without page checksums read as with ``"off"``. ``"full"`` also
-            compares every file's size and sha256 with the dataset's ``_manifest.json`` when
-            the source opens (reading every byte once); a file the manifest does not list
-            with a digest is an error. ``"off"`` checks nothing.
+            compares every file's sha256 with the dataset's ``_manifest.json`` when the source
+            opens (reading every byte once); a file the manifest does not list with a digest
+            is an error. ``"off"`` checks no bytes. Whatever the level, the files read are the
+            ones the manifest lists, with its sizes, rows and row groups, and each read checks
+            (one ``stat``) that its file is still the one the source opened (see
+            :class:`DatasetSource`).
     """
 
     batch_size: int = 4096
@@ -174,6 +176,9 @@ class Split:
         keep: which rows of the row group the split holds: a filter of session ids with a
             ``mask(ids)`` method (a :class:`readers.holdout.SessionFilter`: one holdout part);
             ``None``: all of them. ``num_rows`` counts the rows kept.
+        file: the identity (size, mtime, inode) of the file when the source opened it; every
+            read checks that the file is still that one (``None``: not checked). Not part of
+            the split's equality.
     """
 
     path: str
@@ -183,6 +188,13 @@ class Split:
     compressed_bytes: int = 0
     partition: tuple[tuple[str, str], ...] = ()
     keep: Any = None
+    file: FileId | None = field(default=None, compare=False)
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~recpipe.integrity.FileChangedError` if the file is no longer the one
+        the source opened (one ``stat``)."""
+        if self.file is not None:
+            check_unchanged(self.path, self.file)
 
     def kept(self, table: pa.Table, *, session_key: str) -> pa.Table:
         """The rows of ``table`` (the whole row group) that this split holds."""
@@ -210,99 +222,80 @@ class SourcePosition:
     row: int = 0
 
 
-def _is_hidden(part: str) -> bool:
-    return part.startswith(("_", "."))
-
-
-def discover_files(source: PathLike | Sequence[PathLike]) -> list[Path]:
-    """Expand a dataset location into its Parquet files, sorted by path.
-
-    Args:
-        source: a dataset directory (searched recursively, Hive ``key=value`` folders included,
-            folders starting with ``_`` or ``.`` such as ``_quarantine/`` skipped), a Parquet
-            file, a glob (``data/dt=2024-01-*/*.parquet``), or a list of these.
-
-    Returns:
-        The distinct files in path order.
-
-    Raises:
-        DataError: a path does not exist or a glob matches nothing.
-    """
-    items = [source] if isinstance(source, str | os.PathLike) else list(source)
-    files: set[Path] = set()
-    for item in items:
-        text = os.fspath(item)
-        path = Path(text)
-        if any(ch in text for ch in "*?["):
-            matched = [Path(p) for p in _glob.glob(text, recursive=True)]
-            found = [p for p in matched if p.is_file() and p.suffix == ".parquet"]
-            for p in matched:
-                if p.is_dir():
-                    found.extend(_files_under(p))
-            if not found:
-                msg = f"`source` glob {text!r} matches no Parquet file"
-                raise DataError(msg)
-            files.update(found)
-        elif path.is_dir():
-            found = _files_under(path)
-            if not found:
-                msg = f"`source` directory {text!r} holds no Parquet file"
-                raise DataError(msg)
-            files.update(found)
-        elif path.is_file():
-            files.add(path)
-        else:
-            msg = f"`source` path {text!r} does not exist"
-            raise DataError(msg)
-    return sorted(files, key=lambda p: os.fspath(p))
-
-
-def _files_under(root: Path) -> list[Path]:
-    out = []
-    for p in root.rglob("*.parquet"):
-        rel = p.relative_to(root).parts
-        if not any(_is_hidden(part) for part in rel):
-            out.append(p)
-    return out
-
-
-def _check_listed_digest(path: Path, manifests: dict[Path, dict[str, ListedFile]]) -> None:
+def _check_listed_digest(path: Path, listed: Listed | None) -> None:
     """``verify="full"``: ``path``'s size and sha256 against its dataset's manifest.
 
     Raises:
         CorruptInputError: the size or digest differs.
         DataError: no manifest lists the file with a digest.
     """
-    root = find_manifest(path)
-    if root is None:
+    if listed is None:
         msg = (
             f"{path}: verify='full' needs the dataset's {MANIFEST_NAME}, and no folder above "
-            "the file has one"
+            "the file has one that lists files"
         )
         raise DataError(msg)
-    if root not in manifests:
-        source = os.fspath(root / MANIFEST_NAME)
-        listed = listed_files(read_manifest(root), source=source)
-        manifests[root] = {e.path: e for e in listed}
-    rel = Path(os.path.abspath(path)).relative_to(root).as_posix()
-    entry = manifests[root].get(rel)
-    if entry is None or entry.sha256 is None:
-        what = "does not list it" if entry is None else "records no sha256 for it"
+    if listed.entry.sha256 is None:
         msg = (
-            f"{path}: verify='full', but {os.fspath(root / MANIFEST_NAME)!r} {what}\n"
-            "hint: rebuild the dataset to record digests, or read with verify='pages'"
+            f"{path}: verify='full', but {os.fspath(listed.root / MANIFEST_NAME)!r} records no "
+            "sha256 for it\nhint: rebuild the dataset to record digests, or read with "
+            "verify='pages'"
         )
         raise DataError(msg)
-    problems = check_digest(root, entry)
+    problems = check_digest(listed.root, listed.entry)
     if problems:
         msg = f"{path}: {'; '.join(problems)} (verify='full')"
         raise CorruptInputError(msg)
 
 
+def _differs_from(path: Path, listed: Listed, what: str) -> CorruptInputError:
+    """A listed file that differs from its manifest entry."""
+    msg = (
+        f"{path}: {what} ({os.fspath(listed.root / MANIFEST_NAME)!r})\n"
+        "hint: the file changed after the build: rebuild the dataset or copy it again "
+        "(`recpipe etl verify DATASET` checks every file)"
+    )
+    return CorruptInputError(msg)
+
+
+def _read_footer(path: Path, listed: Listed | None) -> tuple[FileId, pq.FileMetaData]:
+    """The identity and footer of ``path``, checked against its manifest entry (its size
+    before the footer is parsed, then its rows and row groups).
+
+    Raises:
+        CorruptInputError: the file cannot be read or differs from its entry.
+        FileChangedError: it changed while the footer was read.
+    """
+    try:
+        opened = FileId.of(path)
+    except OSError as exc:
+        msg = f"{path}: cannot be read: {exc}"
+        raise CorruptInputError(msg) from exc
+    if listed is not None and opened.size != listed.entry.bytes:
+        what = f"the manifest says {listed.entry.bytes:,} bytes, the file has {opened.size:,}"
+        raise _differs_from(path, listed, f"size differs: {what}")
+    try:
+        meta = pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as exc:
+        msg = f"{path}: not a readable Parquet file: {exc}"
+        raise CorruptInputError(msg) from exc
+    check_unchanged(path, opened)
+    if listed is not None and (meta.num_rows, meta.num_row_groups) != (
+        listed.entry.rows,
+        listed.entry.row_groups,
+    ):
+        what = (
+            f"the manifest says {listed.entry.rows:,} rows in {listed.entry.row_groups:,} row "
+            f"groups, the file has {meta.num_rows:,} in {meta.num_row_groups:,}"
+        )
+        raise _differs_from(path, listed, what)
+    return opened, meta
+
+
 def _partition_of(path: Path) -> tuple[tuple[str, str], ...]:
     pairs = []
     for part in path.parent.parts:
-        if "=" in part and not _is_hidden(part):
+        if "=" in part and not is_hidden(part):
             key, _, value = part.partition("=")
             pairs.append((key, value))
     return tuple(pairs)
@@ -311,14 +304,23 @@ def _partition_of(path: Path) -> tuple[tuple[str, str], ...]:
 class DatasetSource:
     """The splits of a clustered dataset, validated once, and a reader of their rows.
 
-    Opening a source reads every file's footer, checks that each file has the columns the schema
-    needs with the right types, and lists the row groups. Nothing is validated again per batch.
+    Opening a source takes the file list from the dataset's ``_manifest.json`` (a missing or
+    stray file, or totals that differ from the list, are an error naming them: see
+    :mod:`readers.listing`), reads every file's footer, checks its size, rows and row groups
+    against its manifest entry and that it has the columns the schema needs with the right
+    types, lists the row groups, and records each file's identity (size, mtime, inode) in its
+    splits. Nothing is validated again per batch except that identity: every split read first
+    checks (one ``stat``) that its file is still the one opened, and raises
+    :class:`~recpipe.integrity.FileChangedError` naming it otherwise (a dataset rebuilt or
+    copied over during a run), whatever ``on_error`` says. A folder without a manifest is read
+    as plain Parquet.
 
     Args:
         source: dataset directory, file, glob, or a list of them (see :func:`discover_files`).
         schema: the dataset schema; the columns read are its session key, label, dense and sparse
             features (the timestamp is not needed by the batches), then ``config.extras``.
-        config: reader options (``on_error`` decides what a bad file does).
+        config: reader options (``on_error`` decides what a bad file does: raise, or skip and
+            count it in ``skipped``, a missing or stray file included).
     """
 
     def __init__(
@@ -330,7 +332,6 @@ class DatasetSource:
     ) -> None:
         self.schema = schema
         self.config = config or ReaderConfig()
-        self.files = discover_files(source)
         expected = schema.arrow_schema()
         names = [schema.session_key, schema.label_key, *schema.dense_names, *schema.sparse_names]
         reserved = [n for n in self.config.extras if n in names]
@@ -345,12 +346,21 @@ class DatasetSource:
         self.expected_types: dict[str, pa.DataType] = {n: expected.field(n).type for n in names}
         self.skipped: list[SkippedInput] = []
         self.splits: list[Split] = []
-        manifests: dict[Path, dict[str, ListedFile]] = {}
+        listing = list_files(source)
+        self.files = listing.files
+        if listing.problems:
+            if self.config.on_error == "raise":
+                listing.raise_problems()
+            for p in listing.problems:
+                self._skip(SkippedInput(p.full_path, None, p.rows, f"{p.full_path}: {p.what}"))
         for path in self.files:
+            listed = listing.listed.get(os.fspath(path))
             try:
                 if self.config.verify == "full":
-                    _check_listed_digest(path, manifests)
-                self.splits.extend(self._file_splits(path, start=len(self.splits)))
+                    _check_listed_digest(path, listed)
+                self.splits.extend(self._file_splits(path, listed, start=len(self.splits)))
+            except FileChangedError:
+                raise
             except DataError as exc:
                 if self.config.on_error == "raise":
                     raise
@@ -365,15 +375,25 @@ class DatasetSource:
         self.skipped.append(item)
         _log.warning("skipped input (on_error='skip'): %s", item.reason)
 
-    def _open(self, path: PathLike) -> pq.ParquetFile:
-        return pq.ParquetFile(path, page_checksum_verification=self.config.verify != "off")
+    def open_file(self, split: Split) -> pq.ParquetFile:
+        """Open the file of ``split`` (with page checksums unless ``verify="off"``), checking
+        that it is still the file the source opened.
 
-    def _file_splits(self, path: Path, *, start: int) -> list[Split]:
+        Raises:
+            FileChangedError: it is not.
+            OSError, pyarrow.ArrowException: it cannot be opened.
+        """
+        split.check_unchanged()
+        handle = pq.ParquetFile(split.path, page_checksum_verification=self.config.verify != "off")
         try:
-            meta = pq.read_metadata(path)
-        except (pa.ArrowException, OSError) as exc:
-            msg = f"{path}: not a readable Parquet file: {exc}"
-            raise CorruptInputError(msg) from exc
+            split.check_unchanged()  # the name was not pointed at another file meanwhile
+        except FileChangedError:
+            handle.close()
+            raise
+        return handle
+
+    def _file_splits(self, path: Path, listed: Listed | None, *, start: int) -> list[Split]:
+        opened, meta = _read_footer(path, listed)
         arrow = meta.schema.to_arrow_schema()
         for name, want in self.expected_types.items():
             idx = arrow.get_field_index(name)
@@ -408,6 +428,7 @@ class DatasetSource:
                     index=start + len(splits),
                     compressed_bytes=size,
                     partition=partition,
+                    file=opened,
                 )
             )
         return splits
@@ -416,12 +437,14 @@ class DatasetSource:
         """Read one split's columns.
 
         Raises:
+            FileChangedError: the file is no longer the one the source opened.
             CorruptInputError: the row group cannot be decoded; the message names the file, the
                 row group and (when it can be found) the column.
             DataError: a session key or label is null; the message names file, row and column.
         """
+        split.check_unchanged()
         try:
-            pf = handle or self._open(split.path)
+            pf = handle or self.open_file(split)
             table = pf.read_row_group(
                 split.row_group, columns=self.columns, use_threads=self.config.use_threads
             )
@@ -462,8 +485,8 @@ class DatasetSource:
 
     def _find_bad_column(self, split: Split) -> str | None:
         try:
-            pf = self._open(split.path)
-        except (pa.ArrowException, OSError):
+            pf = self.open_file(split)
+        except (DataError, pa.ArrowException, OSError):
             return None
         with pf:
             for name in self.columns:
@@ -552,7 +575,7 @@ class DatasetSource:
                     if handle is None:
                         if len(handles) >= _MAX_HANDLES:
                             _close_all(handles)
-                        handle = handles[split.path] = self._open(split.path)
+                        handle = handles[split.path] = self.open_file(split)
                     result: _SplitRead = (self.read_split(split, handle=handle), None)
                 except Exception as exc:  # handed to the consumer, which decides (on_error)
                     result = (None, exc)
@@ -573,8 +596,8 @@ class DatasetSource:
             split_pos += 1
             table, exc = next(reads)
             if exc is not None:
-                if not isinstance(exc, _READ_ERRORS):
-                    raise exc
+                if isinstance(exc, FileChangedError) or not isinstance(exc, _READ_ERRORS):
+                    raise exc  # a file changed under the run: never skipped
                 if self.config.on_error == "raise":
                     if isinstance(exc, DataError):
                         raise exc

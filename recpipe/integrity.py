@@ -8,7 +8,10 @@
 ``path`` is relative to the dataset directory (``dt=.../part-00000.parquet`` with hour
 partitions), ``bytes`` the file's size and ``sha256`` the hex digest of its bytes. Both the ETL
 (``recpipe etl verify``, ``recpipe stats``) and the readers (``ReaderConfig(verify="full")``)
-check files against it through this module, so the rules live in one place.
+check files against it through this module, so the rules live in one place: the file list and
+its entries (:func:`listed_files`), the manifest's own totals (:func:`check_totals`), a file's
+bytes (:func:`check_digest`) and, while a reader reads, that a file is still the one it opened
+(:class:`FileId`, :func:`check_unchanged`).
 
 >>> import tempfile, pathlib
 >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -30,17 +33,22 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
-from recpipe.errors import DataError
+from recpipe.errors import CorruptInputError, DataError
 
 __all__ = [
     "MANIFEST_NAME",
+    "FileChangedError",
+    "FileId",
     "ListedFile",
     "check_digest",
+    "check_totals",
+    "check_unchanged",
     "file_sha256",
     "find_manifest",
     "listed_files",
+    "mismatch_error",
     "read_manifest",
 ]
 
@@ -69,6 +77,7 @@ class ListedFile:
     row_groups: int
     bytes: int
     sha256: str | None = None
+    sessions: int | None = None
 
 
 def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
@@ -100,14 +109,15 @@ def listed_files(manifest: dict[str, Any], *, source: str) -> list[ListedFile]:
         source: the manifest's path, for messages.
 
     Raises:
-        DataError: ``files`` is missing or an entry lacks a key, has a bad type, or a path that
-            is absolute or leaves the dataset directory.
+        DataError: ``files`` is missing or an entry lacks a key, has a bad type, a path that
+            is absolute or leaves the dataset directory, or a path listed twice.
     """
     files = manifest.get("files")
     if not isinstance(files, list):
         msg = f"manifest {source!r}: `files` must be a list, got {type(files).__name__}"
         raise DataError(msg)
     out = []
+    seen: set[str] = set()
     for i, entry in enumerate(files):
         where = f"manifest {source!r} files[{i}]"
         if not isinstance(entry, dict):
@@ -121,6 +131,10 @@ def listed_files(manifest: dict[str, Any], *, source: str) -> list[ListedFile]:
         if posix.is_absolute() or ".." in posix.parts:
             msg = f"{where}: `path` {path!r} must be relative and inside the dataset"
             raise DataError(msg)
+        if posix.as_posix() in seen:
+            msg = f"{where}: lists {path!r} twice"
+            raise DataError(msg)
+        seen.add(posix.as_posix())
         numbers = {}
         for key in ("rows", "row_groups", "bytes"):
             value = entry.get(key)
@@ -134,8 +148,107 @@ def listed_files(manifest: dict[str, Any], *, source: str) -> list[ListedFile]:
         ):
             msg = f"{where} ({path}): `sha256` must be 64 lower-case hex digits, got {sha!r}"
             raise DataError(msg)
-        out.append(ListedFile(path, sha256=sha, **numbers))
+        sessions = entry.get("sessions")
+        if sessions is not None and not _count(sessions):
+            msg = f"{where} ({path}): `sessions` must be a non-negative integer, got {sessions!r}"
+            raise DataError(msg)
+        out.append(ListedFile(posix.as_posix(), sha256=sha, sessions=sessions, **numbers))
     return out
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_totals(manifest: dict[str, Any], entries: list[ListedFile]) -> list[str]:
+    """What differs between the manifest's own totals and its ``files[]`` (``[]``: they agree).
+
+    A file deleted together with its entry leaves a file list that matches the directory; the
+    totals the build recorded still tell. Each check runs when the manifest has its keys (a
+    hand-made manifest may list files only):
+
+    - ``rows_out``, ``row_groups`` and ``bytes_out`` are the sums over ``files[]``;
+    - the files' ``sessions`` sum to ``sessions + session_continuations`` (a session cut by a
+      file boundary counts in each of its files);
+    - ``rows_in == rows_out + rows_quarantined + rows_sampled_out``, ``reconciles`` says so, and
+      ``rows_quarantined`` is the sum of ``quarantine_by_reason``;
+    - ``bytes_in`` is the sum of the ``inputs[]`` sizes.
+
+    Raises:
+        DataError: a total that is present is not a non-negative integer.
+    """
+
+    def total(key: str) -> int | None:
+        value = manifest.get(key)
+        if value is not None and not _count(value):
+            msg = f"manifest `{key}` must be a non-negative integer, got {value!r}"
+            raise DataError(msg)
+        return value
+
+    problems = []
+    for key, unit, held in (
+        ("rows_out", "rows", sum(e.rows for e in entries)),
+        ("row_groups", "row groups", sum(e.row_groups for e in entries)),
+        ("bytes_out", "bytes", sum(e.bytes for e in entries)),
+    ):
+        said = total(key)
+        if said is not None and said != held:
+            problems.append(f"its files hold {held:,} {unit}, `{key}` says {said:,}")
+    sessions, continuations = total("sessions"), total("session_continuations")
+    if sessions is not None and entries and all(e.sessions is not None for e in entries):
+        held = sum(e.sessions or 0 for e in entries)
+        if held != sessions + (continuations or 0):
+            problems.append(
+                f"its files hold {held:,} sessions, `sessions` says {sessions:,}"
+                + (f" (+ {continuations:,} `session_continuations`)" if continuations else "")
+            )
+    rows_in, rows_out, quarantined = total("rows_in"), total("rows_out"), total("rows_quarantined")
+    if None not in (rows_in, rows_out, quarantined):
+        sampled = total("rows_sampled_out") or 0
+        reconciles = rows_in == rows_out + quarantined + sampled
+        if not reconciles:
+            problems.append(
+                f"the counts do not reconcile: `rows_in` {rows_in:,} != `rows_out` {rows_out:,} "
+                f"+ `rows_quarantined` {quarantined:,} + `rows_sampled_out` {sampled:,}"
+            )
+        elif manifest.get("reconciles") is False:
+            problems.append("`reconciles` is false, but its counts reconcile")
+    by_reason = manifest.get("quarantine_by_reason")
+    if quarantined is not None and isinstance(by_reason, dict):
+        held = sum(v for v in by_reason.values() if _count(v))
+        if held != quarantined:
+            problems.append(
+                f"`quarantine_by_reason` sums to {held:,}, `rows_quarantined` says {quarantined:,}"
+            )
+    inputs, bytes_in = manifest.get("inputs"), total("bytes_in")
+    if bytes_in is not None and isinstance(inputs, list):
+        held = sum(i["bytes"] for i in inputs if isinstance(i, dict) and _count(i.get("bytes")))
+        if held != bytes_in:
+            problems.append(f"its inputs hold {held:,} bytes, `bytes_in` says {bytes_in:,}")
+    return problems
+
+
+def mismatch_error(
+    root: str | os.PathLike[str],
+    problems: list[tuple[str, str]],
+    *,
+    hint: str | None = None,
+    shown: int = 10,
+) -> CorruptInputError:
+    """The error for a dataset that does not match its manifest: one line per ``(path, what)``.
+
+    Args:
+        root: the dataset directory.
+        problems: ``(path relative to root, what differs)``, in the order to show them.
+        hint: the ``hint:`` line, if any.
+        shown: problems listed before "... and N more".
+    """
+    lines = "\n".join(f"  {Path(root) / path}: {what}" for path, what in problems[:shown])
+    more = f"\n  ... and {len(problems) - shown} more" if len(problems) > shown else ""
+    msg = f"dataset {str(root)!r} does not match its manifest:\n{lines}{more}"
+    if hint:
+        msg += f"\nhint: {hint}"
+    return CorruptInputError(msg)
 
 
 def file_sha256(
@@ -206,6 +319,69 @@ def check_digest(
             f"the file has {sha[:_SHORT]}..."
         ]
     return []
+
+
+class FileChangedError(CorruptInputError):
+    """A file of a dataset changed (was replaced, modified or removed) while a reader read it.
+
+    Never skipped by ``on_error="skip"``: the rows before and after the change come from two
+    different datasets.
+    """
+
+
+class FileId(NamedTuple):
+    """What identifies a file's bytes cheaply: one ``stat``, no reading.
+
+    A file replaced by another (a rebuild renames new files into place) has another inode; one
+    written in place has another size or modification time.
+    """
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FileId:
+        """The identity of ``path`` now.
+
+        Raises:
+            OSError: it cannot be stat'ed (``FileNotFoundError`` when it is gone).
+        """
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def change(self, now: FileId) -> str:
+        """How ``now`` differs from this identity, in words (``""``: it does not)."""
+        if (now.inode, now.device) != (self.inode, self.device):
+            return f"replaced by another file ({now.size:,} bytes, was {self.size:,})"
+        if now.size != self.size:
+            return f"modified: {now.size:,} bytes, was {self.size:,}"
+        if now.mtime_ns != self.mtime_ns:
+            return "modified: its modification time moved"
+        return ""
+
+
+def check_unchanged(path: str | os.PathLike[str], opened: FileId) -> None:
+    """Raise unless ``path`` is still the file whose identity was ``opened`` (one ``stat``).
+
+    Raises:
+        FileChangedError: it was replaced, modified or removed.
+    """
+    try:
+        change = opened.change(FileId.of(path))
+    except FileNotFoundError:
+        change = "removed"
+    except OSError as exc:
+        change = f"cannot be stat'ed: {exc}"
+    if change:
+        msg = (
+            f"{os.fspath(path)}: changed since the reader opened the dataset ({change}): the "
+            "rows read so far and the rest would come from different data\n"
+            "hint: was the dataset rebuilt (`etl build --overwrite`) or copied over while it "
+            "was read? restart the run once the dataset is complete"
+        )
+        raise FileChangedError(msg)
 
 
 def find_manifest(path: str | os.PathLike[str]) -> Path | None:

@@ -18,8 +18,8 @@ def test_docstring_example_runs():
 
 
 def test_listed_files_reads_entries_and_ignores_other_keys():
-    [entry] = listed_files({"files": [{**GOOD, "sessions": 2}]}, source="m.json")
-    assert entry == ListedFile("dt=x/part-00000.parquet", rows=3, row_groups=1, bytes=4)
+    [entry] = listed_files({"files": [{**GOOD, "sessions": 2, "x": 1}]}, source="m.json")
+    assert entry == ListedFile("dt=x/part-00000.parquet", rows=3, row_groups=1, bytes=4, sessions=2)
 
 
 @pytest.mark.parametrize(
