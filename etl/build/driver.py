@@ -129,9 +129,15 @@ def _run(engine_cls: type[Engine], job: BuildJob, phases: _Phases) -> dict:
         check_missing_features(counts, job.config)
         _write_quarantine(engine, job)
         t = phases.timed("quarantine", t)
-        writer = dataset_writer(job.work_dir, job.schema, job.config, rows=counts.rows_out)
-        with phases.bar("write parquet", total=counts.rows_out, unit="row", unit_scale=True) as bar:
-            files = write_rows(writer, engine.rows(), config=job.config, progress=bar.update)
+        written = engine.write_dataset(counts.rows_out)  # the engine's workers write
+        if written is None:  # the engine's rows, through the shared writer here
+            writer = dataset_writer(job.work_dir, job.schema, job.config, rows=counts.rows_out)
+            with phases.bar(
+                "write parquet", total=counts.rows_out, unit="row", unit_scale=True
+            ) as bar:
+                files = write_rows(writer, engine.rows(), config=job.config, progress=bar.update)
+        else:
+            writer, files = written
         phases.timed("write", t)
     inputs.check_unchanged()
     return build_manifest(

@@ -45,6 +45,7 @@ __all__ = [
     "Engine",
     "Kind",
     "duplicate_rows",
+    "duplicate_rows_in",
     "engine_class",
     "sample_condition",
     "sampled",
@@ -138,6 +139,18 @@ class Engine(ABC):
         session id, file_id, line_no)``. The batches form one stream; their sizes do not
         matter (the writer cuts row groups itself)."""
 
+    def write_dataset(self, rows: int) -> tuple[Any, list[dict]] | None:
+        """Write the dataset's part files where the rows are (an engine whose workers write
+        them with the shared writer), or return None (the default) to hand :meth:`rows` to the
+        driver's writer. Called once, after :meth:`counts` (``rows``: its ``rows_out``).
+
+        Returns:
+            ``(writer, files)``: an object with the attributes of
+            :class:`~etl.build.writer.SessionAlignedWriter` that
+            :func:`~etl.build.output.build_manifest` reads, and the manifest's ``files``.
+        """
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the engine holds (connections, scratch files); called once, always."""
 
@@ -172,17 +185,19 @@ def duplicate_rows(dups: pa.Table, job: BuildJob) -> pa.Table:
         ``file_id``, ``line_no``, ``reason``, ``detail``, ``raw``, ``source``, ``source_line``
         (in no particular order).
     """
+    return duplicate_rows_in(dups, job.feature_files, max_line_bytes=job.validator.max_line_bytes)
+
+
+def duplicate_rows_in(dups: pa.Table, files: list[InputFile], *, max_line_bytes: int) -> pa.Table:
+    """:func:`duplicate_rows` given the feature ``files`` and the reader's line limit (what a
+    worker process has, without the build's :class:`BuildJob`)."""
     import duckdb
 
-    raw = read_lines_at(
-        job.feature_files,
-        dups.select(["file_id", "line_no"]),
-        max_line_bytes=job.validator.max_line_bytes,
-    )
+    raw = read_lines_at(files, dups.select(["file_id", "line_no"]), max_line_bytes=max_line_bytes)
     paths = pa.table(
         {
-            "file_id": pa.array(range(len(job.feature_files)), pa.int32()),
-            "path": [str(f.path) for f in job.feature_files],
+            "file_id": pa.array(range(len(files)), pa.int32()),
+            "path": [str(f.path) for f in files],
         }
     )
     con = duckdb.connect()

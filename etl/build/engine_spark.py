@@ -28,23 +28,26 @@ files by path. Refused, as in the Polars engine: ``memory_limit``, ``spill_dir``
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from etl.build.config import BuildConfig
-from etl.build.engine import BuildJob, Engine, Kind, duplicate_rows, sampled
+from etl.build.engine import BuildJob, Engine, Kind, duplicate_rows_in, sampled
 from etl.build.inputs import InputFile, empty_lines, read_lines
-from etl.build.output import PARTITION_MS, BuildCounts, by_reason
+from etl.build.output import PARTITION_MS, BuildCounts, by_reason, dataset_writer, write_rows
 from etl.build.validate import BAD_COLUMNS, Validator, feature_columns
 from etl.spark_env import file_tasks, spark_session
 from etl.spark_env import run_action as _action
-from recpipe.errors import DataError
+from recpipe.errors import DataError, RecpipeError
 from schemas import DatasetSchema
 
 __all__ = ["SparkEngine"]
@@ -52,6 +55,28 @@ __all__ = ["SparkEngine"]
 #: the rows of one IPC batch written by a sorting task
 _WRITE_ROWS = 16_384
 _SCRATCH = "_spark"
+#: exact ranges of the sort key per partition (the groups are made of whole ranges)
+_BUCKETS_PER_PARTITION = 16
+_MIN_BUCKETS = 64
+#: the columns that place a row in a write group (not written)
+_GROUP_COLUMNS = ("_b", "_g", "_x")
+#: the manifest's keys of a file, as the shared writer lists them
+_FILE_KEYS = ("path", "rows", "row_groups", "bytes", "sessions", "sha256")
+#: a write task's answer: a row per file (``idx`` >= 0) and per group (``idx`` -1)
+_META = pa.schema(
+    [
+        ("g", pa.int32()),
+        ("idx", pa.int32()),
+        ("path", pa.string()),
+        ("rows", pa.int64()),
+        ("row_groups", pa.int64()),
+        ("bytes", pa.int64()),
+        ("sessions", pa.int64()),
+        ("sha256", pa.string()),
+        ("continuations", pa.int64()),
+        ("split", pa.int64()),
+    ]
+)
 
 
 class SparkEngine(Engine):
@@ -72,6 +97,11 @@ class SparkEngine(Engine):
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.tables: dict[str, Any] = {}
         self.duplicates = 0
+        self.sessions = 0
+        self.dictionary_measured: dict[str, dict] | None = None
+        #: the DataFrames of the phases, for a look at their plans (``frames["sessions"]``:
+        #: the kept rows with their session ids; ``frames["write"]``: the write job's input)
+        self.frames: dict[str, Any] = {}
         self._cached: list[Any] = []
 
     @classmethod
@@ -124,8 +154,12 @@ class SparkEngine(Engine):
     # -- dedup, labels, sessions ----------------------------------------------------------------
 
     def deduplicate(self) -> None:
+        """Repeats of a request id found by a window per request id (hashed, never one
+        partition); their quarantine rows made by tasks that read the repeats' lines again
+        (:func:`~etl.build.engine.duplicate_rows_in`, the files spread over the tasks)."""
         from pyspark.sql import Window
         from pyspark.sql import functions as F
+        from pyspark.sql.types import StructType
 
         feat = self.tables["features"]
         w = Window.partitionBy("request_id").orderBy("file_id", "line_no")
@@ -142,14 +176,20 @@ class SparkEngine(Engine):
             .where("rn > 1")
             .drop("rn")
         )
-        found = _action(dups.toArrow)
-        self.duplicates = found.num_rows
-        if not found.num_rows:
+        dups = self._keep(dups)
+        self.duplicates = int(_action(dups.count))
+        if not self.duplicates:
             return
-        rows = duplicate_rows(found, self.job)
-        types = feat.schema
-        bad = self.spark.createDataFrame(_plain_table(rows)).select(
-            *[F.col(c).cast(types[c].dataType).alias(f"_d_{c}") for c in BAD_COLUMNS]
+        files, limit = self.job.feature_files, self.job.config.max_line_bytes
+        types = StructType([feat.schema[c] for c in BAD_COLUMNS])
+
+        def detail(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            return _duplicate_details(batches, files, limit, types)
+
+        bad = (
+            dups.repartition(self.partitions, "file_id")
+            .mapInArrow(detail, types)
+            .select(*[F.col(c).alias(f"_d_{c}") for c in BAD_COLUMNS])
         )
         joined = feat.join(
             bad,
@@ -169,14 +209,19 @@ class SparkEngine(Engine):
         self.labels = self._keep(ev.groupBy("request_id").agg(F.max("label").alias("label")))
 
     def sessionize(self) -> None:
-        """Session keys (as the DuckDB engine's SQL), ids ranked by (first ts, key), sampled."""
+        """Session keys (as the DuckDB engine's SQL), sampled, and session ids by prefix sums:
+        the sessions fall into :meth:`_buckets` exact ranges of their first ts; the driver
+        sums the (small) vector of sessions per range, and each range numbers its sessions
+        from its offset, ordered by ``(first ts, key)`` (a window per range, not one over all)."""
         from pyspark.sql import Window
         from pyspark.sql import functions as F
 
         config = self.job.config
         good = self.tables["features"].where(F.col("reason").isNull())
         rowkeys = _session_keys(good, int(config.session_gap_ms))
-        sessions = rowkeys.groupBy("skey").agg(F.min("ts").alias("first_ts"))
+        sessions = rowkeys.groupBy("skey").agg(
+            F.min("ts").alias("first_ts"), F.max("ts").alias("last_ts")
+        )
         if config.sample_sessions < 1.0:
 
             def keep(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -184,15 +229,42 @@ class SparkEngine(Engine):
                     yield b.filter(sampled(b.column("skey"), config))
 
             sessions = sessions.mapInArrow(keep, sessions.schema)
-        # the rank of (first ts, key) over all sessions: one ordered window
-        rank = Window.orderBy("first_ts", "skey")
-        sessions = sessions.withColumn("sid", F.row_number().over(rank).cast("long") - 1)
+        sessions = self._keep(sessions)
+        span = _action(sessions.agg(F.min("first_ts"), F.max("last_ts")).collect)[0]
+        self.ts_range = (span[0], span[1]) if span[0] is not None else (0, 0)
+        self.buckets = max(_MIN_BUCKETS, _BUCKETS_PER_PARTITION * self.partitions)
+        bucket = self._ts_bucket("first_ts")
+        found = _action(sessions.groupBy(bucket.alias("b")).count().collect)
+        per_bucket = [0] * self.buckets
+        for r in found:
+            per_bucket[int(r["b"])] = int(r["count"])
+        self.sessions_per_ts_bucket = per_bucket
+        offsets = [sum(per_bucket[:b]) for b in range(self.buckets)]
+        rank = Window.partitionBy("_b").orderBy("first_ts", "skey")
+        numbered = sessions.withColumn("_b", bucket).select(
+            "skey",
+            "first_ts",
+            "last_ts",
+            (_lookup(offsets, F.col("_b")) + F.row_number().over(rank) - 1).alias("sid"),
+        )
         self.keep_rows = self._keep(
             good.select("file_id", "line_no", "request_id", "ts")
             .join(rowkeys.select("file_id", "line_no", "skey"), ["file_id", "line_no"])
-            .join(sessions, "skey")
+            .join(numbered, "skey")
             .join(self.labels, "request_id", "left")
             .withColumn("label", F.coalesce(F.col("label"), F.lit(0.0)).cast("float"))
+        )
+        self.frames["sessions"] = self.keep_rows
+
+    def _ts_bucket(self, column: str) -> Any:
+        """The range of ``column`` (epoch ms) among :attr:`buckets` equal ranges of the
+        build's ts (exact: decimal arithmetic, as ts may span more than 2**63)."""
+        from pyspark.sql import functions as F
+
+        lo, hi = self.ts_range
+        return F.expr(
+            f"CAST(((CAST({column} AS DECIMAL(20,0)) - CAST({lo} AS DECIMAL(20,0))) * "
+            f"{self.buckets}) div CAST({hi - lo + 1} AS DECIMAL(21,0)) AS INT)"
         )
 
     # -- counts and output ----------------------------------------------------------------------
@@ -214,11 +286,7 @@ class SparkEngine(Engine):
         rows_in, q = reasons_of(feat)
         events_in, ev_q = reasons_of(ev)
         q, ev_q = by_reason(q), by_reason(ev_q, events=True)
-        out = _action(
-            self.keep_rows.agg(
-                F.count(F.lit(1)).alias("n"), F.countDistinct("sid").alias("s")
-            ).collect
-        )[0]
+        rows_out = int(_action(self.keep_rows.count))
         unlabelled = _action(good.join(self.labels, "request_id", "left_anti").count)
         ids = good.select("request_id")
         ev_unknown = _action(ev_good.join(ids, "request_id", "left_anti").count)
@@ -233,14 +301,14 @@ class SparkEngine(Engine):
         found = names_of[0].unionByName(names_of[1]).groupBy("list", "name").count()
         for r in sorted(_action(found.collect), key=lambda r: (r["list"], r["name"])):
             listed[r["list"]][r["name"]] = int(r["count"])
-        rows_out = int(out["n"])
+        self.sessions = sum(self.sessions_per_ts_bucket)
         return BuildCounts(
             rows_in=rows_in,
             rows_out=rows_out,
             rows_quarantined=sum(q.values()),
             rows_sampled_out=rows_in - sum(q.values()) - rows_out,
             quarantine_by_reason=q,
-            sessions=int(out["s"]),
+            sessions=self.sessions,
             rows_without_event=int(unlabelled),
             unknown_features=listed["unknown"],
             unknown_keys=listed["unknown_keys"],
@@ -259,6 +327,88 @@ class SparkEngine(Engine):
         yield from self._sorted(bad, ["file_id", "line_no"], list(BAD_COLUMNS), f"q-{kind}")
 
     def rows(self) -> Iterator[pa.RecordBatch]:
+        raise RecpipeError("internal: the Spark engine's tasks write the dataset (write_dataset)")
+
+    def write_dataset(self, rows: int) -> tuple[Any, list[dict]]:
+        """The part files, written by the tasks: the rows fall into ``spark_partitions``
+        groups of whole ranges of the sort key (sessions in session order, ts in time order;
+        sized by the rows per range, counted first); each group's task sorts its rows and
+        writes ``[dt=.../]part-GGGGG-NNNNN.parquet`` with the shared writer and returns only
+        their metadata. Nothing depends on the executors: the ranges, the groups and the
+        dictionary columns are decided on the driver from small counts and a bounded sample."""
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        schema, config = self.job.schema, self.job.config
+        summary = _Written(
+            schema=schema.dataset_arrow_schema(),
+            row_group_size=config.row_group_rows(rows),
+            dictionary=None,
+            dictionary_measured=None,
+        )
+        if not rows:
+            summary.dictionary = self._dictionary(None, rows)
+            return summary, []
+        session_order = config.order == "session"
+        k = self.keep_rows
+        if session_order:  # the ranges of session ids: whole sessions per range
+            s = self.sessions
+            bucket = F.expr(f"CAST((sid * {self.buckets}) div {s} AS INT)")
+            starts = [-(-b * s // self.buckets) for b in range(self.buckets + 1)]
+            new_per_bucket = [starts[b + 1] - starts[b] for b in range(self.buckets)]
+        else:  # the ranges of ts: a session may run over several groups
+            bucket = self._ts_bucket("ts")
+            new_per_bucket = self.sessions_per_ts_bucket
+        k = k.withColumn("_b", bucket)
+        counted = _action(k.groupBy("_b").count().collect)
+        per_bucket = [0] * self.buckets
+        for r in counted:
+            per_bucket[int(r["_b"])] = int(r["count"])
+        groups = _groups(per_bucket, self.partitions)
+        k = k.withColumn("_g", _lookup(groups, F.col("_b")))
+        if session_order:
+            k = k.withColumn("_x", F.lit(False))
+        else:  # the session goes on in a later group
+            last, first = (_lookup(groups, self._ts_bucket(c)) for c in ("last_ts", "first_ts"))
+            k = k.withColumn("_x", last != first)
+        # the session ids written by the groups before each group
+        floors = [
+            sum(n for b, n in enumerate(new_per_bucket) if groups[b] < g) - 1
+            for g in range(self.partitions)
+        ]
+        final, keys, names = self._final(k)
+        summary.dictionary = self._dictionary(final, rows, per_bucket=per_bucket, keys=keys)
+        summary.dictionary_measured = self.dictionary_measured
+        hashed = _hash_keys(self.spark, self.partitions)
+        parts = (
+            final.withColumn("_pk", _lookup(hashed, F.col("_g")))
+            .repartition(self.partitions, "_pk")
+            .sortWithinPartitions("_g", *keys)
+        )
+        self.frames["write"] = parts
+        root, scratch = self.job.work_dir, self.scratch
+        dictionary = list(summary.dictionary)
+
+        def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            return _write_groups(
+                batches, root, scratch, schema, config, rows, dictionary, floors, names
+            )
+
+        with self.job.bar("write parquet (tasks)", total=1, unit="job") as bar:
+            meta = _action(parts.mapInArrow(write, from_arrow_schema(_META)).toArrow)
+            bar.update(1)
+        found = sorted(meta.to_pylist(), key=lambda r: (r["g"], r["idx"]))
+        files = [{c: r[c] for c in _FILE_KEYS} for r in found if r["idx"] >= 0]
+        for r in found:
+            if r["idx"] < 0:  # a group's session counts
+                summary.sessions += r["sessions"]
+                summary.session_continuations += r["continuations"]
+                summary.sessions_split_across_files += r["split"]
+        return summary, files
+
+    def _final(self, k: Any) -> tuple[Any, list[str], list[str]]:
+        """The dataset's columns of the kept rows ``k``, with the sort key ``_k0``.. and the
+        group columns ``_g``, ``_x``; returns it, the key names, the written column names."""
         from pyspark.sql import functions as F
 
         schema, config = self.job.schema, self.job.config
@@ -266,7 +416,6 @@ class SparkEngine(Engine):
         wide = self.tables["features"].select(
             "file_id", "line_no", "user_key", "session_key", *feature_columns(schema), *passthrough
         )
-        k = self.keep_rows
         cols = [
             F.col("sid").alias(schema.session_key),
             F.col("ts").alias(schema.time_key),
@@ -292,16 +441,44 @@ class SparkEngine(Engine):
             cols.append(F.col(basis).alias(PARTITION_MS))
         order = ["sid", "ts"] if config.order == "session" else ["ts", "sid"]
         order += ["file_id", "line_no"]
-        keys = [F.col(c).alias(f"_k{i}") for i, c in enumerate(order)]
-        final = k.join(wide, ["file_id", "line_no"], "left").select(*keys, *cols)
-        names = [c for c in final.columns if not c.startswith("_k")]
-        yield from self._sorted(final, [f"_k{i}" for i in range(len(order))], names, "rows")
+        keys = [f"_k{i}" for i in range(len(order))]
+        final = k.join(wide, ["file_id", "line_no"], "left").select(
+            *[F.col(c).alias(n) for c, n in zip(order, keys)], "_b", "_g", "_x", *cols
+        )
+        names = [c for c in final.columns if not c.startswith("_k") and c not in _GROUP_COLUMNS]
+        return final, keys, names
+
+    def _dictionary(
+        self, final: Any, rows: int, *, per_bucket: list[int] | None = None, keys: Any = None
+    ) -> list[str]:
+        """The dictionary-encoded columns: ``config.dictionary``'s, or with ``"auto"`` those
+        the shared writer measures on the dataset's first row group (as every engine does):
+        the first ``row group + 1`` rows (a bounded sample) run through the shared writer on
+        the driver, into a scratch folder."""
+        config, schema = self.job.config, self.job.schema
+        if config.dictionary != "auto":
+            return list(schema.dataset_arrow_schema().names) if config.dictionary == "all" else []
+        from pyspark.sql import functions as F
+
+        writer = dataset_writer(self.scratch / "dictionary", schema, config, rows=rows)
+        if final is None:
+            return []
+        want = min(rows, writer.row_group_size + 1)
+        last = next(b for b in range(len(per_bucket)) if sum(per_bucket[: b + 1]) >= want)
+        head = final.where(F.col("_b") <= last).orderBy(*keys).limit(want)
+        names = [c for c in final.columns if not c.startswith("_k") and c not in _GROUP_COLUMNS]
+        sample = _action(head.select(*names).toArrow)
+        write_rows(writer, sample.to_batches(), config=config)
+        self.dictionary_measured = writer.dictionary_measured
+        shutil.rmtree(self.scratch / "dictionary", ignore_errors=True)
+        return list(writer.dictionary or [])
 
     def _sorted(
         self, df: Any, order: list[str], columns: list[str], name: str
     ) -> Iterator[pa.RecordBatch]:
         """``df``'s ``columns`` in the order of ``order`` (integer keys, unique per row): range
-        partitions, each sorted and written by its task to an IPC file, read back in key order."""
+        partitions, each sorted and written by its task to an IPC file, read back in key order
+        (the quarantine's rows: the bad lines, in input order)."""
         from pyspark.sql.types import LongType, StringType, StructField, StructType
 
         folder = self.scratch / f"{name}-{uuid.uuid4().hex[:8]}"
@@ -326,6 +503,54 @@ class SparkEngine(Engine):
                 os.unlink(part["path"])
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class _Written:
+    """What :func:`~etl.build.output.build_manifest` reads of a writer, summed over the
+    tasks' writers."""
+
+    schema: pa.Schema
+    row_group_size: int
+    dictionary: list[str] | None
+    dictionary_measured: dict[str, dict] | None
+    sessions: int = 0
+    session_continuations: int = 0
+    sessions_split_across_files: int = 0
+
+
+def _lookup(values: list[int], index: Any) -> Any:
+    """``values[index]`` as a Spark column (``index`` a column of 0-based ints)."""
+    from pyspark.sql import functions as F
+
+    return F.element_at(F.array(*[F.lit(int(v)) for v in values]), index + 1)
+
+
+def _groups(per_bucket: list[int], n: int) -> list[int]:
+    """The group (0..``n``-1) of each range: whole ranges, in order, about equal rows each."""
+    total = max(1, sum(per_bucket))
+    out, before = [], 0
+    for rows in per_bucket:
+        out.append(min(n - 1, before * n // total))
+        before += rows
+    return out
+
+
+def _hash_keys(spark: Any, n: int) -> list[int]:
+    """A long for each group 0..``n``-1 that Spark's hash partitioning into ``n`` partitions
+    sends to the partition of that number (so each group's rows get a task of their own)."""
+    from pyspark.sql import functions as F
+
+    found: dict[int, int] = {}
+    start = 0
+    while len(found) < n:
+        ids = spark.range(start, start + 64 * n).select(
+            "id", F.expr(f"pmod(hash(id), {n})").alias("p")
+        )
+        for r in sorted(_action(ids.collect), key=lambda r: r["id"]):
+            found.setdefault(int(r["p"]), int(r["id"]))
+        start += 64 * n
+    return [found[g] for g in range(n)]
 
 
 # -- the code Spark runs in its tasks -----------------------------------------------------------
@@ -357,6 +582,97 @@ def _parse_files(
                     yield from validate(lines).cast(arrow_schema).to_batches()
     finally:
         v.close()
+
+
+def _duplicate_details(
+    batches: Iterator[pa.RecordBatch], files: list[InputFile], limit: int, types: Any
+) -> Iterator[pa.RecordBatch]:
+    """One task: the quarantine rows of the repeats it holds (their files read once each)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    held = [b for b in batches if b.num_rows]
+    if not held:
+        return
+    rows = duplicate_rows_in(pa.Table.from_batches(held), files, max_line_bytes=limit)
+    yield from rows.cast(to_arrow_schema(types)).to_batches()
+
+
+def _write_groups(
+    batches: Iterator[pa.RecordBatch],
+    root: Path,
+    scratch: Path,
+    schema: DatasetSchema,
+    config: BuildConfig,
+    rows: int,
+    dictionary: list[str],
+    floors: list[int],
+    names: list[str],
+) -> Iterator[pa.RecordBatch]:
+    """One task: each group it holds (sorted by group, then key) written with the shared
+    writer into a folder of this attempt, its files then renamed into the dataset as
+    ``[dt=.../]part-GGGGG-NNNNN.parquet`` (a retried task writes the same bytes again); yields
+    one row per file and one per group (its session counts)."""
+    for g, parts in itertools.groupby(_runs(batches, "_g"), key=lambda run: run[0]):
+        attempt = scratch / f"g{g:05d}-{uuid.uuid4().hex}"
+        writer = dataset_writer(attempt, schema, config, rows=rows)
+        writer.dictionary = dictionary
+        writer.continue_after(floors[g])
+        going_on: list[np.ndarray] = []  # sessions first seen here that a later group has
+        sid = "_k0" if config.order == "session" else "_k1"
+        rows_of = _group_rows(parts, sid, floors[g], names, going_on)
+        files = write_rows(writer, rows_of, config=config)
+        split = writer.split_session_ids
+        split = np.union1d(split[split > floors[g]], np.concatenate([split[:0], *going_on]))
+        out: dict[str, list[Any]] = {c: [] for c in _META.names}
+        for i, f in enumerate(files):
+            rel = Path(f["path"])
+            final = rel.with_name(f"part-{g:05d}-{rel.name[len('part-') :]}")
+            (root / final).parent.mkdir(exist_ok=True)
+            os.replace(attempt / rel, root / final)
+            _meta_row(out, g=g, idx=i, **{**f, "path": final.as_posix()})
+        _meta_row(
+            out,
+            g=g,
+            idx=-1,
+            sessions=writer.sessions,
+            continuations=writer.session_continuations,
+            split=int(split.size),
+        )
+        shutil.rmtree(attempt, ignore_errors=True)
+        yield pa.RecordBatch.from_pydict(out, schema=_META)
+
+
+def _group_rows(
+    parts: Iterator[tuple[int, pa.RecordBatch]],
+    sid: str,
+    floor: int,
+    names: list[str],
+    going_on: list[np.ndarray],
+) -> Iterator[pa.RecordBatch]:
+    """The written columns of a group's rows; adds to ``going_on`` the ids of the sessions
+    first seen in the group (id above ``floor``) that go on in a later group."""
+    for _, batch in parts:
+        ids = batch.column(sid).to_numpy()
+        on = batch.column("_x").to_numpy(zero_copy_only=False) & (ids > floor)
+        if on.any():
+            going_on.append(np.unique(ids[on]))
+        yield batch.select(names)
+
+
+def _meta_row(out: dict[str, list[Any]], **values: Any) -> None:
+    for c in _META.names:
+        out[c].append(values.get(c))
+
+
+def _runs(batches: Iterator[pa.RecordBatch], column: str) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """``(value, rows)`` for each run of equal ``column`` values in ``batches``."""
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        v = batch.column(column).to_numpy()
+        edges = [0, *(np.flatnonzero(v[1:] != v[:-1]) + 1).tolist(), len(v)]
+        for a, b in itertools.pairwise(edges):
+            yield int(v[a]), batch.slice(a, b - a)
 
 
 def _write_partition(

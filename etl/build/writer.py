@@ -175,6 +175,17 @@ class SessionAlignedWriter:
         """Sessions with rows in more than one file."""
         return int(self._split.size)
 
+    @property
+    def split_session_ids(self) -> np.ndarray:
+        """The ids of the sessions counted in :attr:`sessions_split_across_files`."""
+        return self._split
+
+    def continue_after(self, session_id: int) -> None:
+        """Take the session ids up to ``session_id`` as written before, by another writer of
+        the same dataset (a Spark task's writer after the earlier tasks' ones): their rows here
+        count as continuations. Call before the first :meth:`write`."""
+        self._max_session = self._file_floor = int(session_id)
+
     def write(self, batch: pa.RecordBatch | pa.Table, *, partition: str | None = None) -> None:
         """Append sorted rows (all of one partition; ``partition`` is e.g. ``dt=2024-...``)."""
         if partition != self._partition:

