@@ -487,11 +487,34 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
         result[f"{name}_ms"] = seconds * 1e3
         result[f"{name}_gbps"] = gbps
         result[f"{name}_share_of_peak"] = gbps / peak if peak else None
+    for name, fn in _noop_launches(kc, [ids, offsets_b, inverse, emb]).items():
+        result[f"{name}_ms"] = timed(fn, repeats) * 1e3
     copy_gbps = result["torch_copy_gbps"]
     for name in cases:
         if name != "torch_copy":
             result[f"{name}_vs_torch_copy"] = result[f"{name}_gbps"] / copy_gbps
     return result
+
+
+def _noop_launches(kc: Any, tensors: list[Any]) -> dict[str, Callable[[], Any]]:
+    """One launch of a Numba-CUDA kernel that does nothing on ``tensors``: through Numba's
+    dispatcher (``dispatcher_launch``) and as the CUDA forms launch (``direct_launch``); the
+    host-side cost a kernel adds to every call."""
+    from numba import cuda
+
+    @cuda.jit
+    def noop(a, b, c, d):
+        pass
+
+    device = tensors[0].device
+
+    def dispatcher() -> None:
+        noop[1, 32, kc.torch_stream(device)](*(kc.as_device_array(t) for t in tensors))
+
+    return {
+        "dispatcher_launch": dispatcher,
+        "direct_launch": lambda: kc.launch(noop, 1, 32, device, *tensors),
+    }
 
 
 _GPU_CASES = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows")

@@ -3,7 +3,8 @@
 Tensors reach the kernels through :func:`as_device_array` (``numba.cuda.as_cuda_array``, no
 stream synchronisation) and every launch goes on torch's current stream (:func:`torch_stream`),
 so kernels and the torch ops around them stay ordered without a host sync. The only host syncs
-are the sizes of data-dependent outputs (number of unique rows, selected values).
+are the sizes of data-dependent outputs (number of unique rows, a select's values); the
+backward of a select (:func:`jagged_index_add`) knows every size and reads nothing back.
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``, used by CI without a GPU) the same code runs
 on CPU tensors: :func:`as_device_array` hands the kernels numpy views and the torch glue runs on
@@ -13,12 +14,17 @@ the CPU. The row hash, list comparison, partial-dedup rule and running max are t
 Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
 so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
 equal on every key; ``partial_dedup`` classifies each row against the previous one in parallel
-and places windows with a prefix sum; the jagged select/add and the segment reductions give one
-block (select/add) or one thread per column (reduce) to each row.
+and places windows with a prefix sum; the segment reductions give one thread to each (row,
+column). The jagged select and add are no Numba kernels: each is one torch gather
+(``index_select``) or scatter-add (``index_add_``) of whole ``[D]`` rows through a map of source
+positions built by a few torch ops, all on torch's stream. A Numba launch costs more host time
+than the whole copy at the batch sizes a trainer uses (``docs/gpu.md`` has the measurements), and
+torch's row gather runs near a device copy's bandwidth.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +36,10 @@ from recpipe.kernels.arrays import as_bits, compute_dtype, flat2d, row_width
 from recpipe.kernels.bodies import BASIS_A, BASIS_B, compile_bodies
 
 cuda = optional_import("numba.cuda", purpose="the CUDA kernels of recpipe.kernels")
+try:  # numba-cuda's own launch layer; without it every launch goes through the dispatcher
+    import cuda.core as _core
+except ImportError:
+    _core = None
 
 __all__ = [
     "as_device_array",
@@ -37,6 +47,7 @@ __all__ = [
     "is_simulator",
     "jagged_index_add",
     "jagged_index_select",
+    "launch",
     "partial_dedup",
     "segment_reduce",
     "segment_reduce_backward",
@@ -82,6 +93,68 @@ def torch_stream(device: torch.device) -> Any:
     if device.type != "cuda":
         return 0
     return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+
+
+Arg = torch.Tensor | int
+
+_DIRECT: dict[tuple[Any, ...], Any] = {}  # (kernel, argument types) -> compiled kernel or None
+_CORE_STREAMS: dict[int, Any] = {}  # torch stream handle -> the same stream for cuda.core
+
+
+def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: Arg) -> None:
+    """Run ``kernel[blocks, threads]`` on torch's current stream over tensors and ints.
+
+    On a GPU the compiled kernel is launched directly (``cuda.core.launch``) with the arguments
+    Numba's dispatcher would build (an array is its size, item size, pointer, shape and strides):
+    the dispatcher's own launch costs far more host time than the small kernels of a training
+    step take to run. The first launch of each kernel and argument types compiles through the
+    dispatcher; where that route is not available (another numba-cuda, the simulator), the
+    dispatcher launches every time.
+    """
+    tensors = [a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+    compiled = _compiled(kernel, tensors) if device.type == "cuda" else None
+    if compiled is None:
+        dev_args = [as_device_array(a) if isinstance(a, torch.Tensor) else a for a in tensors]
+        kernel[blocks, threads, torch_stream(device)](*dev_args)
+        return
+    config = _core.LaunchConfig(grid=(blocks, 1, 1), block=(threads, 1, 1), shmem_size=0)
+    _core.launch(_core_stream(device), config, compiled, *_flat_args(tensors))
+
+
+def _compiled(kernel: Any, tensors: list[Arg]) -> Any:
+    """The compiled form of ``kernel`` for these argument types (``None``: use the dispatcher)."""
+    key = (kernel, *((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else int for a in tensors))
+    if key not in _DIRECT:
+        _DIRECT[key] = None
+        if _core is not None:
+            examples = [as_device_array(a) if isinstance(a, torch.Tensor) else a for a in tensors]
+            try:
+                overloads = kernel.specialize(*examples).overloads
+                _DIRECT[key] = next(iter(overloads.values()))._codelibrary.get_cufunc().kernel
+            except (AttributeError, StopIteration, TypeError):
+                pass  # this numba-cuda compiles another way: its dispatcher launches
+    return _DIRECT[key]
+
+
+def _core_stream(device: torch.device) -> Any:
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _CORE_STREAMS.get(handle)
+    if stream is None:
+        stream = _CORE_STREAMS[handle] = _core.Stream.from_handle(handle)
+    return stream
+
+
+def _flat_args(tensors: list[Arg]) -> list[Any]:
+    """The kernel parameters Numba passes for these arguments (contiguous tensors, int64s)."""
+    flat: list[Any] = []
+    for a in tensors:
+        if isinstance(a, torch.Tensor):
+            size = a.element_size()
+            flat += [0, 0, a.numel(), size, a.data_ptr(), *a.shape]  # meminfo, parent, ...
+            flat += [stride * size for stride in a.stride()]
+        else:
+            flat.append(ctypes.c_int64(a))
+    return flat
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,15 +204,13 @@ def dedup_rows(
     """CUDA form of :func:`recpipe.kernels.dedup_rows`."""
     device = offsets[0].device
     num_rows = offsets[0].shape[0] - 1
-    stream = torch_stream(device)
     threads = _threads()
     blocks = _blocks(num_rows, threads)
     h1 = torch.full((num_rows,), BASIS_A, dtype=torch.int64, device=device)
     h2 = torch.full((num_rows,), BASIS_B, dtype=torch.int64, device=device)
-    dev_h1, dev_h2 = as_device_array(h1), as_device_array(h2)
-    dev_keys = [(as_device_array(v), as_device_array(o)) for v, o in zip(values, offsets)]
-    for dev_values, dev_offsets in dev_keys:  # loops over keys, not rows
-        _hash_rows[blocks, threads, stream](dev_values, dev_offsets, dev_h1, dev_h2)
+    keys = [(v.contiguous(), o.contiguous()) for v, o in zip(values, offsets)]
+    for key_values, key_offsets in keys:  # loops over keys, not rows
+        launch(_hash_rows, blocks, threads, device, key_values, key_offsets, h1, h2)
     hashes = ((h1 << 31) | h2) & hash_mask
     sorted_hashes, perm = torch.sort(hashes, stable=True)
     positions = torch.arange(num_rows, device=device)
@@ -147,17 +218,12 @@ def dedup_rows(
     boundary[1:] = sorted_hashes[1:] != sorted_hashes[:-1]
     run_start = torch.where(boundary, positions, 0).cummax(0).values
     rep = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    dev_perm, dev_run_start = as_device_array(perm), as_device_array(run_start)
-    for dev_values, dev_offsets in dev_keys:
+    for key_values, key_offsets in keys:
         prev_rep, rep = rep, torch.empty_like(rep)
-        _resolve[blocks, threads, stream](
-            dev_values,
-            dev_offsets,
-            dev_perm,
-            dev_run_start,
-            as_device_array(prev_rep),
-            as_device_array(rep),
-        )
+        launch(
+            _resolve, blocks, threads, device, key_values, key_offsets, perm, run_start,
+            prev_rep, rep,
+        )  # fmt: skip
     is_unique = rep == positions
     unique_rows = torch.nonzero(is_unique).reshape(-1)
     inverse = (torch.cumsum(is_unique, 0) - 1)[rep]
@@ -192,24 +258,17 @@ def partial_dedup(
     """CUDA form of :func:`recpipe.kernels.partial_dedup`."""
     device = values.device
     num_rows = offsets.shape[0] - 1
-    stream = torch_stream(device)
     threads = _threads()
     blocks = _blocks(num_rows, threads)
     appended = torch.empty(num_rows, dtype=torch.int64, device=device)
-    dev_values, dev_offsets = as_device_array(values), as_device_array(offsets)
-    _partial_counts[blocks, threads, stream](dev_values, dev_offsets, as_device_array(appended))
+    values, offsets = values.contiguous(), offsets.contiguous()
+    launch(_partial_counts, blocks, threads, device, values, offsets, appended)
     tails = torch.cumsum(appended, 0)  # end of the packed values after each row
     win_lengths = offsets[1:] - offsets[:-1]
     win_offsets = tails - win_lengths
     packed_len = int(tails[-1]) if num_rows else 0
     packed = torch.empty(packed_len, dtype=values.dtype, device=device)
-    _partial_fill[blocks, threads, stream](
-        dev_values,
-        dev_offsets,
-        as_device_array(appended),
-        as_device_array(tails),
-        as_device_array(packed),
-    )
+    launch(_partial_fill, blocks, threads, device, values, offsets, appended, tails, packed)
     return packed, win_offsets, win_lengths
 
 
@@ -219,7 +278,7 @@ def partial_dedup(
 
 @cuda.jit(cache=True)
 def _select_copy(values, offsets, indices, out_offsets, width, out):
-    """One block per output row (grid-stride), its threads over the row's elements."""
+    """One block per output row (grid-stride), its threads over the row's words."""
     for m in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
         src = offsets[indices[m]] * width
         dst = out_offsets[m] * width
@@ -247,24 +306,47 @@ def _out_offsets(offsets: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return out_offsets
 
 
+def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``tensor``'s bytes as a flat integer tensor and the number of its elements per row.
+
+    8-byte words where every row is a whole number of them (so each thread of the select moves
+    8 bytes), else elements of the tensor's own width.
+    """
+    flat = as_bits(tensor).reshape(-1)
+    size = flat.element_size()
+    row_bytes = row_width(tensor) * size
+    if size < 8 and row_bytes % 8 == 0 and flat.storage_offset() * size % 8 == 0:
+        return flat.view(torch.int64), row_bytes // 8
+    return flat, row_bytes // size
+
+
 def jagged_index_select(
     values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA form of :func:`recpipe.kernels.jagged_index_select` (indices are not range-checked)."""
+    """CUDA form of :func:`recpipe.kernels.jagged_index_select` (indices are not range-checked).
+
+    The output's size is the one value read back from the device.
+    """
     device = values.device
     out_offsets = _out_offsets(offsets, indices)
     total = int(out_offsets[-1])
     out = torch.empty((total, *values.shape[1:]), dtype=values.dtype, device=device)
     if total == 0:
         return out, out_offsets
-    threads = _threads()
-    _select_copy[min(indices.shape[0], 65535), threads, torch_stream(device)](
-        as_device_array(as_bits(values).reshape(-1)),
-        as_device_array(offsets),
-        as_device_array(indices),
-        as_device_array(out_offsets),
-        row_width(values),
-        as_device_array(as_bits(out).reshape(-1)),
+    src_words, width = _words(values.detach())
+    out_words, _ = _words(out)
+    blocks = min(indices.shape[0], 65535)
+    launch(
+        _select_copy,
+        blocks,
+        _threads(),
+        device,
+        src_words,
+        offsets,
+        indices,
+        out_offsets,
+        width,
+        out_words,
     )
     return out, out_offsets
 
@@ -276,18 +358,27 @@ def jagged_index_add(
     indices: torch.Tensor,
     num_src_values: int,
 ) -> torch.Tensor:
-    """CUDA form of :func:`recpipe.kernels.jagged_index_add` (atomic adds, float32 for halves)."""
+    """CUDA form of :func:`recpipe.kernels.jagged_index_add` (atomic adds, float32 for halves).
+
+    Every size is known on the host: nothing is read back from the device.
+    """
     device = grad_values.device
     acc_dtype = compute_dtype(grad_values.dtype)
     out = torch.zeros((num_src_values, *grad_values.shape[1:]), dtype=acc_dtype, device=device)
     if grad_values.numel() and indices.shape[0]:
-        _index_add[min(indices.shape[0], 65535), _threads(), torch_stream(device)](
-            as_device_array(grad_values.to(acc_dtype).reshape(-1)),
-            as_device_array(out_offsets),
-            as_device_array(src_offsets),
-            as_device_array(indices),
+        grad = grad_values.detach().to(acc_dtype).reshape(-1)
+        blocks = min(indices.shape[0], 65535)
+        launch(
+            _index_add,
+            blocks,
+            _threads(),
+            device,
+            grad,
+            out_offsets,
+            src_offsets,
+            indices,
             row_width(grad_values),
-            as_device_array(out.reshape(-1)),
+            out.reshape(-1),
         )
     return out.to(grad_values.dtype)
 
@@ -358,13 +449,10 @@ def segment_reduce(
     cells = num_rows * width
     if cells:
         threads = _threads()
-        _segment_reduce[_blocks(cells, threads), threads, torch_stream(device)](
-            as_device_array(values2d),
-            as_device_array(offsets),
-            _MODE_CODES[mode],
-            as_device_array(out),
-            as_device_array(argmax),
-        )
+        launch(
+            _segment_reduce, _blocks(cells, threads), threads, device, values2d, offsets,
+            _MODE_CODES[mode], out, argmax,
+        )  # fmt: skip
     out = out.reshape(num_rows, *values.shape[1:]).to(values.dtype)
     return out, argmax if mode == "max" else None
 
@@ -389,11 +477,8 @@ def segment_reduce_backward(
     cells = num_rows * width
     if cells:
         threads = _threads()
-        _segment_reduce_backward[_blocks(cells, threads), threads, torch_stream(device)](
-            as_device_array(grad2d),
-            as_device_array(offsets),
-            _MODE_CODES[mode],
-            as_device_array(argmax),
-            as_device_array(grad_values),
-        )
+        launch(
+            _segment_reduce_backward, _blocks(cells, threads), threads, device, grad2d, offsets,
+            _MODE_CODES[mode], argmax, grad_values,
+        )  # fmt: skip
     return grad_values.reshape(num_values, *grad_out.shape[1:]).to(grad_out.dtype)

@@ -57,6 +57,8 @@ def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
     # the sweep repeats the section at each size asked for
     assert [point["rows"] for point in result["gpu_sweep"]] == [32, 48]
     assert all(point["jagged_index_select_ms"] > 0 for point in result["gpu_sweep"])
+    for name in ("dispatcher_launch", "direct_launch"):  # the host cost of an empty launch
+        assert gpu[f"{name}_ms"] > 0
     assert gpu["simulated"] and gpu["rows"] == 64 and 0 < gpu["unique_rows"] < 64
     for name in ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows"):
         assert gpu[f"{name}_ms"] > 0 and gpu[f"{name}_gbps"] > 0

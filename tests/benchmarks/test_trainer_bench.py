@@ -20,6 +20,9 @@ def test_help(capsys):
         assert word in out
     args = bench.parse_args([])
     assert (args.requests, args.batch_size) == (200_000, 4096)
+    assert bench.parse_args(["--workers", "0,4,8"]).workers == (0, 4, 8)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workers", "two"])
 
 
 @pytest.mark.slow
@@ -31,6 +34,7 @@ def test_tiny_run_writes_results(tmp_path, capsys):
     argv = [
         "--requests", "4000", "--batch-size", "256", "--steps", "1", "--ebc-batches", "2",
         "--num-embeddings", "1000", "--work", str(tmp_path / "work"), "--out", str(out),
+        "--end-to-end", "--workers", "0,1", "--rounds", "1",
     ]  # fmt: skip
     assert bench.main(argv) == 0
     results = json.loads(out.read_text())
@@ -46,4 +50,11 @@ def test_tiny_run_writes_results(tmp_path, capsys):
         spread = results[f"{key}_spread"]  # paired per-step ratios, CPU (headline) and wall
         assert spread["headline"] == "cpu" and results[key] == spread["cpu"]["median"], key
         assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] >= 1, key
+    assert [p["workers"] for p in results["end_to_end"]] == [0, 1]
+    for point in results["end_to_end"]:  # fed by the readers / preloaded, one round each
+        assert point["vs_model_only"] > 0 and point["vs_model_only_spread"]["values"]
+    assert results["end_to_end_workers"] in (0, 1)
+    assert results["end_to_end_vs_model_only"] == max(
+        p["vs_model_only"] for p in results["end_to_end"]
+    )
     assert "wall-time ratio" in load_benchmark("report").render({"trainer": results})

@@ -181,3 +181,21 @@ def test_cuda_forms_refuse_cpu_tensors_without_simulator(monkeypatch):
     monkeypatch.setattr(cuda, "is_simulator", lambda: False)
     with pytest.raises(DependencyError, match="the CUDA kernels need CUDA tensors"):
         cuda.as_device_array(torch.zeros(2))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (the simulator has no compiled kernels)"
+)
+def test_kernels_launch_without_numbas_dispatcher_on_a_gpu():
+    """On a GPU every CUDA form launches its compiled kernel directly (the fallback through the
+    dispatcher is for other numba-cuda versions), and the result is still the reference's."""
+    from recpipe.kernels import cuda as kc
+
+    values = torch.randn(7, 3, device="cuda")
+    offsets = torch.tensor([0, 2, 2, 7], device="cuda")
+    indices = torch.tensor([2, 0, 2, 1], device="cuda")
+    out, out_offsets = jagged_index_select(values, offsets, indices)
+    want, want_offsets = cpu.jagged_index_select(values.cpu(), offsets.cpu(), indices.cpu())
+    assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
+    compiled = {key[0]: kernel for key, kernel in kc._DIRECT.items()}
+    assert compiled.get(kc._select_copy) is not None
