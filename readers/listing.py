@@ -182,12 +182,12 @@ def list_files(source: PathLike | Sequence[PathLike]) -> DatasetFiles:
         elif path.is_dir():
             found = _files_under(path)
             located = manifests.around(Path(os.path.abspath(path)))
-            if located is not None:
-                for missing in _missing(path, *located):
-                    problems.setdefault((missing.root, missing.path), missing)
-            elif not found:
+            missing = [] if located is None else _missing(path, *located)
+            if not found and not missing:
                 msg = f"`source` directory {text!r} holds no Parquet file"
                 raise DataError(msg)
+            for m in missing:
+                problems.setdefault((m.root, m.path), m)
             files.update(found)
         elif path.is_file():
             files.add(path)

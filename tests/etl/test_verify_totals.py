@@ -58,6 +58,29 @@ def test_a_fresh_build_verifies(dataset, capsys):
     assert code == 0, out
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"order": "time", "max_file_bytes": 40_000},  # sessions cut across files
+        {"sample_sessions": 0.5},
+        {"partition_by": "hour", "max_file_bytes": 30_000},
+        {"engine": "polars", "max_file_bytes": 40_000},
+        {"sample_sessions": 1e-9},  # no rows out: no part files
+    ],
+    ids=["time", "sampled", "hour", "polars", "empty"],
+)
+def test_every_kind_of_build_verifies(built, tmp_path, options):
+    """The totals hold for every build option that changes them (no false alarm)."""
+    from etl.build import BuildConfig, build
+
+    raw, out = built.parent / "raw", tmp_path / "out"
+    config = BuildConfig(row_group_size=200, **options)
+    build([raw / "features"], out, events=[raw / "events"], config=config)
+    report = verify_dataset(out)
+    assert report.ok, report.format()
+    assert (report.files == 0) == (options.get("sample_sessions") == 1e-9)
+
+
 @pytest.mark.parametrize("pages", [True, False])
 def test_a_file_removed_with_its_entry_fails(dataset, capsys, pages):
     manifest = manifest_of(dataset)

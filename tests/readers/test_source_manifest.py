@@ -239,3 +239,27 @@ def test_a_modified_or_removed_file_during_a_read_is_an_error(sealed, tiny_schem
     os.unlink(last.path)
     with pytest.raises(FileChangedError, match=rf"{Path(last.path).name}: changed since .*removed"):
         source.read_split(last)
+
+
+def test_etl_build_overwrite_during_a_run_is_an_error(tmp_path):
+    """The issue's case: the same logs rebuilt without events (every label 0, the same files
+    and row groups) while a loader reads the dataset."""
+    from etl.build import BuildConfig, build
+    from etl.synth import SynthConfig, generate
+
+    logs = generate(tmp_path / "raw", SynthConfig(num_requests=1_200, seed=2))
+    out = tmp_path / "ds"
+    config = BuildConfig(row_group_size=100)
+    build(logs.features, out, events=logs.events, config=config)
+    loader = make_dataloader(out, config=ReaderConfig(batch_size=64))
+    batches = iter(loader)
+    assert float(next(batches).labels.sum()) > 0
+    before = json.loads((out / "_manifest.json").read_text())["files"]
+    build(logs.features, out, config=config, overwrite=True)
+    after = json.loads((out / "_manifest.json").read_text())["files"]
+    assert [(f["path"], f["rows"], f["row_groups"]) for f in after] == [
+        (f["path"], f["rows"], f["row_groups"]) for f in before
+    ]
+    with pytest.raises(FileChangedError, match=r"part-00000\.parquet: changed since .*replaced"):
+        for _ in batches:
+            pass
