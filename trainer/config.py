@@ -6,7 +6,9 @@ generates its options from them (:mod:`recpipe.config_cli`) without importing to
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -181,7 +183,10 @@ class TrainConfig:
         device: cpu, cuda or cuda:N.
         checkpoint: write checkpoints into this directory (default: none).
         checkpoint_every: also checkpoint every N steps (0: only at the end).
-        resume: continue from the checkpoint in ``checkpoint``.
+        resume: continue from the checkpoint in ``checkpoint`` (it must hold one, written with
+            the same model, optimizer, store, seed, held-out split, batch size and dataset).
+        overwrite: replace the checkpoint ``checkpoint`` already holds (without it, or
+            ``resume``, a run refuses a directory holding one).
         service: HOST:PORT of ``recpipe serve`` to read the training part and the held-out
             part from (it must make batches of ``batch_size`` rows).
         store: embedding tables as parameters (module) or in the hybrid embedding store
@@ -215,6 +220,7 @@ class TrainConfig:
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     service: str | None = None
     store: Literal["module", "hybrid"] = "module"
     seed: int = 0
@@ -251,14 +257,26 @@ class TrainConfig:
         if self.store not in ("module", "hybrid"):
             msg = f"`store` must be 'module' or 'hybrid', got {self.store!r}"
             raise RecpipeError(msg)
+        if self.lr is not None and (
+            isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not self.lr > 0
+            or not math.isfinite(self.lr)
+        ):  # fmt: skip
+            msg = f"`lr` must be a finite number > 0, got {self.lr!r}"
+            raise RecpipeError(msg)
         if self.resume and self.checkpoint is None:
             msg = "`resume` needs a `checkpoint` directory"
             raise RecpipeError(msg)
+        if self.overwrite and self.checkpoint is None:
+            msg = (
+                "`overwrite` needs a `checkpoint` directory (the one whose checkpoint it replaces)"
+            )
+            raise RecpipeError(msg)
+        if self.overwrite and self.resume:
+            msg = "give `resume` or `overwrite`, not both: continue the checkpoint or replace it"
+            raise RecpipeError(msg)
         if self.metrics is not None:
             metrics_format(self.metrics)
-        if self.device.startswith("cuda") and not _cuda_available():
-            msg = f"`device` is {self.device!r} but CUDA is not available here"
-            raise RecpipeError(msg)
+        _check_device(self.device)
 
 
 def metrics_format(path: str | os.PathLike[str]) -> str:
@@ -277,7 +295,20 @@ def metrics_format(path: str | os.PathLike[str]) -> str:
     return suffix[1:]
 
 
-def _cuda_available() -> bool:
+def _check_device(device: object) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has."""
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device) if isinstance(device, str) else None
+    if match is None:
+        msg = f"`device` must be cpu, cuda or cuda:N, got {device!r}"
+        raise RecpipeError(msg)
+    if device == "cpu":
+        return
     import torch  # only for a CUDA device: parsing options must not import torch
 
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        msg = f"`device` is {device!r} but CUDA is not available here"
+        raise RecpipeError(msg)
+    index = match.group(1)
+    if index is not None and int(index) >= torch.cuda.device_count():
+        msg = f"`device` is {device!r} but this machine has {torch.cuda.device_count()} GPU(s)"
+        raise RecpipeError(msg)

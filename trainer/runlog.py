@@ -120,16 +120,23 @@ class RunLog:
         self.factors: list[float] = []  # dedup factor of each batch trained on here
         self.resumed_from: int | None = None
         self.sinks: list[Any] = []
+        self.dataset_id: str | None = None  # read from the manifest at the first checkpoint
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The history a checkpoint keeps (losses, samples, evaluations) and the run's config."""
+        """The history a checkpoint keeps (losses, samples, evaluations), the run's config and
+        its dataset's identity (:func:`trainer.checkpoint.dataset_identity`)."""
+        from trainer.checkpoint import dataset_identity
+
+        if self.dataset_id is None:
+            self.dataset_id = dataset_identity(self.config.dataset) or ""
         return {
             "losses": self.losses,
             "samples": self.samples,
             "evals": [(s, asdict(e)) for s, e in self.evals],
             "config": {k: v for k, v in asdict(self.config).items() if k != "model"},
             "model_config": asdict(self.config.model),
+            "dataset_id": self.dataset_id or None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, step: int) -> None:

@@ -16,7 +16,7 @@ resuming from it continues exactly as if training had not stopped.
 from __future__ import annotations
 
 import logging
-import shutil
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -32,7 +32,9 @@ from readers.holdout import Holdout, holdout_splits
 from readers.service.client import ServiceStream
 from recpipe.errors import DataError, RecpipeError
 from trainer.checkpoint import (
+    check_resume,
     checkpoint_file,
+    claim_checkpoint,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -237,8 +239,11 @@ class _Run:
         self.config, self.progress, self.log = config, progress, log
         self.schema: DatasetSchema = read_schema(config)
         self.device = torch.device(config.device)
-        # read before the stores open: they reopen at the step of the dense checkpoint
+        # read (and checked to be this run's) before the stores open: they reopen at the step
+        # of the dense checkpoint
         self.resume_state = self._read_checkpoint() if config.resume else None
+        if self.resume_state is not None:
+            check_resume(self.resume_state, config, path=self.checkpoint_path)
         table_factory = None
         self.stores: list[Any] = []
         if config.store == "hybrid":
@@ -340,9 +345,7 @@ class _Run:
                 st = StoreTable.resume(
                     path, table, step=at, lr=lr, device=device, checkpoint=checkpoint
                 )
-            else:
-                if path is not None and path.exists():
-                    shutil.rmtree(path)  # a fresh run replaces an old store
+            else:  # claim_checkpoint removed an old store (--overwrite) or refused the run
                 st = StoreTable.create(
                     path,
                     table,
@@ -368,10 +371,18 @@ class _Run:
             return None
         if self.saved_step == self.trainer.step:  # the last in-loop checkpoint, at the end
             return path
+        self._check_finite()
         # every store commits this step, then the rest is saved: after a crash in between the
         # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
         for store in self.stores:
-            store.checkpoint(self.trainer.step)
+            try:
+                store.checkpoint(self.trainer.step)
+            except OSError as exc:
+                msg = (
+                    f"{store.root}: cannot write the embedding store's checkpoint of step "
+                    f"{self.trainer.step}: {exc.strerror or exc}; the previous checkpoint is kept"
+                )
+                raise RecpipeError(msg) from None
         state = {
             "trainer": self.trainer.state_dict(),
             "reader": self.loader.state_dict(),
@@ -382,6 +393,27 @@ class _Run:
         self.saved_step = self.trainer.step
         _log.debug("checkpoint at step %d: %s", self.trainer.step, path)
         return path
+
+    def _check_finite(self) -> None:
+        """Refuse to save a model with a non-finite parameter (the rows in stores aside)."""
+        for name, param in self.trainer.model.named_parameters():
+            if not bool(torch.isfinite(param).all()):
+                msg = (
+                    f"step {self.trainer.step}: the model's {name} is not finite; it is not "
+                    f"saved{self._lr_hint()}"
+                )
+                raise RecpipeError(msg)
+
+    def _lr_hint(self) -> str:
+        cfg = self.config
+        lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
+        if cfg.checkpoint is None:
+            kept = ""
+        elif self.saved_step is None:
+            kept = "; no checkpoint was written"
+        else:
+            kept = f"; the checkpoint of step {self.saved_step} is kept"
+        return f"{kept}; try a lower `--lr` (it is {lr:g})"
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         """The saved training state, or ``None`` when there is no checkpoint file yet."""
@@ -434,7 +466,7 @@ class _Run:
             self.eval_splits,
             "on" if cfg.dedup else "off",
         )
-        bar = tqdm(
+        self.bar = bar = tqdm(
             total=self._planned_steps(target_steps, target_epochs),
             initial=start_step,
             unit="step",
@@ -455,7 +487,13 @@ class _Run:
                 for batch in self.loader:
                     empty_passes = 0
                     loss, logits = self.trainer.train_step(batch)
-                    log.losses.append(float(loss))
+                    if not math.isfinite(value := float(loss)):
+                        msg = (
+                            f"step {self.trainer.step}: the training loss is {value}; training "
+                            f"stopped{self._lr_hint()}"
+                        )
+                        raise RecpipeError(msg)
+                    log.losses.append(value)
                     log.add_batch(batch, logits, samples=batch.batch_size)
                     step = self.trainer.step
                     bar.update(1)
@@ -492,15 +530,26 @@ class _Run:
             if not log.evaluated_at(self.trainer.step):
                 self._evaluate(self.trainer.step)
             path = self.save()
-        finally:
-            bar.close()
-            log.close()
-            for store in self.stores:
-                store.close()
+        except BaseException:
+            self._close(failing=True)
+            raise
+        self._close(failing=False)
         return log.result(
             steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,
             train_splits=self.train_splits, eval_splits=self.eval_splits,
         )  # fmt: skip
+
+    def _close(self, *, failing: bool) -> None:
+        """Close the progress bar, the metrics and the stores; when the run is already failing,
+        an error closing them is logged, not raised over the first one."""
+        closers = [self.bar.close, self.log_.close, *(s.close for s in self.stores)]
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                if not failing:
+                    raise
+                _log.debug("closing after the error above failed too", exc_info=True)
 
     def _finished(self, target_steps: int | None, target_epochs: int | None) -> bool:
         if target_steps is not None:
@@ -525,4 +574,5 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
     Returns:
         The run's :class:`TrainResult`; :func:`trainer.runlog.format_summary` renders it.
     """
-    return _Run(config, progress=progress, log=log or sys.stderr).run()
+    with claim_checkpoint(config.checkpoint, resume=config.resume, overwrite=config.overwrite):
+        return _Run(config, progress=progress, log=log or sys.stderr).run()

@@ -131,9 +131,10 @@ def test_hybrid_resume_after_a_crash_between_the_stores_and_the_state_file(
     assert resumed.resumed_from == 2 and resumed.losses == full.losses
 
 
-def test_hybrid_resume_without_a_state_file_starts_afresh(dataset, tmp_path, monkeypatch):
+def test_hybrid_resume_without_a_state_file_is_refused(dataset, tmp_path, monkeypatch):
     """The stores committed the first checkpoint, the state file never came: nothing to resume,
-    so the run starts from step 0 with fresh stores (not with the committed rows)."""
+    and resuming says so (it used to start from step 0 and delete the stores); --overwrite
+    starts from step 0 with fresh stores (not with the committed rows)."""
     import trainer.train as train_module
 
     kw = {"store": "hybrid", "batch_size": 256, "eval_batches": 1, "checkpoint_every": 2}
@@ -142,10 +143,16 @@ def test_hybrid_resume_without_a_state_file_starts_afresh(dataset, tmp_path, mon
     with pytest.raises(_Crash):
         train(_config(dataset, tmp_path / "crash", steps=3, **kw), progress=False)
     monkeypatch.undo()
-    resumed = train(
-        _config(dataset, tmp_path / "crash", steps=3, resume=True, **kw), progress=False
+    refused = (
+        r"`--resume`: '.*crash' holds no checkpoint \(checkpoint.pt is missing; store/ is left"
     )
-    assert resumed.resumed_from is None and resumed.losses == full.losses
+    with pytest.raises(RecpipeError, match=refused):
+        train(_config(dataset, tmp_path / "crash", steps=3, resume=True, **kw), progress=False)
+    assert (tmp_path / "crash" / "store" / "item_id" / "CURRENT").exists()  # nothing deleted
+    again = train(
+        _config(dataset, tmp_path / "crash", steps=3, overwrite=True, **kw), progress=False
+    )
+    assert again.resumed_from is None and again.losses == full.losses
 
 
 @pytest.mark.slow
