@@ -52,7 +52,7 @@ from readers.groups import DedupGroups, resolve_dedup_groups
 from readers.pipeline import Pipeline, PipelineSource
 from readers.source import DatasetSource, ReaderConfig, SourcePosition, plan_splits
 from readers.transforms import Transform
-from recpipe.errors import DataError
+from recpipe.errors import DataError, RecpipeError
 
 if TYPE_CHECKING:
     from readers.holdout import Holdout
@@ -504,15 +504,21 @@ class StatefulLoader:
                          world_size=dataset.world_size)  # fmt: skip
             self._positions = _positions_of(dataset._resume)
         skipped: dict[int, int] = {}
-        for batch, pos in self.loader:
-            skipped[pos.worker_id] = pos.skipped
-            self.skipped_splits = sum(skipped.values())
-            if batch is None:  # the worker finished
-                continue
-            self._positions[pos.worker_id] = pos
-            self.rows_delivered += pos.rows
-            self.batches_delivered += 1
-            yield batch
+        try:
+            for batch, pos in self.loader:
+                skipped[pos.worker_id] = pos.skipped
+                self.skipped_splits = sum(skipped.values())
+                if batch is None:  # the worker finished
+                    continue
+                self._positions[pos.worker_id] = pos
+                self.rows_delivered += pos.rows
+                self.batches_delivered += 1
+                yield batch
+        except RecpipeError as exc:
+            plain = _from_worker(exc)
+            if plain is exc:
+                raise
+            raise plain from None
         dataset.set_epoch(dataset.epoch + 1)
         self._positions = {}
 
@@ -534,6 +540,26 @@ class StatefulLoader:
                      world_size=self.dataset.world_size)  # fmt: skip
         self.dataset.load_state_dict(state)
         self._positions = _positions_of(state)
+
+
+def _from_worker(exc: RecpipeError) -> RecpipeError:
+    """A recpipe error of a DataLoader worker as the worker raised it.
+
+    torch re-raises a worker's exception as ``type(exc)("Caught ... in DataLoader worker
+    process N.\nOriginal Traceback ...")``: the error's one-line message (naming the file) would
+    reach the user after a traceback. Errors raised in this process are returned as they are.
+    """
+    text = str(exc)
+    if not text.startswith(f"Caught {type(exc).__name__} in DataLoader worker process"):
+        return exc
+    marker = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    at = text.rfind(marker)
+    if at < 0:
+        return exc
+    try:
+        return type(exc)(text[at + len(marker) :].rstrip("\n"))
+    except Exception:  # a subclass with another constructor: keep torch's text
+        return exc
 
 
 def _accelerator_available() -> bool:

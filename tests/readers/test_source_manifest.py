@@ -228,6 +228,19 @@ def test_a_loader_over_a_rebuilt_dataset_stops(sealed, tiny_schema):
             pass
 
 
+def test_a_worker_reports_a_rebuilt_dataset_without_its_traceback(sealed):
+    loader = make_dataloader(sealed, config=ReaderConfig(batch_size=8), num_workers=1, timeout=60)
+    batches = iter(loader)
+    next(batches)
+    rebuild_in_place(sealed)
+    with pytest.raises(FileChangedError) as caught:
+        for _ in batches:
+            pass
+    text = str(caught.value)
+    assert text.startswith(f"{sealed}{os.sep}part-0000") and "changed since" in text
+    assert "Traceback" not in text and "DataLoader worker" not in text
+
+
 def test_a_modified_or_removed_file_during_a_read_is_an_error(sealed, tiny_schema):
     source = DatasetSource(sealed, schema=tiny_schema, config=ReaderConfig(read_ahead=0))
     first, last = source.splits[0], source.splits[-1]
