@@ -57,6 +57,7 @@ def _with_page_checksums(dataset: Path) -> None:
             for group in groups:
                 writer.write_table(group, row_group_size=group.num_rows)
         entry["bytes"], entry["sha256"] = file_sha256(part)
+    manifest["bytes_out"] = sum(entry["bytes"] for entry in manifest["files"])  # its total too
     (dataset / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
