@@ -391,9 +391,12 @@ def _normal(value: Any) -> Any:
     return value
 
 
-def check_resume(state: Mapping[str, Any], config: TrainConfig, *, path: Path) -> None:
+def check_resume(
+    state: Mapping[str, Any], config: TrainConfig, *, path: Path, multi_rank: bool = False
+) -> None:
     """Refuse to resume ``state`` (read from ``path``) with settings or a dataset other than
-    the ones it was trained with.
+    the ones it was trained with. ``multi_rank``: a multi-rank job's checkpoint, whose readers'
+    position any rank reader takes (in-process or from a service, with any ``workers``).
 
     Raises:
         RecpipeError: naming the first setting that differs (as its flag), the checkpoint's
@@ -404,8 +407,10 @@ def check_resume(state: Mapping[str, Any], config: TrainConfig, *, path: Path) -
         msg = f"{path}: records no settings of its run: not a checkpoint of `recpipe train`"
         raise RecpipeError(msg)
     given = asdict(config)
-    pairs = [(name, saved.get(name), given[name]) for name in _SAME_RUN]
-    pairs.append(("service", saved.get("service") is not None, config.service is not None))
+    same = [n for n in _SAME_RUN if not (multi_rank and n == "workers")]
+    pairs = [(name, saved.get(name), given[name]) for name in same]
+    if not multi_rank:
+        pairs.append(("service", saved.get("service") is not None, config.service is not None))
     pairs += [
         (f.name, model.get(f.name), getattr(config.model, f.name))
         for f in fields(ModelConfig)

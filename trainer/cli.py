@@ -8,9 +8,11 @@ Parsing imports nothing heavy; torch and the trainer are imported when the comma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
+from collections.abc import Iterator
 
 from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from trainer.config import ModelConfig, TrainConfig
@@ -81,7 +83,8 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     check_train_outputs(config, json=args.json)
     summary = None
     if distributed.requested(args):
-        ran = distributed.run(args, config)
+        with _claim_for_workers(config, args):
+            ran = distributed.run(args, config)
         if ran is None:  # the launching process, or a rank other than 0
             return 0
         result, summary = ran
@@ -111,6 +114,33 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
             json.dump(doc, fh, indent=2)
     sys.stdout.flush()
     return 0
+
+
+@contextlib.contextmanager
+def _claim_for_workers(config: TrainConfig, args: argparse.Namespace) -> Iterator[None]:
+    """A multi-rank job's ``--checkpoint``, claimed as :func:`trainer.train.train` claims a
+    process's own (:func:`trainer.checkpoint.claim_checkpoint`, and with ``--resume`` the
+    settings compared by :func:`trainer.checkpoint.check_resume`) by the process launching the
+    first node's workers (``--nproc``), which holds the lock until they end. The workers, the
+    launchers of other nodes and a job started by plain torchrun do not claim it."""
+    from trainer.distributed.comm import launched_by_torchrun
+
+    if (
+        config.checkpoint is None
+        or launched_by_torchrun()
+        or distributed.launch_config(args).node_rank != 0
+    ):
+        yield
+        return
+    from trainer.checkpoint import check_resume, checkpoint_file, claim_checkpoint, load_checkpoint
+    from trainer.distributed.run import check_config
+
+    check_config(config)  # refused before an --overwrite removes anything
+    with claim_checkpoint(config.checkpoint, resume=config.resume, overwrite=config.overwrite):
+        if config.resume:
+            path = checkpoint_file(config.checkpoint)
+            check_resume(load_checkpoint(path), config, path=path, multi_rank=True)
+        yield
 
 
 def _num(x: float) -> float | None:

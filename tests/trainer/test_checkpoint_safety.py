@@ -356,3 +356,24 @@ def test_a_nonsense_device_is_a_usage_error(dataset, tmp_path, capsys, device):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert f"error: `--device` must be cpu, cuda or cuda:N, got {device!r}" in err
+
+
+# -- a multi-rank launch -------------------------------------------------------------------
+def test_a_multi_rank_launch_claims_its_checkpoint_before_any_worker(
+    dataset, module_run, tmp_path, capsys
+):
+    """`recpipe train --nproc N` used to replace a checkpoint as one process did; its launcher
+    now checks the directory (and the settings of a resume) before starting a worker."""
+    from recpipe_cli import main
+
+    ck = _copy(module_run, tmp_path / "ck")
+    before = _digests(ck)
+    assert main([*_cli(dataset, ck, "--steps", "3"), "--nproc", "2"]) == 1
+    _one_error_line(capsys, f"`--checkpoint` {str(ck)!r} already holds a checkpoint")
+    assert main([*_cli(dataset, ck, "--steps", "3", "--resume"), "--nproc", "2",
+                 "--embedding-dim", "16"]) == 1  # fmt: skip
+    _one_error_line(capsys, "`--embedding-dim`: the checkpoint", "was trained with 8")
+    with claim_checkpoint(ck, resume=True, overwrite=False):
+        assert main([*_cli(dataset, ck, "--steps", "3", "--resume"), "--nproc", "2"]) == 1
+        _one_error_line(capsys, f"{ck} is in use by pid {os.getpid()}")
+    assert _digests(ck) == before
