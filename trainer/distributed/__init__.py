@@ -8,6 +8,7 @@ moves the data (gloo on CPU, NCCL on CUDA).
 * :mod:`trainer.distributed.dense`: DDP with summed gradients, batch norm over the global batch.
 * :mod:`trainer.distributed.trainer`: one rank's model, optimizers and step.
 * :mod:`trainer.distributed.batches`: global batches in one process (the reference).
+* :mod:`trainer.distributed.settings`: the ranks' settings and dataset, compared at start-up.
 
 See ``docs/distributed.md`` for the protocol and the checkpoint layout. Importing this package
 does not import torch.

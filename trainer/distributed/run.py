@@ -5,7 +5,9 @@
     sessions -> train | held out (by session hash, as in one process)
     train -> RankBatchDataset, or ServiceRankDataset (one client of `recpipe serve` per rank):
              one global stream, an equal range per rank -> DistributedTrainer
-    start-up: fit the cost model on the job's group (collectives timed at several sizes)
+    start-up: every rank's settings and dataset compared (one digest each: refused, naming the
+    setting, where they differ); fit the cost model on the job's group (collectives timed at
+    several sizes)
     first --count-steps steps: count accesses; then choose R (cost model or --hot-rows) and
     reshard; every --checkpoint-every steps and at the end: a collective checkpoint
     at the end (and every --eval-every steps): loss and AUC on the held-out rows of all ranks
@@ -34,6 +36,7 @@ from trainer.distributed.comm import Comm
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
 from trainer.distributed.exchange import ExchangeStats
+from trainer.distributed.settings import check_same_settings, job_settings
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.metrics import peak_memory_bytes
 from trainer.runlog import RunLog, TrainResult, run_targets
@@ -461,8 +464,13 @@ def train_rank(
     Returns:
         The run (losses of the global batches, the same on every rank) and the exchange's
         summary (every rank's counters summed).
+
+    Raises:
+        DistributedError: the ranks were started with different settings or datasets
+            (:mod:`trainer.distributed.settings`, checked first), or a peer failed.
     """
     del log
+    check_same_settings(comm, job_settings(config, options))  # before any other collective
     run = _RankRun(config, options, comm, progress=progress)
     result = run.run()
     return result, run.summary

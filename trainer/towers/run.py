@@ -23,6 +23,7 @@ import torch
 from recpipe.errors import RecpipeError
 from trainer.config import ModelConfig, TrainConfig
 from trainer.distributed.comm import Comm
+from trainer.distributed.settings import check_same_settings, job_settings
 from trainer.metrics import PredictionWindow, peak_memory_bytes
 from trainer.runlog import TrainResult, batch_dedup_factor
 from trainer.towers.config import PartitionConfig, TowerPlan, TowersConfig, load_plan
@@ -349,5 +350,8 @@ def train_towers(
     Returns:
         The run (the losses of the global batches) and what the towers moved and computed.
     """
-    run = _Run(config, options, comm or Comm.single(config.device), progress=progress)
+    comm = comm or Comm.single(config.device)
+    if comm.world_size > 1:  # before any other collective
+        check_same_settings(comm, job_settings(config, options, towers=options.towers))
+    run = _Run(config, options, comm, progress=progress)
     return run.run()
