@@ -383,10 +383,11 @@ def peak_bandwidth_gbps() -> float | None:
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
-def _device_timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
-    """Median seconds per call: CUDA events on a GPU, ``perf_counter`` in the simulator."""
+def _device_timer(device: torch.device) -> Callable[[Callable[[], Any], int], list[float]]:
+    """Seconds of each of ``repeats`` calls: CUDA events on a GPU, ``perf_counter`` in the
+    simulator."""
 
-    def timed(fn: Callable[[], Any], repeats: int) -> float:
+    def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
         fn()  # warm-up: compilation and the caching allocator
         times = []
         for _ in range(repeats):
@@ -405,7 +406,7 @@ def _device_timer(device: torch.device) -> Callable[[Callable[[], Any], int], fl
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return times
 
     return timed
 
@@ -480,19 +481,30 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
         "rows": rows_b,
         "unique_rows": rows_u,
     }
+    times: dict[str, list[float]] = {}
     for name, (fn, nbytes) in cases.items():
-        seconds = timed(fn, repeats)
+        times[name] = timed(fn, repeats)
+        seconds = statistics.median(times[name])
         gbps = nbytes / seconds / 1e9
         result[f"{name}_bytes"] = nbytes
         result[f"{name}_ms"] = seconds * 1e3
         result[f"{name}_gbps"] = gbps
         result[f"{name}_share_of_peak"] = gbps / peak if peak else None
     for name, fn in _noop_launches(kc, [ids, offsets_b, inverse, emb]).items():
-        result[f"{name}_ms"] = timed(fn, repeats) * 1e3
+        result[f"{name}_ms"] = statistics.median(timed(fn, repeats)) * 1e3
     copy_gbps = result["torch_copy_gbps"]
-    for name in cases:
+    copy_bytes = cases["torch_copy"][1]
+    for name, (_, nbytes) in cases.items():
         if name != "torch_copy":
             result[f"{name}_vs_torch_copy"] = result[f"{name}_gbps"] / copy_gbps
+            # repeat i of the kernel against repeat i of the copy: rate over rate
+            ratios = sorted(
+                (nbytes / t) / (copy_bytes / c) for t, c in zip(times[name], times["torch_copy"])
+            )
+            result[f"{name}_vs_torch_copy_spread"] = {
+                "min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1],
+                "repeats": len(ratios),
+            }  # fmt: skip
     return result
 
 
@@ -630,6 +642,13 @@ def main(argv: list[str] | None = None) -> int:
                 run_gpu(argparse.Namespace(**{**vars(args), "rows": rows}), simulate=simulate)
                 for rows in args.gpu_rows
             ]
+            # each kernel's rate / a copy's, by batch rows (the report's per-size rows)
+            result["gpu_sweep_vs_torch_copy"] = {
+                str(point["rows"]): {
+                    name: point[f"{name}_vs_torch_copy_spread"] for name in _GPU_CASES
+                }
+                for point in result["gpu_sweep"]
+            }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

@@ -473,6 +473,16 @@ def _gpu_kernel_row(name: str, what: str, *, bandwidth_target: bool = True) -> R
     )
 
 
+def _gpu_vs_copy_row(name: str, rows: int) -> Row:
+    """A kernel's rate over a device copy's at one batch size of the sweep (target 0.5)."""
+    return Row(
+        f"`{name}_vs_torch_copy` at {num(rows)} rows (`gpu_sweep`: its rate / a copy's)",
+        f"gpu_sweep_vs_torch_copy.{rows}.{name}",
+        lambda d: "{v}",
+        target=Target(">=", 0.5),
+    )
+
+
 KERNELS_GPU = Table(
     "kernels_gpu",
     _kernels_gpu_title,
@@ -481,6 +491,15 @@ KERNELS_GPU = Table(
         _gpu_kernel_row("jagged_index_add", "its backward, atomic adds"),
         _gpu_kernel_row("segment_reduce_sum", "pool each unique row's list"),
         _gpu_kernel_row("dedup_rows", "hash, sort, verify", bandwidth_target=False),
+        _gpu_vs_copy_row("jagged_index_select", 16384),
+        _gpu_vs_copy_row("jagged_index_add", 16384),
+        Row(
+            "host cost of one kernel launch: as the CUDA forms launch / through Numba's dispatcher",
+            "gpu.direct_launch_ms",
+            lambda d: f"{{v}} / {d['gpu']['dispatcher_launch_ms']:.3f} ms (an empty kernel)",
+            fmt=lambda v: f"{v:.3f}",
+            reference="report",
+        ),
         Row(
             "`gpu_sweep` (`--gpu-rows`): share of peak by batch rows, select / add / reduce / copy",
             None,
@@ -497,8 +516,8 @@ KERNELS_GPU = Table(
     ],
     notes=lambda d: (
         "Each call is timed whole, so at this size the figures include the host-side cost of "
-        "a call (launch, argument conversion, the sync for the output size), which this file "
-        f"does not separate; a copy of the same bytes takes {d['gpu']['torch_copy_ms']:.3f} ms. "
+        "a call (the launches, the select's sync for its output size); a copy of the same "
+        f"bytes takes {d['gpu']['torch_copy_ms']:.3f} ms. "
         "`--gpu-rows` times the section at larger batches (the `gpu_sweep` row). The CPU "
         "figures in this file come from that machine's cores and are not shown."
     ),
@@ -508,7 +527,9 @@ KERNELS_GPU = Table(
 def _trainer_gpu_title(d: Results) -> str:
     return (
         f"**Trainer on a GPU** (`benchmarks/trainer.py --device cuda`, same model as above, "
-        f"B={num(d['batch_size'])}, {d['timed_steps']} alternated steps, wall time; run on "
+        f"B={num(d['batch_size'])}, {d['timed_steps']} alternated steps, wall time, "
+        f"{'sparse' if d['model'].get('sparse_grad', True) else 'dense'} embedding gradients; "
+        "run on "
         f"{d.get('device_name', 'the GPU of the table above')}). "
         "`benchmarks/results/trainer_gpu.json`:"
     )
@@ -527,6 +548,19 @@ TRAINER_GPU = Table(
             ),
             target=Target(">=", 2.5),
             reference="RecD 2.48x",
+        ),
+        Row(
+            "`end_to_end_vs_model_only` (samples/s fed by the readers' DataLoader workers, "
+            "pinned and copied non-blocking / on batches already on the device)",
+            "end_to_end_vs_model_only",
+            lambda d: (
+                f"{{v}} with {d['end_to_end_workers']} workers ("
+                + "; ".join(
+                    f"{p['workers']} workers {x(p['vs_model_only'])}" for p in d["end_to_end"]
+                )
+                + ")"
+            ),
+            target=Target(">=", 0.9),
         ),
         Row(
             "`activation_memory_ratio` on the GPU (embedding + attention activations, off / on)",

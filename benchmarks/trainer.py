@@ -298,6 +298,9 @@ def measure_end_to_end(
     best = max(out["end_to_end"], key=lambda point: point["vs_model_only"])
     reached = [p for p in out["end_to_end"] if p["vs_model_only"] >= 0.9]
     out["end_to_end_vs_model_only"] = best["vs_model_only"]
+    out["end_to_end_vs_model_only_spread"] = {
+        **best["vs_model_only_spread"], "median": best["vs_model_only"], "repeats": args.rounds,
+    }  # fmt: skip
     out["end_to_end_workers"] = best["workers"]
     out["end_to_end_workers_for_0_9"] = min(p["workers"] for p in reached) if reached else None
     return out

@@ -62,8 +62,10 @@ def is_simulator() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
-def _threads() -> int:
-    return 32 if is_simulator() else 256
+def _threads(gpu: int = 256) -> int:
+    """Threads per block: ``gpu`` on a device, one warp in the simulator (it runs threads as
+    Python)."""
+    return 32 if is_simulator() else gpu
 
 
 def _blocks(n: int, threads: int, cap: int = 65535) -> int:
@@ -276,15 +278,17 @@ def partial_dedup(
 # jagged_index_select / jagged_index_add
 
 
+_WARP = 32
+
+
 @cuda.jit(cache=True)
 def _select_copy(values, offsets, indices, out_offsets, width, out):
-    """One block per output row (grid-stride), its threads over the row's words."""
-    for m in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+    """One warp per output row (grid-stride), its lanes over the row's words."""
+    lane = cuda.threadIdx.x % _WARP
+    for m in range(cuda.grid(1) // _WARP, indices.shape[0], cuda.gridsize(1) // _WARP):
         src = offsets[indices[m]] * width
         dst = out_offsets[m] * width
-        for k in range(
-            cuda.threadIdx.x, (out_offsets[m + 1] - out_offsets[m]) * width, cuda.blockDim.x
-        ):
+        for k in range(lane, (out_offsets[m + 1] - out_offsets[m]) * width, _WARP):
             out[dst + k] = values[src + k]
 
 
@@ -335,19 +339,12 @@ def jagged_index_select(
         return out, out_offsets
     src_words, width = _words(values.detach())
     out_words, _ = _words(out)
-    blocks = min(indices.shape[0], 65535)
+    threads = _threads()
+    blocks = _blocks(indices.shape[0] * _WARP, threads)  # a warp per row
     launch(
-        _select_copy,
-        blocks,
-        _threads(),
-        device,
-        src_words,
-        offsets,
-        indices,
-        out_offsets,
-        width,
+        _select_copy, blocks, threads, device, src_words, offsets, indices, out_offsets, width,
         out_words,
-    )
+    )  # fmt: skip
     return out, out_offsets
 
 
@@ -371,7 +368,7 @@ def jagged_index_add(
         launch(
             _index_add,
             blocks,
-            _threads(),
+            _threads(128),
             device,
             grad,
             out_offsets,
