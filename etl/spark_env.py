@@ -39,6 +39,7 @@ __all__ = [
     "LOCAL_DRIVER_MEMORY",
     "SUPPORTED_JAVA",
     "bundled_java_home",
+    "check_master",
     "file_tasks",
     "java_home",
     "java_version",
@@ -163,6 +164,26 @@ def _driver_memory_set() -> bool:
     return False
 
 
+#: the master URLs Spark 4 knows (``mesos://`` is gone)
+_MASTER = re.compile(
+    r"local(\[(\*|\d+)(,\d+)?\])?|local-cluster\[\d+,\d+,\d+\]|yarn"
+    r"|spark://[^\s/]+(:\d+)?(,[^\s/]+(:\d+)?)*|k8s://\S+"
+)
+
+
+def check_master(master: str | None) -> None:
+    """Refuse a ``master`` that is not a Spark master URL (before a JVM starts).
+
+    Raises:
+        DataError: naming ``--master`` and the value.
+    """
+    if master is not None and not _MASTER.fullmatch(master):
+        raise DataError(
+            "`--master` must be a Spark master URL (local[N], local[*], spark://HOST:PORT, "
+            f"yarn, k8s://HOST:PORT), got {master!r}"
+        )
+
+
 def spark_session(
     *, master: str | None = None, partitions: int | None = None, prefer_bundled: bool = False
 ) -> Any:
@@ -176,6 +197,7 @@ def spark_session(
     Raises:
         RecpipeError: PySpark or a Java runtime is missing.
     """
+    check_master(master)
     optional_import("pyspark", purpose="the Spark engine (`--engine spark`)")
     from pyspark.sql import SparkSession
 
