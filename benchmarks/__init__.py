@@ -3,5 +3,5 @@ from the repository root (``make bench`` runs them all).
 
 Every script measures ratios against a baseline in the same run, alternating the two, and writes
 ``benchmarks/results/NAME.json`` with the spread over repeats; ``python -m benchmarks.report``
-writes the README's tables from those files.
+writes the tables of docs/benchmarks.md from those files.
 """
