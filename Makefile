@@ -80,9 +80,9 @@ stats: setup  ## DuckDB duplication statistics of OUT/dataset
 serve: setup  ## serve OUT/dataset's preprocessed batches over TCP (127.0.0.1; PORT=..., READERS=...)
 	$(RECPIPE) serve $(OUT)/dataset --port $(PORT) --readers $(READERS)
 
-train: setup  ## train the DLRM on OUT/dataset (DEDUP=on|off, EPOCHS=..., BATCH=..., EVAL_FRACTION=...)
+train: setup  ## train the DLRM on OUT/dataset, replacing OUT/checkpoints (DEDUP=on|off, EPOCHS=..., BATCH=..., EVAL_FRACTION=...)
 	$(RECPIPE) train $(OUT)/dataset --dedup $(DEDUP) --epochs $(EPOCHS) --batch-size $(BATCH) \
-	  --eval-fraction $(EVAL_FRACTION) --checkpoint $(OUT)/checkpoints
+	  --eval-fraction $(EVAL_FRACTION) --checkpoint $(OUT)/checkpoints --overwrite
 
 bench: setup  ## run every benchmark (JSON in benchmarks/results/), then write the README's tables from it
 	@for b in $(basename $(notdir $(filter-out benchmarks/report.py,$(wildcard benchmarks/[a-z]*.py)))); do \
