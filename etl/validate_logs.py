@@ -47,6 +47,7 @@ from etl.build._sql import schema_keys
 from etl.build.inputs import InputFile, check_structure, list_inputs, read_lines
 from etl.build.validate import Validator
 from etl.rawio import DEFAULT_MAX_LINE_BYTES
+from recpipe.config_cli import positive_int
 from schemas import DatasetSchema, SparseFeature, default_schema, load_schema
 
 __all__ = ["Finding", "LogReport", "register_cli", "validate_logs"]
@@ -607,7 +608,11 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
     parser.add_argument("inputs", nargs="+", metavar="LOGS", help="feature-log files/dirs/globs")
     parser.add_argument("--schema", type=Path, help="schema TOML (default: the bundled one)")
     parser.add_argument(
-        "--sample", type=int, default=10_000, metavar="N", help="lines to read (default 10000)"
+        "--sample",
+        type=positive_int,
+        default=10_000,
+        metavar="N",
+        help="lines to read (default 10000)",
     )
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -38,6 +38,9 @@ an ``Enum``                ``--name {value,...}``, converted to the member
 a nested dataclass         skipped: list it in ``exclude`` (or call again with its class)
 =========================  ===================================================================
 
+An ``int`` must fit in 64 bits and a ``float`` must not be NaN (NaN passes every range check
+in ``__post_init__``); anything else is the dataclass's to check.
+
 :class:`Option` overrides what a field needs differently (name, metavar, help, choices mapped to
 values, ``type``). The module imports only the standard library and :mod:`recpipe.errors`, so
 every layer (``etl`` included) can use it.
@@ -65,6 +68,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import re
 import sys
 import types
@@ -80,6 +84,9 @@ __all__ = [
     "add_config_options",
     "add_quiet_option",
     "docstring_attributes",
+    "finite_float",
+    "non_negative_int",
+    "positive_int",
 ]
 
 _SECTION = re.compile(r"^(\s*)(Attributes|Args|Arguments|Parameters):\s*$")
@@ -186,8 +193,12 @@ def _is_tuple_of(hint: Any) -> bool:
 
 
 def _scalar_type(hint: Any) -> Callable[[str], Any]:
-    if hint in (int, float, str):
-        return hint
+    if hint is int:
+        return _int
+    if hint is float:
+        return _float
+    if hint is str:
+        return str
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint
     msg = f"no command-line form for the annotation {hint!r}: give an `Option(type=...)`"
@@ -217,6 +228,40 @@ def _converter(hint: Any) -> tuple[Callable[[str], Any], tuple[str, ...] | None,
     return _scalar_type(hint), None, None
 
 
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _int(text: str, *, low: int = _INT64[0], what: str = "") -> int:
+    """An ``int`` field's value: what fits in 64 bits (NumPy, torch and DuckDB take no more),
+    and at least ``low`` (then ``what`` it must be)."""
+    value = _parse(text, int)
+    if value < low:
+        msg = f"must be {what}, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    if value > _INT64[1] or value < _INT64[0]:
+        msg = f"{text!r} does not fit in a 64-bit integer"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _float(text: str, *, finite: bool = False) -> float:
+    """A ``float`` field's value: any number but NaN (which passes every range check), and
+    with ``finite`` not infinite either."""
+    value = _parse(text, float)
+    if math.isnan(value) or (finite and math.isinf(value)):
+        msg = f"must be a {'finite ' if finite else ''}number, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _parse(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        msg = f"invalid {kind.__name__} value: {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def _choice(by_text: Mapping[str, Any]) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         if text not in by_text:
@@ -231,7 +276,7 @@ def _comma_list(item: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
     def convert(text: str) -> tuple[Any, ...]:
         try:
             return tuple(item(part.strip()) for part in text.split(",") if part.strip())
-        except ValueError as exc:
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             msg = f"expected a comma-separated list, got {text!r}: {exc}"
             raise argparse.ArgumentTypeError(msg) from None
 
@@ -256,11 +301,13 @@ class ConfigOptions:
         fields: Sequence[str],
         *,
         prefix: str,
+        flags: Mapping[str, str] | None = None,
     ) -> None:
         self.parser = parser
         self.cls = cls
         self.fields = tuple(fields)
         self.prefix = prefix
+        self.flags = {name: _flag(name) for name in self.fields} | dict(flags or {})
 
     def values(self, args: argparse.Namespace) -> dict[str, Any]:
         """``{field: value}`` of the parsed options."""
@@ -271,16 +318,22 @@ class ConfigOptions:
 
         A :class:`~recpipe.errors.RecpipeError` or ``ValueError`` from the dataclass (its
         ``__post_init__`` checks) becomes ``parser.error``: the usage line and the message,
-        exit status 2.
+        exit status 2, with the fields named as their options (an ``extra`` field too, when
+        the parser has an option of that ``dest``, e.g. one added by hand).
         """
         try:
             return self.cls(**self.values(args), **extra)
         except (RecpipeError, ValueError) as exc:
-            self.parser.error(self._with_flags(str(exc)))
+            by_hand = {
+                action.dest: action.option_strings[-1]
+                for action in self.parser._actions
+                if action.dest in extra and action.option_strings
+            }
+            self.parser.error(self._with_flags(str(exc), by_hand))
 
-    def _with_flags(self, message: str) -> str:
-        for name in self.fields:
-            message = message.replace(f"`{name}`", f"`{_flag(name)}`")
+    def _with_flags(self, message: str, more: Mapping[str, str] | None = None) -> str:
+        for name, flag in {**self.flags, **(more or {})}.items():
+            message = message.replace(f"`{name}`", f"`{flag}`")
         return message
 
 
@@ -338,14 +391,21 @@ def add_config_options(
     }
     groups = {name: parser.add_mutually_exclusive_group() for g in exclusive for name in g[:1]}
     group_of = {name: groups[g[0]] for g in exclusive for name in g}
+    flags = {}
     for f in fields:
         target = group_of.get(f.name, parser)
-        _add_field(target, f, hints[f.name], docs.get(f.name, ""), overrides.get(f.name), prefix)
+        override = overrides.get(f.name)
+        _add_field(target, f, hints[f.name], docs.get(f.name, ""), override, prefix)
+        if _default_of(f) is dataclasses.MISSING:  # a positional: named by its metavar
+            flags[f.name] = (override and override.metavar) or f.name.upper()
+        else:
+            flags[f.name] = (override and override.flag) or _flag(f.name)
     main_parser = owner if owner is not None else parser
     if not isinstance(main_parser, argparse.ArgumentParser):
         msg = "`owner` must be given when `parser` is an argument group"
         raise TypeError(msg)
-    return ConfigOptions(main_parser, cls, [f.name for f in fields], prefix=prefix)
+    names = [f.name for f in fields]
+    return ConfigOptions(main_parser, cls, names, prefix=prefix, flags=flags)
 
 
 def _default_of(f: dataclasses.Field) -> Any:
@@ -407,6 +467,45 @@ def _with_default(help_text: str, shown: str) -> str:
     if "(default" in help_text:
         return help_text
     return f"{help_text} (default {shown})" if help_text else f"(default {shown})"
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer of at least 1 (a count, a size).
+
+    >>> positive_int("8")
+    8
+    >>> positive_int("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a positive integer, got '0'
+    """
+    return _int(text, low=1, what="a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An ``argparse`` type: an integer of at least 0 (0 usually meaning "none" or "off").
+
+    >>> non_negative_int("0")
+    0
+    >>> non_negative_int("-1")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be an integer >= 0, got '-1'
+    """
+    return _int(text, low=0, what="an integer >= 0")
+
+
+def finite_float(text: str) -> float:
+    """An ``argparse`` type: a float that is not NaN or infinite.
+
+    >>> finite_float("0.5")
+    0.5
+    >>> finite_float("nan")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a finite number, got 'nan'
+    """
+    return _float(text, finite=True)
 
 
 def add_quiet_option(

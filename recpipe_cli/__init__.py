@@ -10,15 +10,28 @@ creates ``logging.getLogger(__name__)`` loggers): one stderr handler on each rec
 logger, at INFO (``--verbose``: DEBUG; ``--quiet``: WARNING). ``recpipe --quiet <command>`` also
 turns the command's progress bars and progress lines off (its ``args.quiet``, the one spelling
 every command uses; older spellings such as ``--no-progress`` are set too).
+
+A failure ends in one line on stderr, ``recpipe <command>: error: ...``, and exit status 1: a
+:class:`~recpipe.errors.RecpipeError` (a refusal, already phrased for the user), and an
+``OSError`` or ``MemoryError`` that escapes the command (a full disk, a read-only file system, no
+permission, too many open files, out of memory), as its ``strerror`` and the path it names;
+one without a path (a full disk reports none) names the command's outputs instead, and a
+failure to write stdout names ``'<stdout>'``. ``recpipe --verbose <command>`` prints the
+traceback above that line. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import os
+import re
 import sys
+import traceback
 from importlib import metadata
+from typing import TextIO
 
 from recpipe.errors import RecpipeError
 
@@ -40,6 +53,22 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("towers", "trainer.towers.cli", "partition features into towers; train a towered DLRM (SPTT)"),
 )
 """``(command, module with register_cli, summary)`` in the order ``recpipe --help`` lists them."""
+
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "synth": ("out",),
+    "etl shard": ("out",),
+    "etl build": ("out", "spill_dir"),
+    "stats": ("out",),
+    "fit": ("dataset",),
+    "train": ("checkpoint", "json", "metrics", "tensorboard"),
+    "towers partition": ("out", "plot"),
+    "towers train": ("json",),
+}
+"""Command -> the ``args`` attributes naming what it writes: named when a write fails with an
+``OSError`` that names no file (a full disk reports only ``No space left on device``)."""
+
+_LEADING_NAME = re.compile(r"`([A-Za-z_]\w*)`")
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -138,11 +167,138 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _apply_loudness(args)
+    real_stdout = sys.stdout
+    if sys.stdout is sys.__stdout__ and sys.stdout is not None:
+        sys.stdout = _NamedStdout(sys.stdout)  # type: ignore[assignment]
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk or a closed pipe behind stdout fails here, not at exit
+        return code
     except RecpipeError as exc:
-        print(f"recpipe {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return _fail(args, with_flags(str(exc), given_flags(parser, args)))
+    except OSError as exc:
+        if exc.filename == _NamedStdout.NAME:
+            _silence_stdout()
+        return _fail(args, os_error_message(exc, outputs=_outputs(args)), exc)
+    except MemoryError as exc:
+        detail = f" ({exc})" if str(exc) else ""
+        return _fail(args, f"out of memory{detail}", exc)
     except KeyboardInterrupt:
         print(f"recpipe {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = real_stdout
+
+
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """``{dest: flag}`` of the options given a value other than their default in ``args``."""
+    flags: dict[str, str] = {}
+    while parser is not None:
+        chosen = None
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(args, action.dest, None) or "")
+                continue
+            given = getattr(args, action.dest, action.default) != action.default
+            if action.option_strings and given and action.dest not in flags:
+                long = [s for s in action.option_strings if s.startswith("--")]
+                flags[action.dest] = (long or action.option_strings)[0]
+        parser = chosen
+    return flags
+
+
+def with_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with the parameter name it starts with, in backticks, turned into the flag
+    the user gave for it: the library names its parameters (``"`eval_fraction` must be ..."``);
+    the user typed ``--eval-fraction``. Names later in a message (a key of an input file, say)
+    are left alone.
+
+    >>> with_flags("`eval_fraction` must be in [0, 1), got nan", {"eval_fraction": "--eval-fraction"})
+    '`--eval-fraction` must be in [0, 1), got nan'
+    """
+    first = _LEADING_NAME.match(message)
+    if first is None or first.group(1) not in flags:
+        return message
+    return f"`{flags[first.group(1)]}`{message[first.end() :]}"
+
+
+def _fail(args: argparse.Namespace, message: str, exc: BaseException | None = None) -> int:
+    """Print ``recpipe <command>: error: <message>`` (the traceback first with ``--verbose``)."""
+    if exc is not None and args.global_verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"recpipe {args.command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def os_error_message(exc: OSError, *, outputs: dict[str, str] | None = None) -> str:
+    """One line for an ``OSError``: its ``strerror`` and the file(s) it names.
+
+    A full disk, which names no file, names the ``outputs`` (flag -> path) the command writes.
+
+    >>> os_error_message(PermissionError(errno.EACCES, "Permission denied", "/x/y"))
+    "Permission denied: '/x/y'"
+    >>> os_error_message(OSError(errno.EXDEV, "Invalid cross-device link", "/a", None, "/b"))
+    "Invalid cross-device link: '/a' -> '/b'"
+    >>> os_error_message(OSError(errno.ENOSPC, "No space left on device"), outputs={"--out": "o"})
+    "No space left on device, writing `--out` 'o'"
+    """
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None:
+        names = [exc.filename] if exc.filename2 is None else [exc.filename, exc.filename2]
+        return f"{what}: " + " -> ".join(map(_path_repr, names))
+    if exc.errno in _WRITE_ERRNOS and outputs:
+        return f"{what}, writing " + ", ".join(f"`{f}` {p!r}" for f, p in outputs.items())
+    return what
+
+
+def _path_repr(name: object) -> str:
+    return repr(os.fsdecode(name)) if isinstance(name, (str, bytes, os.PathLike)) else repr(name)
+
+
+def _outputs(args: argparse.Namespace) -> dict[str, str]:
+    """``{flag: path}`` of the outputs :data:`OUTPUTS` lists for this command, as given."""
+    sub = getattr(args, "stage", None) or getattr(args, "towers_command", None)
+    name = f"{args.command} {sub}" if sub else args.command
+    given = {}
+    for dest in OUTPUTS.get(name, ()):
+        value = getattr(args, dest, None)
+        if isinstance(value, (str, os.PathLike)):
+            flag = f"--{dest.replace('_', '-')}" if dest != "dataset" else "DATASET"
+            given[flag] = os.fspath(value)
+    return given
+
+
+class _NamedStdout:
+    """``sys.stdout`` for the length of a command: an ``OSError`` writing it names ``'<stdout>'``
+    (a full disk or a closed pipe behind stdout otherwise names no file)."""
+
+    NAME = "<stdout>"
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror or str(exc), self.NAME) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror or str(exc), self.NAME) from exc
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at ``os.devnull``: what stdout still holds is dropped there, not
+    written (and failed) again when the interpreter exits."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass

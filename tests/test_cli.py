@@ -201,3 +201,57 @@ def test_etl_shard_keeps_every_option_and_default(monkeypatch):
         (etl.shard.ShardConfig(num_shards=3, by="request", zstd_level=5, buffer_mb=2,
                                group=False, compare=False, max_line_bytes=100), True),
     ]  # fmt: skip
+
+
+def _failing_synth(monkeypatch, exc: BaseException) -> None:
+    import etl.synth_cli
+
+    def run(args, options):
+        raise exc
+
+    monkeypatch.setattr(etl.synth_cli, "_run", run)
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (PermissionError(13, "Permission denied", "/x/y"), "Permission denied: '/x/y'"),
+        (OSError(18, "Invalid cross-device link", "/a", None, "/b"),
+         "Invalid cross-device link: '/a' -> '/b'"),
+        (OSError(28, "No space left on device"), "No space left on device, writing `--out` 'O'"),
+        (OSError(24, "Too many open files"), "Too many open files"),
+        (MemoryError("Unable to allocate 8.00 EiB"), "out of memory (Unable to allocate 8.00 EiB)"),
+    ],
+)  # fmt: skip
+def test_an_os_or_memory_error_is_one_line(monkeypatch, capsys, exc, line):
+    _failing_synth(monkeypatch, exc)
+    assert main(["synth", "--out", "O"]) == 1
+    assert capsys.readouterr().err == f"recpipe synth: error: {line}\n"
+
+
+def test_verbose_shows_the_traceback_above_the_line(monkeypatch, capsys):
+    _failing_synth(monkeypatch, OSError(28, "No space left on device"))
+    assert main(["--verbose", "synth", "--out", "O"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert err.endswith("recpipe synth: error: No space left on device, writing `--out` 'O'\n")
+
+
+def test_other_exceptions_keep_their_traceback(monkeypatch):
+    _failing_synth(monkeypatch, ValueError("a bug"))
+    with pytest.raises(ValueError, match="a bug"):
+        main(["synth", "--out", "O"])
+
+
+def test_a_stdout_that_cannot_be_written_is_named(tmp_path):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    line = '{"request_id": "r", "session_id": "s", "user_id": 1, "ts": 1700000000000}\n'
+    (tmp_path / "f.jsonl").write_text(line * 3)
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "recpipe_cli", "etl", "validate", str(tmp_path), "--json"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr == "recpipe etl: error: No space left on device: '<stdout>'\n"

@@ -42,6 +42,9 @@ class LaunchConfig:
             if not _positive_int(getattr(self, name)):
                 msg = f"`{name}` must be a positive integer, got {getattr(self, name)!r}"
                 raise RecpipeError(msg)
+        if self.master_port > 65535:
+            msg = f"`master_port` must be a TCP port, 1..65535, got {self.master_port!r}"
+            raise RecpipeError(msg)
         if self.nproc is not None and not _positive_int(self.nproc):
             msg = f"`nproc` must be a positive integer, got {self.nproc!r}"
             raise RecpipeError(msg)
