@@ -13,6 +13,7 @@ process CPU time is measured too, and a ratio's CPU-time twin is reported beside
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ __all__ = [
     "Timing",
     "alternate",
     "environment",
+    "int_list",
     "ratio_spread",
     "spread",
     "timed",
@@ -60,6 +62,22 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
         "repeats": len(vals),
         "values": vals,
     }
+
+
+def int_list(text: str, *, minimum: int = 0, example: str = "4,8") -> tuple[int, ...]:
+    """An option's comma-separated integers, each at least ``minimum`` (an argparse ``type``).
+
+    >>> int_list("4,16")
+    (4, 16)
+    """
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < minimum:
+        msg = f"expected integers >= {minimum} separated by commas, such as {example}, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return values
 
 
 def ratio_spread(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, Any]:

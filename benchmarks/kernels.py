@@ -44,6 +44,7 @@ Run: ``python -m benchmarks.kernels [--rows 4096] [--batches 20] [--dim 64]``; w
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -56,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks._common import Timing, alternate, spread, timing_ratio
+from benchmarks._common import Timing, alternate, int_list, ratio_spread, spread, timing_ratio
 from recpipe.kernels import dedup_rows, jagged_index_select
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
@@ -498,13 +499,9 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
         if name != "torch_copy":
             result[f"{name}_vs_torch_copy"] = result[f"{name}_gbps"] / copy_gbps
             # repeat i of the kernel against repeat i of the copy: rate over rate
-            ratios = sorted(
-                (nbytes / t) / (copy_bytes / c) for t, c in zip(times[name], times["torch_copy"])
+            result[f"{name}_vs_torch_copy_spread"] = ratio_spread(
+                [nbytes / t for t in times[name]], [copy_bytes / c for c in times["torch_copy"]]
             )
-            result[f"{name}_vs_torch_copy_spread"] = {
-                "min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1],
-                "repeats": len(ratios),
-            }  # fmt: skip
     return result
 
 
@@ -530,19 +527,6 @@ def _noop_launches(kc: Any, tensors: list[Any]) -> dict[str, Callable[[], Any]]:
 
 
 _GPU_CASES = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows")
-
-
-def _row_counts(text: str) -> tuple[int, ...]:
-    """``--gpu-rows``: positive batch sizes, comma-separated."""
-    try:
-        rows = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        rows = ()
-    if not rows or min(rows) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected positive row counts such as 4096,16384, got {text!r}"
-        )
-    return rows
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -623,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gpu-rows",
-        type=_row_counts,
+        type=functools.partial(int_list, minimum=1, example="4096,16384"),
         default=(),
         metavar="ROWS",
         help="also time the GPU section at these batch sizes, comma-separated (e.g. "

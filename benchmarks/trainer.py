@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -54,7 +55,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Timing, timed, timing_ratio
+from benchmarks._common import Timing, int_list, ratio_spread, timed, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "trainer.json"
 
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time training fed by the readers against preloaded batches",
     )  # fmt: skip
     parser.add_argument(
-        "--workers", type=_worker_counts, default=(2,),
+        "--workers", type=functools.partial(int_list, minimum=0, example="4,8"), default=(2,),
         help="DataLoader worker counts for --end-to-end, comma-separated (default 2)",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="--end-to-end rounds per count")
@@ -98,18 +99,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     return parser.parse_args(argv)
-
-
-def _worker_counts(text: str) -> tuple[int, ...]:
-    """``--workers``: non-negative worker counts, comma-separated."""
-    try:
-        counts = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 0:
-        msg = f"expected worker counts >= 0 separated by commas, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return counts
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -287,20 +276,18 @@ def measure_end_to_end(
                         runs[way].append(rate(stream))
                 print(f"  workers {workers} round {r} {way:10s} {runs[way][-1]:12,.0f} samples/s",
                       file=sys.stderr)  # fmt: skip
-        ratios = sorted(f / m for f, m in zip(runs["fed"], runs["model_only"]))
+        ratio = ratio_spread(runs["fed"], runs["model_only"])
         out["end_to_end"].append({
             "workers": workers,
-            "vs_model_only": statistics.median(ratios),
-            "vs_model_only_spread": {"min": ratios[0], "max": ratios[-1], "values": ratios},
+            "vs_model_only": ratio["median"],
+            "vs_model_only_spread": ratio,
             "samples_per_s_fed": statistics.median(runs["fed"]),
             "samples_per_s_model_only": statistics.median(runs["model_only"]),
         })  # fmt: skip
     best = max(out["end_to_end"], key=lambda point: point["vs_model_only"])
     reached = [p for p in out["end_to_end"] if p["vs_model_only"] >= 0.9]
     out["end_to_end_vs_model_only"] = best["vs_model_only"]
-    out["end_to_end_vs_model_only_spread"] = {
-        **best["vs_model_only_spread"], "median": best["vs_model_only"], "repeats": args.rounds,
-    }  # fmt: skip
+    out["end_to_end_vs_model_only_spread"] = best["vs_model_only_spread"]
     out["end_to_end_workers"] = best["workers"]
     out["end_to_end_workers_for_0_9"] = min(p["workers"] for p in reached) if reached else None
     return out

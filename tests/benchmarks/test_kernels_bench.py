@@ -74,4 +74,4 @@ def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
 def test_kernels_benchmark_refuses_bad_gpu_rows(bad, capsys):
     with pytest.raises(SystemExit):
         load_benchmark("kernels").main(["--gpu-rows", bad])
-    assert "expected positive row counts" in capsys.readouterr().err
+    assert "expected integers >= 1 separated by commas" in capsys.readouterr().err
