@@ -16,6 +16,8 @@ from dist_harness import run_ranks
 
 from tests.common.data import synthetic_dataset
 
+pytestmark = pytest.mark.slow  # two spawned ranks, as every multi-rank test
+
 TIMEOUT_S = 240.0  # spawn and import on a loaded machine; the checks themselves take no time
 
 
