@@ -18,6 +18,7 @@ from etl.build._sql import (
     passthrough_struct,
     schema_keys,
     sql_str,
+    sql_sum,
     too_long_check,
     value_columns,
 )
@@ -62,9 +63,13 @@ def fast_select(
     fields = [f"j.{ident(k)}" for k in (*ids, *schema.passthrough)]
     fields += ["j.dense"] if schema.dense else []
     fields += ["j.sparse"] if schema.sparse else []
-    fields += [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
-    fields += [f"j.sparse[{sql_str(f.name)}]" for f in schema.sparse]
-    n_keys = " + ".join(f"({f} IS NOT NULL)::INTEGER" for f in fields)
+    # each feature's value is a column of its own (``dv{i}`` / ``sv{i}``): referring to it
+    # inside the record's struct would cost DuckDB a pass over every feature per reference
+    values = [f"j.dense[{sql_str(f.name)}] AS dv{i}" for i, f in enumerate(schema.dense)]
+    values += [f"j.sparse[{sql_str(f.name)}] AS sv{i}" for i, f in enumerate(schema.sparse)]
+    fields += [f"dv{i}" for i in range(len(schema.dense))]
+    fields += [f"sv{i}" for i in range(len(schema.sparse))]
+    n_keys = sql_sum([f"({f} IS NOT NULL)::INTEGER" for f in fields])
 
     kind_col = dict(zip((rk, sk, uk, tk), ("kind_rk", "kind_sk", "kind_uk", "kind_tk")))
 
@@ -82,11 +87,13 @@ def fast_select(
     def str_id(key: str) -> str:
         return f"(j.{ident(key)} IS NOT NULL AND {is_str(key)})"
 
-    n_str = " + ".join(f"{str_id(k)}::INTEGER" for k in (rk, sk, uk))
     # a passthrough key counts its `"` as a key, and two more when its value is a string
-    n_str += "".join(
-        f" + coalesce(json_type(j.{ident(k)}) = 'VARCHAR', FALSE)::INTEGER"
-        for k in schema.passthrough
+    n_str = sql_sum(
+        [f"{str_id(k)}::INTEGER" for k in (rk, sk, uk)]
+        + [
+            f"coalesce(json_type(j.{ident(k)}) = 'VARCHAR', FALSE)::INTEGER"
+            for k in schema.passthrough
+        ]
     )
 
     def id_ok(key: str) -> str:
@@ -127,11 +134,11 @@ def fast_select(
             first = f"left(ltrim(substr(line, {at} + {len(key) + 3}, 8)), 1)"
             absent = f"NOT contains(line, {sql_str(chr(34) + key + chr(34))})"
             tests.append(f"(CASE WHEN {at} > 0 THEN {first} = '{{' ELSE {absent} END)")
-    for f in schema.dense:
-        v = f"j.dense[{sql_str(f.name)}]"
+    for i in range(len(schema.dense)):
+        v = f"dv{i}"
         tests.append(f"({v} IS NULL OR (isfinite({v}) AND abs({v}) <= {FLOAT32_MAX}))")
-    for f in schema.sparse:
-        v = f"j.sparse[{sql_str(f.name)}]"
+    for i, f in enumerate(schema.sparse):
+        v = f"sv{i}"
         too_long = "" if f.truncate else f" AND len({v}) <= {int(f.max_len)}"
         tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
     if schema.sparse and not facts:
@@ -151,8 +158,10 @@ WITH parsed AS (
   SELECT file_id, line_no, line, source, source_line, too_long,{fact_cols}
     {parse} AS j
   FROM {src}
+), valued AS (
+  SELECT *, {", ".join(values) if values else "NULL AS _none"} FROM parsed
 ), checked AS (
-  SELECT *, coalesce({" AND ".join(tests)}, FALSE) AS ok FROM parsed
+  SELECT *, coalesce({" AND ".join(tests)}, FALSE) AS ok FROM valued
 )
 SELECT
   file_id,
@@ -166,7 +175,7 @@ SELECT
   j.{ident(sk)} AS session_key,
   j.{ident(uk)} AS user_key,
   TRY_CAST(j.{ident(tk)} AS BIGINT) AS ts,
-{value_columns(schema, "j.dense", "j.sparse")}{passthrough_columns(schema, good="j IS NOT NULL")}
+{value_columns(schema)}{passthrough_columns(schema, good="j IS NOT NULL")}
   NULL::VARCHAR[] AS unknown,
   NULL::VARCHAR[] AS unknown_keys
 FROM checked

@@ -573,7 +573,7 @@ SELECT
   session_key,
   user_key,
   ts,
-{value_columns(schema, None, None)}  NULL::VARCHAR[] AS unknown,
+{value_columns(schema)}  NULL::VARCHAR[] AS unknown,
   NULL::VARCHAR[] AS unknown_keys
 FROM {src}
 """

@@ -17,6 +17,7 @@ __all__ = [
     "passthrough_struct",
     "schema_keys",
     "sql_str",
+    "sql_sum",
     "too_long_check",
     "value_columns",
 ]
@@ -33,6 +34,24 @@ TS_RANGE = (-9_223_372_022_400_000, 9_223_372_036_854_775)
 def sql_str(text: str) -> str:
     """Quote ``text`` as a SQL string literal."""
     return "'" + text.replace("'", "''") + "'"
+
+
+def sql_sum(terms: list[str]) -> str:
+    """The SQL sum of ``terms`` as a balanced tree of ``+`` (``0`` when empty).
+
+    A chain ``a + b + c ...`` nests one level per term, and DuckDB refuses expressions deeper
+    than 1,000 levels (``max_expression_depth``): a schema of a thousand features would not
+    parse. Balanced, the depth is the log of the number of terms.
+
+    >>> sql_sum(["a", "b", "c"])
+    '(a + (b + c))'
+    """
+    if not terms:
+        return "0"
+    if len(terms) == 1:
+        return terms[0]
+    half = len(terms) // 2
+    return f"({sql_sum(terms[:half])} + {sql_sum(terms[half:])})"
 
 
 def ident(name: str) -> str:
@@ -89,18 +108,14 @@ def too_long_check(max_line_bytes: int) -> tuple[str, str, str]:
     )
 
 
-def value_columns(schema: DatasetSchema, dense: str | None, sparse: str | None) -> str:
-    """SQL select-list lines for ``d0..`` / ``s0..``, from typed structs or from ``dv``/``sv``.
+def value_columns(schema: DatasetSchema) -> str:
+    """SQL select-list lines for ``d0..`` / ``s0..``, from the columns ``dv0..`` / ``sv0..``.
 
     Dense: float32; sparse: BIGINT[], longer than ``max_len`` -> the last ``max_len`` ids;
     missing (absent or ``null``) -> NULL, filled when the dataset is written (bad rows get
     meaningless values: they are quarantined and never written).
     """
-    out = []
-    for i, f in enumerate(schema.dense):
-        v = f"{dense}[{sql_str(f.name)}]" if dense else f"dv{i}"
-        out.append(f"TRY_CAST({v} AS FLOAT)")
+    out = [f"TRY_CAST(dv{i} AS FLOAT)" for i in range(len(schema.dense))]
     for i, f in enumerate(schema.sparse):
-        v = f"{sparse}[{sql_str(f.name)}]" if sparse else f"sv{i}"
-        out.append(f"{v}[-{int(f.max_len)}:]" if f.truncate else v)
+        out.append(f"sv{i}[-{int(f.max_len)}:]" if f.truncate else f"sv{i}")
     return "".join(f"  {e} AS {n},\n" for e, n in zip(out, feature_columns(schema)))

@@ -275,13 +275,13 @@ def feature_select(
     ]
     # dense: numbers (null = missing -> fill), finite and within float32; sparse: lists of
     # int64 (null = missing -> empty list)
+    # (each feature's JSON fragment is a column of its own, ``df{i}`` / ``sf{i}``: referring to
+    # it inside the record's struct would cost DuckDB a pass over every feature per reference)
     for i, feat in enumerate(schema.dense):
-        v = f"j.dense[{sql_str(feat.name)}]"
-        checks += _feature_checks(_DENSE_CHECKS, f"dense.{feat.name}", v=v, i=i)
+        checks += _feature_checks(_DENSE_CHECKS, f"dense.{feat.name}", v=f"df{i}", i=i)
     for i, feat in enumerate(schema.sparse):
-        v = f"j.sparse[{sql_str(feat.name)}]"
         field = f"sparse.{feat.name}"
-        checks += _feature_checks(_SPARSE_CHECKS, field, v=v, i=i)
+        checks += _feature_checks(_SPARSE_CHECKS, field, v=f"sf{i}", i=i)
         if not feat.truncate:
             too_many = f"{sql_str(f' ids > max_len {feat.max_len} (truncate = false)')}"
             checks.append(
@@ -291,10 +291,10 @@ def feature_select(
                     f"{sql_str(f'field `{field}`: ')} || len(sv{i}) || {too_many}",
                 )
             )
-    dense_frag = [f"j.dense[{sql_str(f.name)}]" for f in schema.dense]
-    sparse_frag = [f"j.sparse[{sql_str(f.name)}]" for f in schema.sparse]
-    typed = [f"TRY_CAST({v}::VARCHAR AS DOUBLE) AS dv{i}" for i, v in enumerate(dense_frag)]
-    typed += [f"from_json({v}, '[\"BIGINT\"]') AS sv{i}" for i, v in enumerate(sparse_frag)]
+    fragments = [f"j.dense[{sql_str(f.name)}] AS df{i}" for i, f in enumerate(schema.dense)]
+    fragments += [f"j.sparse[{sql_str(f.name)}] AS sf{i}" for i, f in enumerate(schema.sparse)]
+    typed = [f"TRY_CAST(df{i}::VARCHAR AS DOUBLE) AS dv{i}" for i in range(len(schema.dense))]
+    typed += [f"from_json(sf{i}, '[\"BIGINT\"]') AS sv{i}" for i in range(len(schema.sparse))]
     if fast:
         return fast_select(schema, src, guarded=guarded, facts=facts, max_line_bytes=max_line_bytes)
 
@@ -302,8 +302,10 @@ def feature_select(
         return f"CASE WHEN starts_with({col}::VARCHAR, '\"') THEN {col} ->> '$' ELSE {col}::VARCHAR END"
 
     return f"""
-WITH {_parsed(src, struct)}, typed AS (
-  SELECT *, {", ".join(typed) if typed else "NULL AS _none"} FROM parsed
+WITH {_parsed(src, struct)}, fragments AS (
+  SELECT *, {", ".join(fragments) if fragments else "NULL AS _none"} FROM parsed
+), typed AS (
+  SELECT *, {", ".join(typed) if typed else "NULL AS _none2"} FROM fragments
 ), checked AS (
   SELECT *,
     {_case(checks)} AS bad
@@ -317,7 +319,7 @@ SELECT
   CASE WHEN bad IS NULL AND j.{ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(uk)}")} END
     AS user_key,
   CASE WHEN bad IS NULL THEN TRY_CAST(j.{ident(tk)}::VARCHAR AS BIGINT) END AS ts,
-{value_columns(schema, None, None)}{passthrough_columns(schema, good="bad IS NULL")}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
+{value_columns(schema)}{passthrough_columns(schema, good="bad IS NULL")}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
   CASE WHEN bad IS NULL THEN {_unknown_top_keys(schema)} END AS unknown_keys
 FROM checked
 """
