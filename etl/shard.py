@@ -192,12 +192,17 @@ class ShardSink:
     zstd stream; ``close`` flushes and ends the streams. The bytes depend only on the lines
     added to each shard and on where the flushes fall, so the Spark engine, feeding each
     shard's lines in read order with the same flushes, writes the same files.
+
+    No file stays open: each write opens its shard's file to append and closes it, so any
+    number of shards fits under the limit on open files (a flush writes each shard once).
     """
 
     def __init__(self, n: int, level: int, *, group: bool, paths: list[Path] | None = None):
         params = zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1)
         self.group = group
-        self.files = [open(p, "wb") for p in paths] if paths else None  # noqa: SIM115
+        self.paths = list(paths) if paths else None
+        for p in self.paths or ():
+            p.open("wb").close()  # every shard exists, empty until its first bytes
         self.objs = [
             zstandard.ZstdCompressor(compression_params=params).compressobj() for _ in range(n)
         ]
@@ -227,14 +232,12 @@ class ShardSink:
         self.flush()
         for i, obj in enumerate(self.objs):
             self._emit(i, obj.flush())
-        if self.files:
-            for fh in self.files:
-                fh.close()
 
     def _emit(self, i: int, data: bytes) -> None:
         self.bytes[i] += len(data)
-        if self.files and data:
-            self.files[i].write(data)
+        if self.paths and data:
+            with self.paths[i].open("ab") as fh:
+                fh.write(data)
 
 
 def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | None, str]:
@@ -465,12 +468,9 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
             bar.update(lines_in % 8192)
     finally:
         bad_writer.close()
+        bad_fh.close()
         if bar is not None:
             bar.close()
-        for sink in sinks:
-            if sink.files:
-                for fh in sink.files:
-                    fh.close()
     return make_report(
         files,
         cfg,

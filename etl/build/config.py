@@ -17,11 +17,15 @@ __all__ = [
     "DEFAULT_SETTINGS_NOTE",
     "DEFAULT_ZSTD_LEVEL",
     "ENGINES",
+    "MIN_MEMORY_LIMIT",
     "MIN_ROW_GROUP_ROWS",
     "BuildConfig",
     "parse_bytes",
 ]
 
+#: the smallest ``memory_limit`` a build accepts: DuckDB runs out of memory below it even on a
+#: few records
+MIN_MEMORY_LIMIT = 32 << 20
 #: zstd level: measured on the synthetic data (see DEFAULT_SETTINGS_NOTE).
 DEFAULT_ZSTD_LEVEL = 3
 #: rows per row group: measured on the synthetic data (see DEFAULT_SETTINGS_NOTE).
@@ -144,7 +148,12 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         if self.memory_limit is not None:
-            parse_bytes(self.memory_limit, name="memory_limit", unit=True)
+            limit = parse_bytes(self.memory_limit, name="memory_limit", unit=True)
+            if limit < MIN_MEMORY_LIMIT:
+                raise DataError(
+                    f"`memory_limit` must be at least {MIN_MEMORY_LIMIT >> 20}MiB (DuckDB needs "
+                    f"that much to run a build), got {self.memory_limit!r}"
+                )
         if self.spill_dir is not None:
             self.spill_dir = Path(self.spill_dir)
         self._check_positive("threads", self.threads, optional=True)

@@ -27,6 +27,7 @@ from etl.build.output import (
     BuildCounts,
     build_manifest,
     dataset_writer,
+    output_error,
     write_quarantine,
     write_rows,
 )
@@ -73,6 +74,8 @@ def build(
             ``overwrite``, or schema features missing from the records (see
             :func:`check_missing_features`).
         CorruptInputError: an input file that cannot be decoded (named in the message).
+        RecpipeError: the output cannot be written (a full disk: naming ``out_dir``; an
+            existing dataset there is left as it was).
     """
     t_start = time.perf_counter()
     schema = schema if schema is not None else default_schema()
@@ -83,8 +86,8 @@ def build(
     feat_files = list_inputs(features)
     ev_files = list_inputs(events) if events is not None else []
     tmp = out_dir.parent / f".{out_dir.name}{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         phases = _Phases(progress)
         job = BuildJob(
             schema=schema,
@@ -102,8 +105,10 @@ def build(
         manifest["elapsed_s"] = round(time.perf_counter() - t_start, 3)
         (tmp / "_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _commit(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # inputs are read with errors of their own: the output
+            raise output_error(out_dir, exc) from None
         raise
     manifest["elapsed_s"] = round(time.perf_counter() - t_start, 3)
     _log.info(

@@ -24,6 +24,7 @@ from etl.build.engine import BuildJob, Engine, Kind, duplicate_rows, sample_cond
 from etl.build.inputs import InputFile, read_error, read_lines
 from etl.build.output import PARTITION_MS, BuildCounts, by_reason
 from etl.build.validate import PENDING, feature_columns, malformed_json, sql_str
+from etl.paths import check_output
 from recpipe.errors import RecpipeError
 
 __all__ = ["DuckDBEngine"]
@@ -56,22 +57,44 @@ class DuckDBEngine(Engine):
         config = job.config
         base = Path(config.spill_dir) if config.spill_dir is not None else job.work_dir
         self.spill = base / f"_recpipe_spill-{os.getpid()}-{secrets.token_hex(4)}"
-        self.spill.mkdir(parents=True, exist_ok=True)
+        try:
+            self.spill.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _io_error(exc, self.spill, config) from None
         # with a memory limit, tables live in a database file in the spill folder (buffer-
         # managed, evictable); without one, in memory (faster)
         db = str(self.spill / "_build.duckdb") if config.memory_limit is not None else ":memory:"
-        self.con = con = duckdb.connect(db)
-        con.execute(f"SET temp_directory = {sql_str(str(self.spill))}")
-        if config.memory_limit is not None:
-            con.execute(f"SET memory_limit = {sql_str(config.memory_limit)}")
-        if config.threads is not None:
-            con.execute(f"SET threads = {int(config.threads)}")
-        con.execute("SET enable_progress_bar = false")
+        try:
+            self.con = con = duckdb.connect(db)
+            con.execute(f"SET temp_directory = {sql_str(str(self.spill))}")
+            if config.memory_limit is not None:
+                con.execute(f"SET memory_limit = {sql_str(config.memory_limit)}")
+            if config.threads is not None:
+                con.execute(f"SET threads = {int(config.threads)}")
+            con.execute("SET enable_progress_bar = false")
+        except duckdb.Error as exc:
+            shutil.rmtree(self.spill, ignore_errors=True)
+            raise _io_error(exc, self.spill, config) from None
         self.duplicates = 0
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse a ``spill_dir`` that cannot be created or written (before anything is read)."""
+        if config.spill_dir is not None:
+            check_output(config.spill_dir, kind="directory", arg="spill_dir")
 
     def close(self) -> None:
         self.con.close()
         shutil.rmtree(self.spill, ignore_errors=True)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Close; a DuckDB error out of any phase that is about its limits, not the data (out
+        of memory, a spill file it cannot write), becomes one line naming the option."""
+        super().__exit__(exc_type, exc, tb)
+        if isinstance(exc, self.duckdb.OutOfMemoryException):
+            raise _oom_error(exc, self.job.config) from None
+        if isinstance(exc, self.duckdb.IOException):
+            raise _io_error(exc, self.spill, self.job.config) from None
 
     # -- read and validate --------------------------------------------------------------------
 
@@ -89,7 +112,7 @@ class DuckDBEngine(Engine):
             if kind == "features"
             else v.event_sql(_EMPTY_LINES)
         )
-        self.con.execute(f"CREATE TABLE {table} AS {empty} LIMIT 0")
+        self._run(f"CREATE TABLE {table} AS {empty} LIMIT 0")
         files = self.job.files(kind)
         workers = self._workers(len(files))
         if workers > 1:  # whole files side by side: one DuckDB thread per statement wastes least
@@ -172,8 +195,8 @@ class DuckDBEngine(Engine):
                         cur.execute(f"INSERT INTO {table} {select(view, True)}")
                 finally:
                     cur.unregister(view)
-        except duckdb.OutOfMemoryException as exc:
-            raise _oom_error(exc) from None
+        except (duckdb.OutOfMemoryException, duckdb.IOException):
+            raise  # about the build's limits, not the file (see __exit__)
         except duckdb.Error as exc:
             raise read_error(f.path, exc) from None
         finally:
@@ -330,10 +353,10 @@ class DuckDBEngine(Engine):
         try:
             yield from rel.to_arrow_reader(_FETCH_ROWS)
         except self.duckdb.OutOfMemoryException as exc:
-            raise _oom_error(exc) from None
+            raise _oom_error(exc, self.job.config) from None
         except OSError as exc:  # a DuckDB error met while Arrow streams the rows
             if str(exc).startswith("Out of Memory Error"):
-                raise _oom_error(exc) from None
+                raise _oom_error(exc, self.job.config) from None
             raise
 
     def _sort_chunks(self) -> list[tuple[int | None, int | None]]:
@@ -403,7 +426,7 @@ class DuckDBEngine(Engine):
         try:
             self.con.execute(sql)
         except self.duckdb.OutOfMemoryException as exc:
-            raise _oom_error(exc) from None
+            raise _oom_error(exc, self.job.config) from None
 
 
 def rows_per_sort_chunk(config: Any) -> int | None:
@@ -413,9 +436,25 @@ def rows_per_sort_chunk(config: Any) -> int | None:
     return max(8_192, config.memory_bytes // 2048)
 
 
-def _oom_error(exc: Exception) -> RecpipeError:
+def _oom_error(exc: Exception, config: Any) -> RecpipeError:
     first = str(exc).strip().splitlines()[0]
+    limit = f" = {config.memory_limit!r}" if config.memory_limit is not None else ""
     return RecpipeError(
-        f"DuckDB ran out of memory under `memory_limit`: {first}\n"
+        f"DuckDB ran out of memory under `memory_limit`{limit}: {first}\n"
         "hint: raise --memory-limit (a few hundred MB at least) or lower --threads"
+    )
+
+
+def _io_error(exc: Exception, spill: Path, config: Any) -> RecpipeError:
+    """DuckDB (or the folder it works in) cannot write its working files: a full disk, a
+    read-only or vanished ``spill_dir``."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = (
+        f"`spill_dir` {str(config.spill_dir)!r}"
+        if config.spill_dir is not None
+        else "the build's temporary folder (next to `out_dir`)"
+    )
+    return RecpipeError(
+        f"{where}: DuckDB cannot write its working files in {str(spill)!r}: {first}\n"
+        "hint: free some space, or point --spill-dir at a file system with room"
     )

@@ -21,6 +21,7 @@ Manifest keys a reader of the dataset can rely on (``_manifest.json``, format
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ __all__ = [
     "build_warnings",
     "by_reason",
     "dataset_writer",
+    "output_error",
     "write_quarantine",
     "write_rows",
 ]
@@ -325,3 +327,18 @@ def build_manifest(
         "phase_cpu_s": phase_cpu_s or {},
         "arrow_schema": pa.schema(writer.schema).to_string(show_schema_metadata=False),
     }
+
+
+def output_error(out: Path, exc: OSError, *, arg: str = "out_dir") -> RecpipeError:
+    """An error writing the output ``out`` (disk full, a quota, an I/O error), as one line
+    naming the output, the file when known, and the reason; the caller has removed its
+    temporary output, and whatever ``out`` held before is left as it was.
+    """
+    where = f" ({str(exc.filename)!r})" if exc.filename else ""
+    hint = ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = f"\nhint: free some space, or write `{arg}` to another file system"
+    return RecpipeError(
+        f"`{arg}` {str(out)!r}: cannot write the output{where}: {exc.strerror or exc}; "
+        f"nothing was replaced{hint}"
+    )

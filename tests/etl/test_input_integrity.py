@@ -74,11 +74,13 @@ def _argv(command: str, inputs: list[str], out: Path, schema: str) -> list[str]:
     return ["etl", "build", *common]
 
 
-def _one_line_error(err: str, *names: str) -> None:
+def one_line_error(err: str, *names: str) -> None:
+    """``err`` (stderr) holds one error line, naming each of ``names``, and no traceback."""
     assert "Traceback" not in err, err
-    first = err.strip().splitlines()[0]
+    lines = [line for line in err.strip().splitlines() if "error:" in line]
+    assert len(lines) == 1, err
     for name in names:
-        assert name in first, err
+        assert name in lines[0], err
 
 
 # --- item 14: an unreadable directory or file under an input ------------------------------------
@@ -128,7 +130,7 @@ def test_an_unreadable_subdirectory_is_an_error_naming_it(
     inputs = [str(unreadable)] if given == "dir" else [str(unreadable / "*" / "*.jsonl")]
     proc = _run_unprivileged(_argv(command, inputs, tmp_path / "out", schema))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    _one_line_error(proc.stderr, str(unreadable / "sub"), "cannot read")
+    one_line_error(proc.stderr, str(unreadable / "sub"), "cannot read")
     assert not (tmp_path / "out").exists()
 
 
@@ -140,7 +142,7 @@ def test_an_unreadable_input_file_is_an_error_naming_it(tmp_path, schema, comman
     secret.chmod(0)
     proc = _run_unprivileged(_argv(command, [str(logs)], tmp_path / "out", schema))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    _one_line_error(proc.stderr, str(secret), "cannot read")
+    one_line_error(proc.stderr, str(secret), "cannot read")
 
 
 def test_a_readable_tree_still_builds_whole_unprivileged(tmp_path, schema):
@@ -196,7 +198,7 @@ def test_an_input_cut_while_it_is_read_is_an_error(
     argv = _argv(command, [str(src)], tmp_path / "out", schema)
     assert main([*argv, *(["--engine", engine] if engine else [])]) == 1
     err = capsys.readouterr().err
-    _one_line_error(err, str(src), "changed")
+    one_line_error(err, str(src), "changed")
     assert not (tmp_path / "out").exists()
 
 
@@ -235,7 +237,7 @@ def test_an_input_replaced_after_its_digest_is_an_error(
     _replace_after_digest(monkeypatch, src, other)
     argv = [*_argv("build", [str(src)], tmp_path / "out", schema), "--engine", engine]
     assert main(argv) == 1
-    _one_line_error(capsys.readouterr().err, str(src), "changed")
+    one_line_error(capsys.readouterr().err, str(src), "changed")
     assert not (tmp_path / "out").exists()
 
 
