@@ -1,27 +1,32 @@
-"""The Spark engine of ``etl build`` (``engine="spark"``): the DuckDB engine's dataset, as a Spark job.
+"""The Spark engine of ``etl build`` (``engine="spark"``): the DuckDB engine's rows, as a Spark job.
 
-Spark moves the data; recpipe's own code decides what every row is:
+Spark moves the data; recpipe's own code decides what every row is, and the executors do the
+work: the driver plans, adds up small vectors of counts and writes ``_manifest.json`` and the
+quarantine; no dataset row, and no list as long as the rows, reaches it.
 
-- **read and validate**: one Spark task per input file runs the shared line reader
-  (:func:`etl.build.inputs.read_lines`, so lines are numbered as if the file were read whole)
-  and the shared validator (:class:`etl.build.validate.Validator`, Arrow in, Arrow out) inside
-  ``mapInArrow``; nothing of the validation is written again in Spark SQL.
+- **read and validate**: one Spark task per input file, or per byte range of a large plain JSON
+  Lines file (:mod:`etl.build.spark_splits`: lines numbered as if the file were read whole),
+  runs the shared line splitter and the shared validator (:class:`etl.build.validate.Validator`,
+  Arrow in, Arrow out) inside ``mapInArrow``.
 - **deduplicate, labels, sessions, counts**: Spark DataFrame steps that implement the rules of
   ``docs/etl-engines.md`` exactly as the DuckDB engine's SQL does (window functions ordered by
-  ``(file_id, line_no)``, the user-gap arithmetic in exact decimals, session ids ranked by
-  ``(first ts, key)``); the detail of a repeated request id comes from
-  :func:`~etl.build.engine.duplicate_rows` and the sample from :func:`~etl.build.engine.sampled`
-  (run inside ``mapInArrow``).
-- **order**: the rows are range-partitioned by the build's sort key (whole sessions stay in one
-  partition) and sorted within each partition; each task writes its sorted partition as an
-  Arrow IPC file in a scratch folder inside the build's temporary output directory and returns
-  the partition's first key. The driver hands the partitions, in key order, to the shared
-  Parquet writer, so file names and bytes do not depend on the number of partitions or
-  executors, on adaptive coalescing or on task retries (a retried task writes a new file; only
-  the attempt Spark reports as finished is read).
+  ``(file_id, line_no)``, the user-gap arithmetic in exact decimals). Repeated request ids: a
+  window per request id, and tasks that read the repeats' lines again for their quarantine
+  detail (:func:`~etl.build.engine.duplicate_rows_in`). Session ids: the rank of ``(first ts,
+  key)`` by prefix sums (sessions per exact ts range counted, offsets summed on the driver,
+  each range numbered from its offset by a window per range), never one ordered window. The
+  sample comes from :func:`~etl.build.engine.sampled` (run inside ``mapInArrow``).
+- **write** (:meth:`SparkEngine.write_dataset`): the rows fall into ``spark_partitions`` groups
+  of whole, exact ranges of the sort key (sessions stay whole in session order); each group's
+  task sorts its rows, writes them with the shared writer as ``[dt=.../]part-GGGGG-NNNNN.parquet``
+  (in a folder of its attempt, then renamed into the temporary dataset) and returns their
+  metadata. The bytes depend on ``spark_partitions`` only: not on the executors, adaptive
+  coalescing or task retries (a retried task writes the same bytes).
+- **quarantine**: the bad rows are range-partitioned and sorted by task into Arrow IPC scratch
+  files, read back on the driver in key order for the one quarantine file per kind.
 
 On a cluster, the inputs and the output directory must be on a filesystem every executor sees
-under the same path (NFS, a mounted bucket): the tasks open the inputs and write the scratch
+under the same path (NFS, a mounted bucket): the tasks open the inputs and write the part
 files by path. Refused, as in the Polars engine: ``memory_limit``, ``spill_dir``, ``threads``
 (size Spark itself: ``--master``, ``spark_partitions``, ``spark-defaults.conf``).
 """
@@ -42,11 +47,12 @@ import pyarrow as pa
 
 from etl.build.config import BuildConfig
 from etl.build.engine import BuildJob, Engine, Kind, duplicate_rows_in, sampled
-from etl.build.inputs import InputFile, empty_lines, read_lines
+from etl.build.inputs import InputFile, empty_lines
 from etl.build.output import PARTITION_MS, BuildCounts, by_reason, dataset_writer, write_rows
+from etl.build.spark_splits import Split, count_newlines, plan_splits, read_split
 from etl.build.validate import BAD_COLUMNS, Validator, feature_columns
-from etl.spark_env import file_tasks, spark_session
 from etl.spark_env import run_action as _action
+from etl.spark_env import spark_session
 from recpipe.errors import DataError, RecpipeError
 from schemas import DatasetSchema
 
@@ -138,9 +144,15 @@ class SparkEngine(Engine):
         files = self.job.files(kind)
         schema, limit = self.job.schema, self.job.config.max_line_bytes
         arrow_schema = _plain_schema(_validate(schema, limit, kind, empty_lines()).schema)
-        # whole files per task (lines numbered as if each file were read whole), at most one
-        # task per partition: each task builds one validator
-        ids = file_tasks(self.spark, len(files), self.partitions)
+        # a task per whole file or per byte range of a large plain JSON Lines file (lines
+        # numbered as if the file were read whole), at most one task per partition: each
+        # task builds one validator
+        splits = plan_splits(files)
+        before = self._newlines_before(files, splits)
+        ids = self.spark.createDataFrame(
+            [(f, a, b, before.get((f, a), 0)) for f, a, b in splits],
+            "file_id int, start long, end long, before long",
+        ).repartition(max(1, min(len(splits), self.partitions)), "file_id", "start")
 
         def parse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
             return _parse_files(batches, files, schema, limit, kind, arrow_schema)
@@ -150,6 +162,41 @@ class SparkEngine(Engine):
             self.tables[kind] = self._keep(rows)
             _action(self.tables[kind].count)
             bar.update(len(files))
+
+    def _newlines_before(self, files: list[InputFile], splits: list[Split]) -> dict:
+        """``(file_id, start)`` -> the ``\\n`` bytes of the file before ``start - 1``, for
+        each byte range of ``splits`` (a job that counts them per range; the driver sums the
+        small vector)."""
+        ranges = [s for s in splits if s[1] >= 0]
+        if not ranges:
+            return {}
+        from pyspark.sql.types import LongType, StructField, StructType
+
+        out = StructType([StructField(c, LongType()) for c in ("file_id", "start", "newlines")])
+
+        def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            for b in batches:
+                rows = b.to_pylist()
+                n = [count_newlines(files[r["file_id"]].path, r["start"], r["end"]) for r in rows]
+                yield pa.RecordBatch.from_pydict(
+                    {
+                        "file_id": [r["file_id"] for r in rows],
+                        "start": [r["start"] for r in rows],
+                        "newlines": n,
+                    }
+                )
+
+        df = self.spark.createDataFrame(ranges, "file_id long, start long, end long")
+        found = _action(
+            df.repartition(min(len(ranges), self.partitions)).mapInArrow(count, out).collect
+        )
+        before: dict[tuple[int, int], int] = {}
+        held: dict[int, int] = {}
+        for r in sorted(found, key=lambda r: (r["file_id"], r["start"])):
+            key = int(r["file_id"])
+            before[(key, int(r["start"]))] = held.get(key, 0)
+            held[key] = held.get(key, 0) + int(r["newlines"])
+        return before
 
     # -- dedup, labels, sessions ----------------------------------------------------------------
 
@@ -576,9 +623,12 @@ def _parse_files(
     v = Validator(schema, max_line_bytes=limit)
     validate = v.features if kind == "features" else v.events
     try:
-        for ids in batches:
-            for file_id in ids.column("file_id").to_pylist():
-                for lines in read_lines(files[file_id], file_id, max_line_bytes=limit):
+        for tasks in batches:
+            for t in tasks.to_pylist():
+                split = (t["file_id"], t["start"], t["end"])
+                for lines in read_split(
+                    files[t["file_id"]], t["file_id"], split, t["before"], max_line_bytes=limit
+                ):
                     yield from validate(lines).cast(arrow_schema).to_batches()
     finally:
         v.close()

@@ -111,8 +111,9 @@ def _check_layout(root: Path, manifest: dict, partitions: int) -> None:
 
     seen: Counter = Counter()
     groups = set()
-    listed = {f["path"] for f in manifest["files"]}
-    assert listed == {p.relative_to(root).as_posix() for p in root.rglob("part-*.parquet")}
+    listed = [f["path"] for f in manifest["files"]]
+    # the files readers discover (`part-*.parquet`, by path) are the manifest's, in its order
+    assert listed == sorted(p.relative_to(root).as_posix() for p in root.rglob("part-*.parquet"))
     for f in manifest["files"]:
         path = root / f["path"]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == f["sha256"]
@@ -149,6 +150,23 @@ def test_spark_matches_duckdb_on_every_bad_input_corpus(spark, tmp_path):
     m = _parity(tmp_path, features, events=events, row_group_size=16, max_line_bytes=_MAX_LINE)
     assert all(m["quarantine_by_reason"][r] for r in reasons.QUARANTINE_REASONS)
     assert m["rows_duplicate"] and m["events_quarantined"] and m["reconciles"]
+
+
+@pytest.mark.slow
+def test_spark_reads_plain_files_in_byte_ranges_with_the_lines_numbered_as_whole(
+    spark, tmp_path, monkeypatch
+):
+    """Every corpus with its plain JSON Lines files cut into ranges of 256 bytes (many tasks
+    per file): the same dataset, quarantine (lines and numbers) and counts as DuckDB's."""
+    from etl.build import spark_splits
+    from etl.build.inputs import list_inputs
+
+    features, events = _all_corpora(tmp_path / "in")
+    monkeypatch.setattr(spark_splits, "SPLIT_BYTES", 256)
+    splits = spark_splits.plan_splits(list_inputs(features))
+    assert len(splits) > 2 * len(features)  # ranges, not files
+    m = _parity(tmp_path, features, events=events, partitions=(3,), max_line_bytes=_MAX_LINE)
+    assert m["rows_duplicate"] and m["reconciles"]
 
 
 @pytest.mark.slow
@@ -473,11 +491,21 @@ def _shard_parity(tmp: Path, inputs, *, partitions=(2,), **options) -> dict:
 
 
 @pytest.mark.slow
-def test_spark_shard_writes_the_local_shards_byte_for_byte_for_any_partition_count(spark, tmp_path):
+def test_spark_shard_writes_the_local_shards_byte_for_byte_for_any_partition_count(
+    spark, tmp_path, monkeypatch
+):
     """Several files of more than one read step each, and a buffer that several flushes fill:
-    the Spark form replays the local engine's read order and flushes exactly."""
+    the Spark form replays the local engine's read order and flushes exactly, without a
+    stream of the lines (or their lengths) to the driver."""
+    from pyspark.sql import DataFrame
+
     from etl.shard import READ_STEP, ShardConfig, shard
     from etl.synth import SynthConfig, generate
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a stream of rows to the driver (toLocalIterator)")
+
+    monkeypatch.setattr(DataFrame, "toLocalIterator", refuse)
 
     logs = generate(
         tmp_path / "raw", SynthConfig(num_requests=9_000, seed=5, files=2, bad_fraction=0.02)
