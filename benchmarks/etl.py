@@ -18,7 +18,8 @@ Default mode, on ``--requests`` synthetic requests (1M by default, ``--quick``: 
 7. with ``--spark``: ``build --engine spark`` (``--spark-master``, default ``local[*]``) of the
    clustered dataset, alternated with the others: ``spark_local_vs_duckdb_build`` = its time /
    DuckDB's (the JVM's start-up is timed apart, ``build_spark_startup_s``) and
-   ``spark_same_parquet`` whether its part files are byte-identical to the DuckDB engine's.
+   ``spark_same_rows`` whether its part files, read in the manifest's order, hold the DuckDB
+   engine's rows in its order (Spark's tasks write a file set of their own).
 
 The clustered build, the one-liner and the Polars build are timed as every benchmark here times
 (``benchmarks/_common.py``): one untimed warm-up run each, then ``--repeat`` (3) rounds with
@@ -29,6 +30,18 @@ around the build or the ``COPY``).
 Out-of-core mode (``--memory-limit 512MB``): synth, then only the clustered build with that
 DuckDB memory limit in a child process; reports its peak RSS and how much larger than the limit
 the raw logs are (size ``--requests`` so that they are at least 4x the limit).
+
+Spark scale-out mode (``--spark-scaleout``): what the Spark engine's driver and cluster do as the
+data grows. (a) ``spark_driver_rss_growth``: a local Spark build at each of
+``--spark-rss-sizes`` (1000000,4000000) requests in a child process; the Python driver's peak RSS
+(that process alone, polled every 50 ms) at the largest size over that at the smallest (target
+<= 1.2: the driver only coordinates), with the JVM's peak heap at each size beside it (a
+``local`` JVM runs the tasks too, so its heap is the executors' as well). (b) the build of
+``--requests`` requests on a standalone cluster started here (``etl.build.spark_cluster``) with
+each of ``--spark-workers`` (1,2) workers of one core: ``build_spark_standalone_s`` per worker
+count, ``--repeat`` rounds each with their spread. (c) ``spark_local_vs_duckdb_build`` at
+``--requests``: local Spark vs DuckDB, alternated rounds, with spread. Results go under
+``spark_scaleout``; the other figures of the file are kept.
 
 Scale mode (``--scale 1000000,4000000``): for each size, synth that many requests and build
 them with each engine (DuckDB, Polars unless ``--no-polars``, Spark with ``--spark``),
@@ -125,6 +138,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--spark-master", default=None, help="Spark master of the Spark builds (local[*])"
     )
     parser.add_argument(
+        "--spark-scaleout",
+        action="store_true",
+        help="Spark scale-out mode: spark_driver_rss_growth, standalone build time per worker "
+        "count, spark_local_vs_duckdb_build",
+    )
+    parser.add_argument(
+        "--spark-rss-sizes",
+        default="1000000,4000000",
+        metavar="SIZES",
+        help="Spark scale-out mode: requests of the driver RSS builds (1000000,4000000)",
+    )
+    parser.add_argument(
+        "--spark-workers",
+        default="1,2",
+        metavar="COUNTS",
+        help="Spark scale-out mode: standalone cluster worker counts (1,2)",
+    )
+    parser.add_argument(
+        "--spark-partitions",
+        type=int,
+        default=None,
+        help="Spark scale-out mode: --spark-partitions of its builds (Spark's default)",
+    )
+    parser.add_argument(
         "--scale",
         default=None,
         metavar="SIZES",
@@ -156,6 +193,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if not args.scale or min(args.scale) < 1:
             parser.error(f"`--scale` sizes must be >= 1, got {args.scale}")
+    for name in ("spark_rss_sizes", "spark_workers"):
+        try:
+            setattr(args, name, [int(v) for v in getattr(args, name).split(",") if v.strip()])
+        except ValueError:
+            parser.error(f"`--{name.replace('_', '-')}` must be integers like 1,2")
+        if not getattr(args, name) or min(getattr(args, name)) < 1:
+            parser.error(f"`--{name.replace('_', '-')}` must be integers >= 1")
     if args.scale_engines is None:
         args.scale_engines = ["duckdb", *(["polars"] if args.polars else [])]
         args.scale_engines += ["spark"] if args.spark else []
@@ -204,7 +248,18 @@ def _child_build(spec: dict[str, Any]) -> dict[str, Any]:
         "cpu_s": _tree_cpu_s() - cpu,
         "manifest": manifest,
         "spark_startup_s": startup,
+        "jvm_heap_peak_mb": _jvm_heap_peak_mb() if config.engine == "spark" else None,
     }
+
+
+def _jvm_heap_peak_mb() -> float:
+    """The Spark driver JVM's peak heap: the sum of its heap pools' peak use (MB)."""
+    from pyspark.sql import SparkSession
+
+    jvm = SparkSession.getActiveSession().sparkContext._jvm
+    pools = jvm.java.lang.management.ManagementFactory.getMemoryPoolMXBeans()
+    heap = [p for p in pools if str(p.getType().name()) == "HEAP"]
+    return sum(p.getPeakUsage().getUsed() for p in heap) / 2**20
 
 
 def _tree_cpu_s() -> float:
@@ -259,14 +314,15 @@ def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         [sys.executable, "-m", "benchmarks.etl", "--child", json.dumps(spec)], cwd=REPO
     )
     ps = psutil.Process(proc.pid)
-    polled = 0
+    polled = own = 0
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
         try:
             tree = [ps, *ps.children(recursive=True)]
-            polled = max(polled, sum(p.memory_info().rss for p in tree))
+            rss = [p.memory_info().rss for p in tree]
+            polled, own = max(polled, sum(rss)), max(own, rss[0])
         except psutil.Error:
             pass
         time.sleep(0.05)
@@ -283,6 +339,7 @@ def _run_child(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         wall_s=time.perf_counter() - start,
         peak_rss_mb=max(child_max, polled_mb) if child_max > parent_max else polled_mb,
         polled_rss_mb=polled_mb,
+        own_rss_mb=own / 2**20,  # the child process alone (a Spark driver's Python side)
         parent_rss_mb=parent_max,
     )
     if not result["ok"]:
@@ -414,7 +471,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "spark_master": _spark_config(args)["master"],
             "spark_local_vs_duckdb_build": vs_duckdb["median"],
             "spark_local_vs_duckdb_build_spread": vs_duckdb,
-            "spark_same_parquet": _same_parts(work / "clustered", work / "clustered_spark"),
+            "spark_same_rows": _same_rows(work / "clustered", work / "clustered_spark"),
         }
     print("[etl bench] build time-ordered", file=sys.stderr)
     timed = _require(_run_child(build_spec("time", "time_ordered"), work), "build time-ordered")
@@ -606,6 +663,99 @@ def _same_parts(a: Path, b: Path) -> bool:
     parts_a = sorted(p.relative_to(a) for p in a.rglob("part-*.parquet"))
     parts_b = sorted(p.relative_to(b) for p in b.rglob("part-*.parquet"))
     return parts_a == parts_b and all((a / p).read_bytes() == (b / p).read_bytes() for p in parts_a)
+
+
+def _same_rows(a: Path, b: Path) -> bool:
+    """Whether two datasets' part files, read in their manifests' order, hold the same rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def rows(root: Path) -> pa.Table | None:
+        files = json.loads((root / "_manifest.json").read_text())["files"]
+        tables = [pq.read_table(root / f["path"], partitioning=None) for f in files]
+        return pa.concat_tables(tables) if tables else None
+
+    ta, tb = rows(a), rows(b)
+    return (ta is None and tb is None) or (ta is not None and tb is not None and ta.equals(tb))
+
+
+def run_spark_scaleout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Spark scale-out mode (the module docstring); returns ``spark_scaleout``."""
+    from etl.build.spark_cluster import standalone_cluster
+    from etl.synth import SynthConfig, generate
+
+    spark = {**_spark_config(args), "spark_partitions": args.spark_partitions}
+    spark = {k: v for k, v in spark.items() if v is not None}
+
+    def inputs(size: int) -> dict[str, Any]:
+        raw = generate(
+            work / f"raw-{size}", SynthConfig(num_requests=size, seed=args.seed), progress=True
+        )
+        return {"features": [str(p) for p in raw.features], "events": [str(p) for p in raw.events]}
+
+    rss: dict[str, Any] = {}
+    for size in sorted(set(args.spark_rss_sizes)):
+        spec = {"kind": "build", **inputs(size), "out": str(work / f"rss-{size}"), "config": spark}
+        print(f"[etl bench] spark driver RSS at {size:,} requests", file=sys.stderr)
+        got = _require(_run_child(spec, work), f"spark build at {size:,}")
+        rss[str(size)] = {
+            "rows_in": got["manifest"]["rows_in"],
+            "s": got["elapsed_s"],
+            "python_driver_peak_rss_mb": got["own_rss_mb"],
+            "jvm_heap_peak_mb": got["jvm_heap_peak_mb"],
+            "tree_peak_rss_mb": got["polled_rss_mb"],
+            "load_average": os.getloadavg()[0],
+        }
+        shutil.rmtree(work / f"rss-{size}", ignore_errors=True)
+        if size != args.requests:
+            shutil.rmtree(work / f"raw-{size}", ignore_errors=True)
+    lo, hi = str(min(args.spark_rss_sizes)), str(max(args.spark_rss_sizes))
+    main = inputs(args.requests)
+    specs = {
+        "duckdb": ({"kind": "build", **main, "out": str(work / "duckdb"), "config": {}}, "duckdb"),
+        "spark": (
+            {"kind": "build", **main, "out": str(work / "spark"), "config": spark},
+            "spark local",
+        ),
+    }
+    runs = _alternated(specs, work, repeat=args.repeat)
+    vs_duckdb = timing_ratio(runs, "spark", "duckdb")
+    same = _same_rows(work / "duckdb", work / "spark")
+    standalone: dict[str, Any] = {}
+    for workers in args.spark_workers:
+        with standalone_cluster(work / f"cluster-{workers}", workers=workers) as url:
+            config = {**spark, "master": url}
+            spec = {"kind": "build", **main, "out": str(work / "standalone"), "config": config}
+            label = f"spark standalone, {workers} worker(s)"
+            timed = _alternated({"standalone": (spec, label)}, work, repeat=args.repeat)
+        walls = [t.wall_s for t in timed["standalone"]]
+        standalone[str(workers)] = {
+            "s": statistics.median(walls),
+            "s_runs": walls,
+            "spread": {"min": min(walls), "median": statistics.median(walls), "max": max(walls)},
+            "python_driver_peak_rss_mb": max(t.value["own_rss_mb"] for t in timed["standalone"]),
+            "jvm_driver_heap_peak_mb": max(
+                t.value["jvm_heap_peak_mb"] for t in timed["standalone"]
+            ),
+            "same_rows_as_duckdb": _same_rows(work / "duckdb", work / "standalone"),
+        }
+    return {
+        "requests": args.requests,
+        "repeat": args.repeat,
+        "spark_partitions": args.spark_partitions,
+        "rss_sizes": sorted(set(args.spark_rss_sizes)),
+        "rss": rss,
+        "spark_driver_rss_growth": rss[hi]["python_driver_peak_rss_mb"]
+        / rss[lo]["python_driver_peak_rss_mb"],
+        "spark_jvm_heap_growth": rss[hi]["jvm_heap_peak_mb"] / rss[lo]["jvm_heap_peak_mb"],
+        "spark_local_vs_duckdb_build": vs_duckdb["median"],
+        "spark_local_vs_duckdb_build_spread": vs_duckdb,
+        "build_duckdb_s_runs": [t.wall_s for t in runs["duckdb"]],
+        "build_spark_local_s_runs": [t.wall_s for t in runs["spark"]],
+        "spark_same_rows": same,
+        "build_spark_standalone": standalone,
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def run_out_of_core(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -847,12 +997,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_limit is not None:
             results = {k: v for k, v in previous.items() if k != "out_of_core"}
             results["out_of_core"] = run_out_of_core(args, work)
+        elif args.spark_scaleout:
+            results = {k: v for k, v in previous.items() if k != "spark_scaleout"}
+            results["spark_scaleout"] = run_spark_scaleout(args, work)
         elif args.scale is not None:
             results = {k: v for k, v in previous.items() if k != "scale"}
             results["scale"] = merge_scale(previous.get("scale"), run_scale(args, work))
         else:
             results = run_benchmark(args, work)
-            for kept in ("out_of_core", "scale"):
+            for kept in ("out_of_core", "scale", "spark_scaleout"):
                 if kept in previous:
                     results[kept] = previous[kept]
     finally:

@@ -285,8 +285,8 @@ ETL = Table(
             "spark_local_vs_duckdb_build",
             lambda d: (
                 f"{{v}} ({d['build_spark_s']:.1f} s + {d['build_spark_startup_s']:.1f} s start-up, "
-                f"{d['spark_master']}); part files "
-                f"{'byte-identical' if d['spark_same_parquet'] else 'DIFFERENT'}"
+                f"{d['spark_master']}); rows "
+                f"{'the same' if d.get('spark_same_rows', d.get('spark_same_parquet')) else 'DIFFERENT'}"
             ),
             reference="report",
         ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from _bench import load_benchmark
@@ -106,3 +107,34 @@ def test_scale_mode_reports_seconds_per_million_rows(tmp_path, capsys):
     assert "seconds per million input rows" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(["--scale", "1M"])
+
+
+def test_spark_scaleout_flags_and_the_rows_compared_in_manifest_order(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bench = load_benchmark("etl")
+    args = bench.parse_args(["--spark-scaleout", "--spark-rss-sizes", "250000,1000000"])
+    assert args.spark_scaleout and args.spark_rss_sizes == [250000, 1000000]
+    assert args.spark_workers == [1, 2] and bench.parse_args([]).spark_rss_sizes == [
+        10**6,
+        4 * 10**6,
+    ]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--spark-workers", "two"])
+
+    def dataset(name: str, cuts: list[list[int]]) -> Path:
+        root = tmp_path / name
+        root.mkdir()
+        files = []
+        for i, rows in enumerate(cuts):
+            pq.write_table(pa.table({"x": rows}), root / f"part-{i:05d}.parquet")
+            files.append({"path": f"part-{i:05d}.parquet"})
+        files.reverse() if name == "reversed" else None
+        (root / "_manifest.json").write_text(json.dumps({"files": files}))
+        return root
+
+    one = dataset("one", [[1, 2, 3, 4]])
+    assert bench._same_rows(one, dataset("two", [[1], [2, 3, 4]]))
+    assert bench._same_rows(one, dataset("reversed", [[3, 4], [1, 2]]))  # listed 1, 0
+    assert not bench._same_rows(one, dataset("swapped", [[2, 1], [3, 4]]))
