@@ -97,10 +97,11 @@ test: setup  ## the whole suite, slow tests included (what CI runs)
 test-fast: setup  ## skip tests marked slow
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -n 2 --dist loadfile -q -m "not slow"
 
-lint: setup  ## ruff check + format check + the import layering (lint-imports)
+lint: setup  ## ruff check + format check + the import layering (lint-imports) + mypy --strict on recpipe/ and schemas/
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 format: setup  ## ruff: fix what it can, then format
 	$(VENV)/bin/ruff check --fix .

@@ -50,7 +50,7 @@ def pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def move_tensor(
-    tensor: torch.Tensor | None, device: torch.device, *, non_blocking: bool
+    tensor: torch.Tensor | None, device: torch.device | str, *, non_blocking: bool
 ) -> torch.Tensor | None:
     """``tensor.to(device, non_blocking=...)``; ``None`` (not yet derived) stays ``None``."""
     return None if tensor is None else tensor.to(device, non_blocking=non_blocking)

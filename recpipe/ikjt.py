@@ -13,7 +13,7 @@ expansion in :func:`recpipe.kernels.jagged_index_select`; nothing here loops ove
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,11 @@ class _DedupFields(_ValuesFields):
     """``dedup_factor`` (from ``num_expanded_values``) plus the fields of :class:`_ValuesFields`."""
 
     __slots__ = ()
+
+    if TYPE_CHECKING:
+
+        @property
+        def num_expanded_values(self) -> int: ...
 
     @property
     def dedup_factor(self) -> float:

@@ -207,7 +207,7 @@ def check_totals(manifest: dict[str, Any], entries: list[ListedFile]) -> list[st
                 + (f" (+ {continuations:,} `session_continuations`)" if continuations else "")
             )
     rows_in, rows_out, quarantined = total("rows_in"), total("rows_out"), total("rows_quarantined")
-    if None not in (rows_in, rows_out, quarantined):
+    if rows_in is not None and rows_out is not None and quarantined is not None:
         sampled = total("rows_sampled_out") or 0
         reconciles = rows_in == rows_out + quarantined + sampled
         if not reconciles:

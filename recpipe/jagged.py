@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,17 +75,22 @@ def _check_offsets(offsets: torch.Tensor, num_values: int, *, name: str) -> None
 
 
 def _check_values(values: Any, *, name: str = "values") -> torch.Tensor:
-    values = as_tensor(values, name=name)
-    if values.dim() not in (1, 2):
-        msg = f"`{name}` must be [N] or [N, D], got shape {tuple(values.shape)}"
+    tensor = as_tensor(values, name=name)
+    if tensor.dim() not in (1, 2):
+        msg = f"`{name}` must be [N] or [N, D], got shape {tuple(tensor.shape)}"
         raise DataError(msg)
-    return values
+    return tensor
 
 
 class _ValuesFields:
     """``num_values``/``device``/``dtype`` of a type whose ``values`` property is its storage."""
 
     __slots__ = ()
+
+    if TYPE_CHECKING:
+
+        @property
+        def values(self) -> torch.Tensor: ...
 
     @property
     def num_values(self) -> int:
@@ -357,6 +362,9 @@ class KeyedJaggedTensor(_ValuesFields):
                     msg = f"`lengths` {quote(lengths)} disagree with `offsets` {quote(offsets)}"
                     raise DataError(msg)
         if lengths is None:
+            if offsets is None:  # reached only with validate=False
+                msg = "`lengths` or `offsets` must be given, got neither"
+                raise DataError(msg)
             lengths = offsets[1:] - offsets[:-1]
         num_rows = lengths.numel()
         if keys:

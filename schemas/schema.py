@@ -36,7 +36,7 @@ import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import pyarrow as pa
 
@@ -252,7 +252,8 @@ class DatasetSchema:
         # column and JSON-key names ignoring case, so `a` and `A` would be one column
         folded = {n.casefold(): n for n in sorted(reserved)}
         by_name: dict[str, DenseFeature | SparseFeature] = {}
-        for feature in (*self.dense, *self.sparse):
+        features: tuple[DenseFeature | SparseFeature, ...] = (*self.dense, *self.sparse)
+        for feature in features:
             if feature.name in reserved:
                 raise SchemaError(
                     f"feature `{feature.name}`: the name is reserved "
@@ -311,7 +312,7 @@ class DatasetSchema:
                     "request_id, user_id and the session id are kept already",
                 )
             taken[name.casefold()] = name
-        return names
+        return cast("tuple[str, ...]", names)  # each one checked by _check_name
 
     def _validated_raw_keys(
         self, pairs: Any, keys: Mapping[str, str]
@@ -335,7 +336,7 @@ class DatasetSchema:
             if raw in raw_seen:
                 raise _fail(where, f"raw-log key {raw!r} is also mapped to `{raw_seen[raw]}`")
             raw_seen[raw] = name
-        return pairs
+        return cast("tuple[tuple[str, str], ...]", pairs)  # every raw key checked above
 
     def raw_key(self, name: str) -> str:
         """The key the raw logs use for ``name`` (``request_id`` or a feature): ``[keys]``'s
@@ -457,14 +458,14 @@ class DatasetSchema:
                 f"name = {_toml_str(f.name)}",
                 f"fill = {_toml_float(f.fill)}",
             ]
-        for f in self.sparse:
+        for s in self.sparse:
             lines += [
                 "",
                 "[[sparse]]",
-                f"name = {_toml_str(f.name)}",
-                f"kind = {_toml_str(f.kind)}",
-                f"max_len = {f.max_len}",
-                f"truncate = {'true' if f.truncate else 'false'}",
+                f"name = {_toml_str(s.name)}",
+                f"kind = {_toml_str(s.kind)}",
+                f"max_len = {s.max_len}",
+                f"truncate = {'true' if s.truncate else 'false'}",
             ]
         if self.raw_keys:
             lines += ["", "[keys]"]

@@ -9,12 +9,18 @@ integer type by :func:`as_bits` wherever a kernel only moves bytes.
 
 from __future__ import annotations
 
+from typing import Any, TypeAlias
+
 import numpy as np
 import torch
 
 from recpipe.errors import DataError
 
-__all__ = ["as_bits", "as_numpy", "bits_dtype", "compute_dtype", "flat2d", "row_width"]
+__all__ = ["Array", "as_bits", "as_numpy", "bits_dtype", "compute_dtype", "flat2d", "row_width"]
+
+Array: TypeAlias = Any
+"""What a kernel's body indexes: a NumPy array (the CPU forms, the CUDA simulator) or a Numba
+device array (the CUDA forms). Numba types the kernels from their arguments, not from hints."""
 
 _BITS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

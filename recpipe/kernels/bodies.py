@@ -43,7 +43,7 @@ BASIS_B = 0x0527D6B3
 """Start value of a row hash's second lane."""
 
 
-def lists_equal(values, a_start, a_end, b_start, b_end):
+def lists_equal(values: Any, a_start: int, a_end: int, b_start: int, b_end: int) -> bool:
     """``values[a_start:a_end] == values[b_start:b_end]``, element by element."""
     n = a_end - a_start
     if n != b_end - b_start:
@@ -54,7 +54,7 @@ def lists_equal(values, a_start, a_end, b_start, b_end):
     return True
 
 
-def fold_list(values, start, end, a, b):
+def fold_list(values: Any, start: int, end: int, a: int, b: int) -> tuple[int, int]:
     """Fold one list, then its length, into a row hash's two 31-bit lanes ``(a, b)``.
 
     Each id is xor-folded to 31 bits and mixed into lane ``a`` (FNV-1a modulo 2**31); at the
@@ -70,7 +70,7 @@ def fold_list(values, start, end, a, b):
     return ((a ^ (n & _M31)) * _P1) & _M31, ((b ^ a ^ 0x5BD1E995) * _P2) & _M31
 
 
-def appended_ids(values, offsets, r):
+def appended_ids(values: Any, offsets: Any, r: int) -> Any:
     """Ids row ``r`` appends to the packed values of a partial dedup (see ``partial_dedup``).
 
     0 if its list equals the previous row's, 1 if it is the previous one extended or slid by
@@ -92,7 +92,7 @@ def appended_ids(values, offsets, r):
     return n
 
 
-def running_max(values, start, end, d):
+def running_max(values: Any, start: int, end: int, d: int) -> tuple[Any, int]:
     """``(max, position)`` of column ``d`` over rows ``start .. end - 1`` (``end > start``).
 
     NaN wins, as in ``torch.max``; otherwise the first maximum is kept.

@@ -15,13 +15,14 @@ is always verified element by element, so a collision costs time, never correctn
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from numba import njit
 
 from recpipe.errors import DataError
-from recpipe.kernels.arrays import as_bits, as_numpy, compute_dtype, flat2d, row_width
+from recpipe.kernels.arrays import Array, as_bits, as_numpy, compute_dtype, flat2d, row_width
 from recpipe.kernels.bodies import BASIS_A, BASIS_B, compile_bodies
 
 __all__ = [
@@ -50,7 +51,7 @@ _running_max = _BODIES["running_max"]
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _fmix64(h):
+def _fmix64(h: Any) -> Any:
     h ^= h >> _U33
     h *= _FMIX_1
     h ^= h >> _U33
@@ -60,7 +61,7 @@ def _fmix64(h):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows_equal(values, offsets, i, j):
+def _rows_equal(values: Array, offsets: Array, i: int, j: int) -> bool:
     for k in range(len(values)):
         key_offsets = offsets[k]
         if not _lists_equal(
@@ -71,7 +72,9 @@ def _rows_equal(values, offsets, i, j):
 
 
 @njit(cache=True, nogil=True)
-def _dedup_group(values, offsets, hash_mask, inverse, first_rows):
+def _dedup_group(
+    values: Array, offsets: Array, hash_mask: Any, inverse: Array, first_rows: Array
+) -> int:
     """Dedup the rows of a group given as tuples of per-key arrays (one dtype).
 
     Writes ``inverse[i]`` (the row's unique id, numbered by first occurrence) and
@@ -145,7 +148,7 @@ def dedup_rows(
 
 
 @njit(cache=True, nogil=True)
-def _partial_windows(values, offsets, win_offsets, win_lengths):
+def _partial_windows(values: Array, offsets: Array, win_offsets: Array, win_lengths: Array) -> int:
     tail = 0
     for r in range(offsets.shape[0] - 1):
         n = offsets[r + 1] - offsets[r]
@@ -156,7 +159,9 @@ def _partial_windows(values, offsets, win_offsets, win_lengths):
 
 
 @njit(cache=True, nogil=True)
-def _partial_fill(values, offsets, win_offsets, win_lengths, packed):
+def _partial_fill(
+    values: Array, offsets: Array, win_offsets: Array, win_lengths: Array, packed: Array
+) -> None:
     tail = 0
     for r in range(offsets.shape[0] - 1):
         end = win_offsets[r] + win_lengths[r]
@@ -186,7 +191,7 @@ def partial_dedup(
 
 
 @njit(cache=True, nogil=True)
-def _select_offsets(offsets, indices, out_offsets):
+def _select_offsets(offsets: Array, indices: Array, out_offsets: Array) -> int:
     """Fill ``out_offsets``; return the position of the first index out of range, or -1."""
     num_rows = offsets.shape[0] - 1
     out_offsets[0] = 0
@@ -203,7 +208,9 @@ def _select_offsets(offsets, indices, out_offsets):
 
 
 @njit(cache=True, nogil=True)
-def _select_copy(values, offsets, indices, out_offsets, width, out):
+def _select_copy(
+    values: Array, offsets: Array, indices: Array, out_offsets: Array, width: int, out: Array
+) -> None:
     for m in range(indices.shape[0]):
         src = np.uint64(offsets[indices[m]] * width)
         dst = np.uint64(out_offsets[m] * width)
@@ -212,7 +219,9 @@ def _select_copy(values, offsets, indices, out_offsets, width, out):
 
 
 @njit(cache=True, nogil=True)
-def _index_add(grad, out_offsets, src_offsets, indices, width, out):
+def _index_add(
+    grad: Array, out_offsets: Array, src_offsets: Array, indices: Array, width: int, out: Array
+) -> None:
     for m in range(indices.shape[0]):
         src = np.uint64(out_offsets[m] * width)
         dst = np.uint64(src_offsets[indices[m]] * width)
@@ -280,7 +289,7 @@ def jagged_index_add(
 
 
 @njit(cache=True, nogil=True)
-def _segment_sum(values, offsets, mean, out):
+def _segment_sum(values: Array, offsets: Array, mean: int, out: Array) -> None:
     for b in range(offsets.shape[0] - 1):
         start = offsets[b]
         end = offsets[b + 1]
@@ -293,7 +302,7 @@ def _segment_sum(values, offsets, mean, out):
 
 
 @njit(cache=True, nogil=True)
-def _segment_max(values, offsets, out, argmax):
+def _segment_max(values: Array, offsets: Array, out: Array, argmax: Array) -> None:
     for b in range(offsets.shape[0] - 1):
         start = offsets[b]
         end = offsets[b + 1]
@@ -306,7 +315,7 @@ def _segment_max(values, offsets, out, argmax):
 
 
 @njit(cache=True, nogil=True)
-def _segment_sum_backward(grad_out, offsets, mean, grad_values):
+def _segment_sum_backward(grad_out: Array, offsets: Array, mean: int, grad_values: Array) -> None:
     for b in range(offsets.shape[0] - 1):
         start = offsets[b]
         end = offsets[b + 1]
@@ -317,7 +326,7 @@ def _segment_sum_backward(grad_out, offsets, mean, grad_values):
 
 
 @njit(cache=True, nogil=True)
-def _segment_max_backward(grad_out, argmax, grad_values):
+def _segment_max_backward(grad_out: Array, argmax: Array, grad_values: Array) -> None:
     for b in range(argmax.shape[0]):
         for d in range(argmax.shape[1]):
             at = argmax[b, d]
@@ -360,6 +369,9 @@ def segment_reduce_backward(
     grad2d = flat2d(grad_out.to(acc_dtype))
     width = grad2d.shape[1]
     if mode == "max":
+        if argmax is None:
+            msg = "`argmax` (from the forward) is needed for the backward of mode 'max'"
+            raise DataError(msg)
         grad_values = torch.zeros((num_values, width), dtype=acc_dtype)
         _segment_max_backward(as_numpy(grad2d), as_numpy(argmax), grad_values.numpy())
     else:

@@ -32,7 +32,7 @@ import torch
 
 from recpipe._deps import optional_import
 from recpipe.errors import DependencyError
-from recpipe.kernels.arrays import as_bits, compute_dtype, flat2d, row_width
+from recpipe.kernels.arrays import Array, as_bits, compute_dtype, flat2d, row_width
 from recpipe.kernels.bodies import BASIS_A, BASIS_B, compile_bodies
 
 cuda = optional_import("numba.cuda", purpose="the CUDA kernels of recpipe.kernels")
@@ -59,7 +59,7 @@ def is_simulator() -> bool:
     """True when Numba's CUDA simulator stands in for a GPU (``NUMBA_ENABLE_CUDASIM=1``)."""
     from numba import config
 
-    return bool(config.ENABLE_CUDASIM)
+    return bool(getattr(config, "ENABLE_CUDASIM", 0))
 
 
 def _threads(gpu: int = 256) -> int:
@@ -175,7 +175,7 @@ _running_max = _BODIES["running_max"]
 
 
 @cuda.jit(cache=True)
-def _hash_rows(values, offsets, h1, h2):
+def _hash_rows(values: Array, offsets: Array, h1: Array, h2: Array) -> None:
     """Fold each row's list into its two 31-bit hash lanes (one call per key)."""
     start_row, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start_row, offsets.shape[0] - 1, stride):
@@ -183,7 +183,9 @@ def _hash_rows(values, offsets, h1, h2):
 
 
 @cuda.jit(cache=True)
-def _resolve(values, offsets, perm, run_start, prev_rep, rep):
+def _resolve(
+    values: Array, offsets: Array, perm: Array, run_start: Array, prev_rep: Array, rep: Array
+) -> None:
     """``rep[i]``: the first row of ``i``'s hash run equal to ``i`` on this and earlier keys."""
     start_pos, stride = cuda.grid(1), cuda.gridsize(1)
     for p in range(start_pos, perm.shape[0], stride):
@@ -237,14 +239,16 @@ def dedup_rows(
 
 
 @cuda.jit(cache=True)
-def _partial_counts(values, offsets, appended):
+def _partial_counts(values: Array, offsets: Array, appended: Array) -> None:
     start_row, stride = cuda.grid(1), cuda.gridsize(1)
     for r in range(start_row, offsets.shape[0] - 1, stride):
         appended[r] = _appended_ids(values, offsets, r)
 
 
 @cuda.jit(cache=True)
-def _partial_fill(values, offsets, appended, tails, packed):
+def _partial_fill(
+    values: Array, offsets: Array, appended: Array, tails: Array, packed: Array
+) -> None:
     start_row, stride = cuda.grid(1), cuda.gridsize(1)
     for r in range(start_row, offsets.shape[0] - 1, stride):
         count = appended[r]
@@ -282,7 +286,9 @@ _WARP = 32
 
 
 @cuda.jit(cache=True)
-def _select_copy(values, offsets, indices, out_offsets, width, out):
+def _select_copy(
+    values: Array, offsets: Array, indices: Array, out_offsets: Array, width: int, out: Array
+) -> None:
     """One warp per output row (grid-stride), its lanes over the row's words."""
     lane = cuda.threadIdx.x % _WARP
     for m in range(cuda.grid(1) // _WARP, indices.shape[0], cuda.gridsize(1) // _WARP):
@@ -293,7 +299,9 @@ def _select_copy(values, offsets, indices, out_offsets, width, out):
 
 
 @cuda.jit(cache=True)
-def _index_add(grad, out_offsets, src_offsets, indices, width, out):
+def _index_add(
+    grad: Array, out_offsets: Array, src_offsets: Array, indices: Array, width: int, out: Array
+) -> None:
     for m in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
         src = out_offsets[m] * width
         dst = src_offsets[indices[m]] * width
@@ -385,7 +393,7 @@ def jagged_index_add(
 
 
 @cuda.jit(cache=True)
-def _segment_reduce(values, offsets, mode, out, argmax):
+def _segment_reduce(values: Array, offsets: Array, mode: int, out: Array, argmax: Array) -> None:
     """One thread per (row, column); ``mode`` 0 sum, 1 mean, 2 max."""
     width = values.shape[1]
     start_cell, stride = cuda.grid(1), cuda.gridsize(1)
@@ -409,7 +417,9 @@ def _segment_reduce(values, offsets, mode, out, argmax):
 
 
 @cuda.jit(cache=True)
-def _segment_reduce_backward(grad_out, offsets, mode, argmax, grad_values):
+def _segment_reduce_backward(
+    grad_out: Array, offsets: Array, mode: int, argmax: Array, grad_values: Array
+) -> None:
     width = grad_out.shape[1]
     start_cell, stride = cuda.grid(1), cuda.gridsize(1)
     for cell in range(start_cell, grad_out.shape[0] * width, stride):

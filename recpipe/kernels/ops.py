@@ -15,7 +15,7 @@ Jagged layout used throughout (``offsets[0] == 0``, ``offsets[-1] == len(values)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 ReduceMode = Literal["sum", "mean", "max"]
+Pair = tuple[torch.Tensor, torch.Tensor]
 _ID_DTYPES = (torch.int32, torch.int64)
 _REDUCE_MODES = ("sum", "mean", "max")
 
@@ -145,7 +146,9 @@ def dedup_rows(
                 f"{key_offsets.device}, but `offsets[0]` {num_rows} rows on {offsets[0].device}"
             )
             raise DataError(msg)
-    return get_kernel("dedup_rows", offsets[0].device)(values, offsets, hash_mask=hash_mask)
+    return cast(
+        Pair, get_kernel("dedup_rows", offsets[0].device)(values, offsets, hash_mask=hash_mask)
+    )
 
 
 def partial_dedup(
@@ -179,7 +182,10 @@ def partial_dedup(
     """
     _check_jagged(values, offsets, "values", "offsets")
     _check_ids(values, "values")
-    return get_kernel("partial_dedup", values.device)(values, offsets)
+    return cast(
+        "tuple[torch.Tensor, torch.Tensor, torch.Tensor]",
+        get_kernel("partial_dedup", values.device)(values, offsets),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,7 +194,9 @@ def partial_dedup(
 
 class _JaggedIndexSelect(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values, offsets, indices):
+    def forward(
+        ctx: Any, values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, out_offsets = get_kernel("jagged_index_select", values.device)(
             values, offsets, indices
         )
@@ -199,7 +207,7 @@ class _JaggedIndexSelect(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_offsets):
+    def backward(ctx: Any, grad_out: torch.Tensor, _grad_offsets: Any) -> tuple[Any, None, None]:
         offsets, indices, out_offsets = ctx.saved_tensors
         grad = get_kernel("jagged_index_add", grad_out.device)(
             grad_out.contiguous(), out_offsets, offsets, indices, ctx.num_src_values
@@ -235,8 +243,8 @@ def jagged_index_select(
     _check_jagged(values, offsets, "values", "offsets")
     indices = _check_indices(indices, values.device)
     if values.requires_grad and values.dtype.is_floating_point and torch.is_grad_enabled():
-        return _JaggedIndexSelect.apply(values, offsets, indices)
-    return get_kernel("jagged_index_select", values.device)(values, offsets, indices)
+        return cast(Pair, _JaggedIndexSelect.apply(values, offsets, indices))  # type: ignore[no-untyped-call]
+    return cast(Pair, get_kernel("jagged_index_select", values.device)(values, offsets, indices))
 
 
 def jagged_index_add(
@@ -274,8 +282,11 @@ def jagged_index_add(
     if num_src_values < 0:
         msg = f"`num_src_values` must be >= 0, got {num_src_values!r}"
         raise DataError(msg)
-    return get_kernel("jagged_index_add", grad_values.device)(
-        grad_values, out_offsets, src_offsets, indices, int(num_src_values)
+    return cast(
+        torch.Tensor,
+        get_kernel("jagged_index_add", grad_values.device)(
+            grad_values, out_offsets, src_offsets, indices, int(num_src_values)
+        ),
     )
 
 
@@ -285,16 +296,16 @@ def jagged_index_add(
 
 class _SegmentReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values, offsets, mode):
+    def forward(ctx: Any, values: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
         out, argmax = get_kernel("segment_reduce", values.device)(values, offsets, mode)
         ctx.mode = mode
         ctx.num_values = values.shape[0]
         ctx.save_for_backward(offsets, argmax if argmax is not None else offsets)
-        return out
+        return cast(torch.Tensor, out)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, None, None]:
         offsets, argmax = ctx.saved_tensors
         grad = get_kernel("segment_reduce_backward", grad_out.device)(
             grad_out.contiguous(),
@@ -336,5 +347,5 @@ def segment_reduce(
         msg = f"`values` must be floating point for segment_reduce, got {values.dtype}"
         raise DataError(msg)
     if values.requires_grad and torch.is_grad_enabled():
-        return _SegmentReduce.apply(values, offsets, mode)
-    return get_kernel("segment_reduce", values.device)(values, offsets, mode)[0]
+        return cast(torch.Tensor, _SegmentReduce.apply(values, offsets, mode))  # type: ignore[no-untyped-call]
+    return cast(torch.Tensor, get_kernel("segment_reduce", values.device)(values, offsets, mode)[0])

@@ -16,6 +16,8 @@ it too; the torch form for tensors on any device is :mod:`recpipe.kernels.hashin
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
 
@@ -33,7 +35,7 @@ _S31 = np.uint64(31)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def mix64(x):
+def mix64(x: Any) -> Any:
     """splitmix64's finaliser on one uint64: a bijection with good avalanche (Numba scalar).
 
     Call it from other ``@njit`` kernels; from Python use :func:`splitmix64` on arrays.
@@ -44,13 +46,13 @@ def mix64(x):
 
 
 @njit(cache=True, nogil=True)
-def _splitmix64_array(x, add, out):
+def _splitmix64_array(x: Any, add: Any, out: Any) -> None:
     for i in range(x.shape[0]):
         out[i] = mix64(x[i] + add)
 
 
 @njit(cache=True, nogil=True)
-def _hash_modulo_array(ids, add, modulus, out):
+def _hash_modulo_array(ids: Any, add: Any, modulus: Any, out: Any) -> None:
     """``out[i] = mix64(ids[i] + add)`` read as int64, mod ``modulus`` (Python's remainder)."""
     for i in range(ids.shape[0]):
         out[i] = np.int64(mix64(ids[i] + add)) % modulus
