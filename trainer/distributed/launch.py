@@ -203,10 +203,10 @@ def run(
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
     from trainer.distributed.run import check_config, train_rank
 
-    check_config(config)
     options = distributed_config(args)
     quiet = bool(getattr(args, "quiet", False))
     if not launched_by_torchrun():
+        check_config(config)  # before any worker starts (a worker checks after the settings)
         worker = argparse.Namespace(
             nproc=None, quiet=quiet, json=getattr(args, "json", None), distributed=options
         )
