@@ -438,4 +438,4 @@ def test_cli_builds_with_the_polars_engine(tmp_path, capsys):
     assert manifest["config"]["engine"] == "polars" and manifest["rows_out"] == 3
     assert manifest["quarantine_by_reason"][reasons.MALFORMED_JSON] == 1
     assert main([*args, "--out", str(tmp_path / "o2"), "--memory-limit", "1GB"]) == 1
-    assert "`memory_limit` is an option of engine 'duckdb'" in capsys.readouterr().err
+    assert "`--memory-limit` is an option of engine 'duckdb'" in capsys.readouterr().err
