@@ -30,6 +30,9 @@ __all__ = [
 
 TOKEN_ENV = "RECPIPE_TOKEN"
 DEFAULT_MAX_READERS = 8  # reader processes in all, unless `readers` alone needs more
+MAX_READERS_PER_CLIENT = 256  # `readers` and `idle_readers`
+MAX_PENDING = 65_535  # `max_pending` (also the listen backlog)
+MAX_SECONDS = 86_400.0  # every duration setting
 
 
 def is_loopback(host: str) -> bool:
@@ -86,6 +89,14 @@ class ServiceConfig:
             :func:`readers.service.wire.batch_to_frame`).
         insecure: allow a non-loopback ``host`` without a ``token`` (anyone who reaches the
             port can read the data).
+        auth_failures_free: failed authentications a peer host may have before its back-off
+            starts (see :mod:`readers.service.guard`).
+        auth_backoff_s: the first back-off: every connection from the host is refused this
+            long after its next failed authentication, twice as long after the one after it...
+        auth_backoff_max_s: the longest back-off; a host without failures this long starts
+            afresh.
+        refusal_log_every_s: a refused peer host's first refusal is logged in full, the ones
+            after it in one summary line per host this often.
     """
 
     host: str = "127.0.0.1"
@@ -104,28 +115,53 @@ class ServiceConfig:
     send_buffer_bytes: int | None = None
     narrow: bool = True
     insecure: bool = False
+    auth_failures_free: int = 3
+    auth_backoff_s: float = 1.0
+    auth_backoff_max_s: float = 60.0
+    refusal_log_every_s: float = 10.0
 
     def __post_init__(self) -> None:
-        def count(value: object, least: int) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= least
+        def count(value: object, least: int, most: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
-        checks: list[tuple[str, bool]] = [
-            ("port", count(self.port, 0) and self.port <= 65535),
-            ("readers", count(self.readers, 0)),
-            ("idle_readers", self.idle_readers is None or count(self.idle_readers, 0)),
-            ("queue_depth", count(self.queue_depth, 1)),
-            ("max_frame_bytes", count(self.max_frame_bytes, 1025)),
-            ("max_clients", count(self.max_clients, 1)),
-            ("max_readers", self.max_readers is None or count(self.max_readers, 1)),
-            ("max_pending", count(self.max_pending, 1)),
-            ("heartbeat_s", self.heartbeat_s > 0),
-            ("handshake_timeout_s", self.handshake_timeout_s > 0),
-            ("report_every_s", self.report_every_s >= 0),
-            ("send_buffer_bytes", self.send_buffer_bytes is None or self.send_buffer_bytes > 0),
-        ]
-        for name, ok in checks:
+        def seconds(value: object, *, zero: bool = False) -> bool:  # finite, at most a day
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            return number and (value >= 0 if zero else value > 0) and value <= MAX_SECONDS
+
+        readers, pending = MAX_READERS_PER_CLIENT, MAX_PENDING
+        checks: list[tuple[str, bool, str]] = [
+            ("port", count(self.port, 0, 65535), "an integer in [0, 65535]"),
+            ("readers", count(self.readers, 0, readers), f"an integer in [0, {readers}]"),
+            ("idle_readers", self.idle_readers is None or count(self.idle_readers, 0, readers),
+             f"an integer in [0, {readers}]"),
+            ("queue_depth", count(self.queue_depth, 1, 1 << 16), "an integer in [1, 65536]"),
+            ("max_frame_bytes", count(self.max_frame_bytes, 1025, 1 << 40),
+             "an integer in [1025, 2**40]"),
+            ("max_clients", count(self.max_clients, 1, 1 << 20), "an integer in [1, 2**20]"),
+            ("max_readers", self.max_readers is None or count(self.max_readers, 1, 1 << 16),
+             "an integer in [1, 65536]"),
+            ("max_pending", count(self.max_pending, 1, pending), f"an integer in [1, {pending}]"),
+            ("heartbeat_s", seconds(self.heartbeat_s), f"a number of seconds in (0, {MAX_SECONDS:,}]"),
+            ("handshake_timeout_s", seconds(self.handshake_timeout_s),
+             f"a number of seconds in (0, {MAX_SECONDS:,}]"),
+            ("report_every_s", seconds(self.report_every_s, zero=True),
+             f"a number of seconds in [0, {MAX_SECONDS:,}]"),
+            ("send_buffer_bytes",
+             self.send_buffer_bytes is None or count(self.send_buffer_bytes, 1, (1 << 31) - 1),
+             "an integer in [1, 2**31 - 1]"),
+            ("auth_failures_free", count(self.auth_failures_free, 0, 1 << 20),
+             "an integer in [0, 2**20]"),
+            ("auth_backoff_s", seconds(self.auth_backoff_s),
+             f"a number of seconds in (0, {MAX_SECONDS:,}]"),
+            ("auth_backoff_max_s", seconds(self.auth_backoff_max_s)
+             and self.auth_backoff_max_s >= self.auth_backoff_s,
+             f"a number of seconds in [`auth_backoff_s`, {MAX_SECONDS:,}]"),
+            ("refusal_log_every_s", seconds(self.refusal_log_every_s, zero=True),
+             f"a number of seconds in [0, {MAX_SECONDS:,}]"),
+        ]  # fmt: skip
+        for name, ok, want in checks:
             if not ok:
-                msg = f"`{name}` has an invalid value {getattr(self, name)!r}"
+                msg = f"`{name}` has an invalid value {getattr(self, name)!r}: it must be {want}"
                 raise DataError(msg)
         if self.token is not None and not self.token:
             msg = "`token` must be a non-empty string or None, got ''"
@@ -232,6 +268,8 @@ class ServerStats:
     reader_processes_idle: int = 0  # kept warm for the next client right now
     connections_pending: int = 0  # waiting for their HELLO right now
     session_states: Mapping[str, int] = field(default_factory=dict)
+    auth_failures: int = 0  # HELLOs with no token or a wrong one
+    auth_backed_off: int = 0  # connections refused because their host was backed off
 
     def summary(self) -> str:
         """A short multi-line summary for the end of a run."""
@@ -239,7 +277,13 @@ class ServerStats:
         per_sample = self.bytes_sent / self.samples if self.samples else 0.0
         lines = [
             f"recpipe serve: summary ({self.elapsed_s:.1f} s on {self.address[0]}:{self.address[1]})",
-            f"  clients         {self.clients_total} served, {self.rejected} refused",
+            f"  clients         {self.clients_total} served, {self.rejected} refused"
+            + (
+                f" ({self.auth_failures:,} failed authentication, {self.auth_backed_off:,} "
+                "while their host was backed off)"
+                if self.auth_failures or self.auth_backed_off
+                else ""
+            ),
             f"  batches         {self.batches:,}",
             f"  samples         {self.samples:,} ({rate:,.0f} samples/s)",
             f"  bytes sent      {fmt_bytes(self.bytes_sent)} ({per_sample:,.1f} B/sample)",

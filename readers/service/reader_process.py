@@ -28,6 +28,7 @@ import queue as queue_mod
 import signal
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from multiprocessing import reduction
 from typing import Any
@@ -248,8 +249,12 @@ class PooledReader:
         reduction.send_handle(self.conn, sock.fileno(), self.process.pid)
 
     def frames(self) -> int:
-        """Frames this process has written over its life."""
-        return int(self.counters[0])
+        """Frames this process has written over its life.
+
+        Read without the counters' lock: the process is their only writer, and one it was
+        killed holding (terminated in :meth:`retire`, out of memory) would be held for ever.
+        """
+        return int(self.counters.get_obj()[0])
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until the job is over; False if the process died or is still busy."""
@@ -259,12 +264,23 @@ class PooledReader:
             return False
 
     def retire(self, timeout: float) -> None:
-        """Stop the process (terminated if it does not stop within ``timeout``)."""
-        with contextlib.suppress(OSError):
-            self.conn.send(None)
+        """Stop the process (terminated if it does not stop within ``timeout``, killed if it
+        does not die within ``timeout`` more)."""
+        self.ask_to_stop()
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
+        self.stop_now(timeout)
+
+    def ask_to_stop(self) -> None:
+        """Tell the process to stop once its job is over (it reads no more jobs)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+
+    def stop_now(self, timeout: float) -> None:
+        """Terminate the process if it still runs, kill it if that takes over ``timeout``."""
+        for end in (self.process.terminate, self.process.kill):
+            if not self.process.is_alive():
+                break
+            end()
             self.process.join(timeout)
         self.conn.close()
 
@@ -368,13 +384,29 @@ class ReaderPool:
         with self._lock:
             return len(self._idle)
 
-    def close(self) -> None:
-        """Stop the idle readers; lent ones are stopped as they come back."""
-        with self._lock:
+    def close(self, *, timeout: float = STOP_GRACE_S) -> None:
+        """Stop the idle readers, and the lent ones that did not come back: all together,
+        within about ``3 * timeout`` (asked, then terminated, then killed)."""
+        if not self._lock.acquire(timeout=timeout):  # a stuck holder: close without the lock
             self._closed = True
-            idle, self._idle = self._idle, []
-        for reader in idle:
-            reader.retire(STOP_GRACE_S)
+            readers = list(self._idle) + list(self._lent)
+        else:
+            try:
+                self._closed = True
+                readers, self._idle = self._idle + self._lent, []
+            finally:
+                self._lock.release()
+        for reader in readers:
+            reader.ask_to_stop()
+        for end in (None, "terminate", "kill"):  # each step waits for all of them at once
+            alive = [r for r in readers if r.process.is_alive()]
+            for reader in alive if end else ():
+                getattr(reader.process, end)()
+            deadline = time.monotonic() + timeout
+            for reader in alive:
+                reader.process.join(max(deadline - time.monotonic(), 0.0))
+        for reader in readers:
+            reader.conn.close()
 
     def _new(self) -> PooledReader:
         with self._lock:

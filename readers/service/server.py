@@ -15,9 +15,14 @@ client is admitted if fewer than ``max_clients`` are being served and its reader
 ``max_readers`` (else it is refused with a "busy" ERROR). A finished client leaves only a
 :class:`~readers.service.config.SessionStats` snapshot in a bounded history.
 
+**Failed authentications** back the peer's host off, and repeated refusals of one host are
+summarised in the log (:mod:`readers.service.guard`).
+
 **Shutdown.** SIGTERM or Ctrl-C (:func:`serve`) closes the listener, tells every client
 (``ERROR``), stops and joins the reader processes (kept ones too), closes the sockets and prints
-a summary. A progress line goes to stderr every ``report_every_s`` seconds.
+a summary. Every wait on the way has a deadline (:meth:`ReaderServer.close`), and the signal
+handler only sets a flag (it takes no lock: a handler that took one the interrupted main thread
+held would wait forever). A progress line goes to stderr every ``report_every_s`` seconds.
 """
 
 from __future__ import annotations
@@ -29,14 +34,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TextIO
 
-from readers.service.config import ServerStats, ServiceConfig, SessionStats, fmt_bytes
+from readers.service.config import TOKEN_ENV, ServerStats, ServiceConfig, SessionStats, fmt_bytes
+from readers.service.guard import PeerGuard
 from readers.service.producers import BatchProducer
 from readers.service.reader_process import ReaderPool
 from readers.service.session import (
     JOIN_TIMEOUT_S,
+    AuthenticationError,
     ClientSession,
     Request,
     SessionContext,
@@ -49,6 +56,7 @@ from readers.service.wire import FrameKind, ServiceBusyError, ServiceError, enco
 __all__ = ["SESSION_HISTORY", "ReaderServer", "serve"]
 
 SESSION_HISTORY = 1024  # finished clients whose stats are kept
+_STREAM_GRACE_S = 5.0  # at most this (or heartbeat_s) for streams to notice a shutdown
 
 
 class ReaderServer:
@@ -91,8 +99,16 @@ class ReaderServer:
             maxlen=SESSION_HISTORY
         )
         self._states: collections.Counter[str] = collections.Counter()
+        self._guard = PeerGuard(
+            free=self.config.auth_failures_free,
+            backoff_s=self.config.auth_backoff_s,
+            backoff_max_s=self.config.auth_backoff_max_s,
+            log_every_s=self.config.refusal_log_every_s,
+        )
+        self._stop_requested = False  # set by request_stop(), e.g. from a signal handler
         self._started = 0.0
         self._clients_total = self._rejected = 0
+        self._auth_failures = self._auth_backed_off = 0
         self._batches = self._samples = self._bytes = 0
         self._address: tuple[str, int] = (self.config.host, self.config.port)
 
@@ -141,13 +157,24 @@ class ReaderServer:
         return self._address
 
     def serve_forever(self, stop: threading.Event | None = None) -> None:
-        """Block until ``stop`` is set (or the server is closed)."""
-        stop = stop or self._closing
-        while not stop.wait(0.5) and not self._closing.is_set():
-            pass
+        """Block until ``stop`` is set, :meth:`request_stop` is called or the server is closed."""
+        while not (self._stop_requested or self._closing.is_set() or (stop and stop.is_set())):
+            self._closing.wait(0.2)
+
+    def request_stop(self) -> None:
+        """Make :meth:`serve_forever` return; safe in a signal handler (it takes no lock)."""
+        self._stop_requested = True
 
     def close(self, *, timeout: float = JOIN_TIMEOUT_S) -> ServerStats:
         """Stop accepting, tell and disconnect every client, join the readers; idempotent.
+
+        Every wait has a deadline, so it returns within about ``3 * timeout + 25`` s whatever
+        the threads and reader processes do: ``min(heartbeat_s, 5) + 1`` s for the streams to
+        notice, then their sockets are shut down and the connections have what is left of
+        ``timeout`` (at least :data:`JOIN_TIMEOUT_S`); then the reader processes are asked,
+        terminated and killed (:meth:`ReaderPool.close`). Threads still running then are left
+        behind (daemons; the log says how many); a lock a stuck thread holds is waited for at most
+        ``timeout``.
 
         Returns:
             The final statistics.
@@ -156,23 +183,30 @@ class ReaderServer:
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.close()
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
-        with self._lock:
+            thread.join(_left(deadline))
+        with _held(self._lock, timeout=_left(deadline)):
             handshaking = list(self._handshaking.values())
             connections = dict(self._connections)
         for conn in handshaking:  # nothing to tell them yet
             _shutdown(conn)
-        deadline = time.monotonic() + self.config.heartbeat_s + 1.0  # streams notice closing
-        for thread in connections:
-            thread.join(max(deadline - time.monotonic(), 0.0))
+        grace = time.monotonic() + min(self.config.heartbeat_s, _STREAM_GRACE_S) + 1.0
+        for thread in connections:  # streams notice closing within a heartbeat
+            thread.join(_left(min(grace, deadline)))
         for thread, conn in connections.items():
             if thread.is_alive():
                 _shutdown(conn)  # stuck sending to a stalled client
+        deadline = max(deadline, time.monotonic() + JOIN_TIMEOUT_S)
         for thread in connections:
-            thread.join(timeout + JOIN_TIMEOUT_S)
+            thread.join(_left(deadline))
+        stuck = sum(thread.is_alive() for thread in connections)
+        if stuck:
+            self._log(f"{stuck} connections did not finish in time; closing without them")
         self._pool.close()
-        return self.stats()
+        for line in self._guard.summaries(everything=True):
+            self._log(line)
+        return self.stats(timeout=timeout)
 
     def __enter__(self) -> ReaderServer:
         return self.start() if self._listener is None else self
@@ -181,11 +215,13 @@ class ReaderServer:
         self.close()
 
     # -- introspection ------------------------------------------------------------------------
-    def stats(self) -> ServerStats:
+    def stats(self, *, timeout: float = JOIN_TIMEOUT_S) -> ServerStats:
         """A snapshot of the server's counters, of the clients being served and of the most
-        recent finished ones (in the order they were admitted)."""
-        with self._lock:
-            sessions = [*self._finished, *((n, s.stats()) for n, s in self._active.items())]
+        recent finished ones (in the order they were admitted); taken without the server's
+        lock if that cannot be had within ``timeout``."""
+        with _held(self._lock, timeout=timeout):
+            active = list(self._active.items())
+            sessions = [*self._finished, *((n, s.stats()) for n, s in active)]
             sessions.sort(key=lambda item: item[0])
             return ServerStats(
                 address=self._address,
@@ -201,6 +237,8 @@ class ReaderServer:
                 reader_processes_idle=self._pool.idle,
                 connections_pending=len(self._handshaking),
                 session_states=dict(self._states),
+                auth_failures=self._auth_failures,
+                auth_backed_off=self._auth_backed_off,
             )
 
     def join_sessions(self, *, timeout: float) -> bool:
@@ -241,18 +279,32 @@ class ReaderServer:
                 continue
             except OSError:
                 break  # the listener was closed
-            self._open(conn, f"{peer[0]}:{peer[1]}")
+            finally:
+                for line in self._guard.summaries():
+                    self._log(line)
+            self._open(conn, _Peer(str(peer[0]), int(peer[1])))
 
-    def _open(self, conn: socket.socket, peer: str) -> None:
-        """Give a new connection its thread, or refuse it at once (too many handshakes)."""
+    def _open(self, conn: socket.socket, peer: _Peer) -> None:
+        """Give a new connection its thread, or refuse it at once (too many handshakes, or
+        its host is backed off after failed authentications)."""
         cfg = self.config
         with contextlib.suppress(OSError):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if cfg.send_buffer_bytes:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.send_buffer_bytes)
+        left, failures = self._guard.backoff(peer.host)
+        busy, why = True, "busy"
         with self._lock:
             if self._closing.is_set():
                 reason = "the reader service is shutting down"
+            elif left > 0:
+                busy, why = False, "backed off"
+                reason = (
+                    f"{failures} failed authentications from {peer.host}: its connections are "
+                    f"refused for {left:.0f} s more; check the token (--token-file or "
+                    f"${TOKEN_ENV})"
+                )
+                self._auth_backed_off += 1
             elif len(self._handshaking) >= cfg.max_pending:
                 reason = (
                     f"the reader service is busy: {cfg.max_pending} connections are waiting "
@@ -271,17 +323,23 @@ class ReaderServer:
                     self._handshaking[thread] = conn
                     return
             self._rejected += 1
-        self._log(f"refused {peer}: {reason}")
-        _refuse_at_once(conn, reason)
+        self._log_refusal(peer, why, reason)
+        _refuse_at_once(conn, reason, busy=busy)
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, peer: _Peer) -> None:
         """A connection's thread: handshake, admission, then the client's session."""
         me = threading.current_thread()
         try:
             try:
                 request = check_request(read_hello(conn, config=self.config), self.producer)
+            except AuthenticationError as exc:
+                self._guard.failed(peer.host)  # before the ERROR: the next try finds it
+                with self._lock:
+                    self._auth_failures += 1
+                self._refuse(conn, peer, exc, why="failed authentication")
+                return
             except ServiceError as exc:
-                self._refuse(conn, peer, exc)
+                self._refuse(conn, peer, exc, why="bad handshake")
                 return
             finally:
                 with self._lock:
@@ -304,7 +362,7 @@ class ReaderServer:
                 self._connections.pop(me, None)
 
     def _admit(
-        self, conn: socket.socket, peer: str, request: Request
+        self, conn: socket.socket, peer: _Peer, request: Request
     ) -> tuple[int, ClientSession] | None:
         """Register an authenticated client (its admission number and session), or refuse it as
         busy (at a limit, or closing)."""
@@ -323,12 +381,12 @@ class ReaderServer:
             else:
                 number, session = (
                     self._clients_total,
-                    ClientSession(conn, peer, request, self._context),
+                    ClientSession(conn, str(peer), request, self._context),
                 )
                 self._active[number] = session
                 self._clients_total += 1
                 return number, session
-        self._refuse(conn, peer, ServiceBusyError(reason))
+        self._refuse(conn, peer, ServiceBusyError(reason), why="busy")
         return None
 
     def _finish(self, number: int, session: ClientSession) -> None:
@@ -338,11 +396,17 @@ class ReaderServer:
             self._finished.append((number, stats))
             self._states[stats.state] += 1
 
-    def _refuse(self, conn: socket.socket, peer: str, exc: ServiceError) -> None:
+    def _refuse(self, conn: socket.socket, peer: _Peer, exc: ServiceError, *, why: str) -> None:
         with self._lock:
             self._rejected += 1
-        self._log(f"refused {peer}: {exc}")
+        self._log_refusal(peer, why, str(exc))
         refuse(conn, str(exc), busy=isinstance(exc, ServiceBusyError))
+
+    def _log_refusal(self, peer: _Peer, why: str, message: str) -> None:
+        """Log a refusal in full if it is the host's first in a while; else the host's summary
+        line counts it (see :class:`~readers.service.guard.PeerGuard`)."""
+        if self._guard.refused(peer.host, why):
+            self._log(f"refused {peer}: {message}")
 
     # -- internals ----------------------------------------------------------------------------
     def _report_loop(self) -> None:
@@ -369,18 +433,47 @@ class ReaderServer:
             print(f"recpipe serve: {message}", file=self._logfile, flush=True)
 
 
+class _Peer(NamedTuple):
+    """A client's address: its ``host`` (what back-offs and log summaries go by) and port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
+
+
+@contextlib.contextmanager
+def _held(lock: threading.Lock, *, timeout: float) -> Iterator[bool]:
+    """Hold ``lock`` if it can be had within ``timeout`` (yields whether it was); a shutdown
+    goes on without it rather than wait for ever on a thread that is stuck holding it."""
+    acquired = lock.acquire(timeout=timeout)
+    try:
+        yield acquired
+    finally:
+        if acquired:
+            lock.release()
+
+
 def _shutdown(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
 
 
-def _refuse_at_once(conn: socket.socket, message: str) -> None:
-    """Refuse a connection without a thread: one non-blocking ERROR (``code: "busy"``), then
-    close."""
+def _refuse_at_once(conn: socket.socket, message: str, *, busy: bool = True) -> None:
+    """Refuse a connection without a thread: one non-blocking ERROR (``code: "busy"`` if
+    ``busy``), then close (after reading what already arrived, so that closing does not
+    reset the connection before the peer reads the ERROR)."""
+    meta = {"message": message, **({"code": "busy"} if busy else {})}
     with contextlib.suppress(OSError):
         conn.setblocking(False)
-        conn.send(encode_frame(FrameKind.ERROR, {"message": message, "code": "busy"}))
+        conn.send(encode_frame(FrameKind.ERROR, meta))
         conn.shutdown(socket.SHUT_WR)
+        conn.recv(1 << 16)
     conn.close()
 
 
@@ -390,15 +483,16 @@ def serve(producer: BatchProducer, *, config: ServiceConfig) -> int:
     Returns:
         0 (the exit code).
     """
-    stop = threading.Event()
+    server = ReaderServer(producer, config=config)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    handler: Callable[[int, Any], None] = lambda signum, frame: stop.set()  # noqa: E731
+    # only a flag: the handler runs in the main thread between two of its bytecodes, maybe
+    # while it holds a lock the handler would wait for (an Event's, when it set one)
+    handler: Callable[[int, Any], None] = lambda signum, frame: server.request_stop()  # noqa: E731
     for sig in previous:
         signal.signal(sig, handler)
-    server = ReaderServer(producer, config=config)
     try:
         server.start()
-        server.serve_forever(stop)
+        server.serve_forever()
         server._log("shutting down")
     finally:
         stats = server.close()

@@ -80,6 +80,7 @@ from readers.service.wire import (
 from recpipe.errors import DataError
 
 __all__ = [
+    "AuthenticationError",
     "ClientSession",
     "Request",
     "SessionContext",
@@ -130,8 +131,9 @@ def read_hello(conn: socket.socket, *, config: ServiceConfig) -> Request:
     """Receive a client's HELLO (within ``handshake_timeout_s`` in all), check its token, parse it.
 
     Raises:
-        ServiceError: the HELLO did not arrive in time, the token is wrong or missing, or a
-            field is invalid (:class:`~readers.service.wire.ProtocolError`).
+        AuthenticationError: the token is wrong or missing.
+        ServiceError: the HELLO did not arrive in time, or a field is invalid
+            (:class:`~readers.service.wire.ProtocolError`).
     """
     deadline = time.monotonic() + config.handshake_timeout_s
     try:
@@ -146,15 +148,19 @@ def read_hello(conn: socket.socket, *, config: ServiceConfig) -> Request:
     return _parse_request(hello.meta, num_readers=config.readers_per_client)
 
 
+class AuthenticationError(ServiceError):
+    """A client's HELLO carried no token or a wrong one (the server backs its host off)."""
+
+
 def _check_token(hello: Frame, expected: str | None) -> None:
     if expected is None:
         return
     given = hello.meta.get("token")
-    given_bytes = given.encode() if isinstance(given, str) else b""
+    given_bytes = given.encode(errors="replace") if isinstance(given, str) else b""
     if not hmac.compare_digest(given_bytes, expected.encode()):
         what = "no token" if not given_bytes else "a wrong token"
         msg = f"authentication failed: the client sent {what} (set `token` or ${TOKEN_ENV})"
-        raise ServiceError(msg)
+        raise AuthenticationError(msg)
 
 
 def _parse_request(meta: dict[str, Any], *, num_readers: int) -> Request:
