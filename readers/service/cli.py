@@ -24,6 +24,10 @@ _SERVER_OPTIONS = (
     "host", "port", "readers", "idle_readers", "queue_depth", "max_clients", "max_readers",
     "max_pending", "handshake_timeout_s", "report_every_s", "insecure",
 )  # fmt: skip
+_FLAGS = {"handshake_timeout_s": "--handshake-timeout", "report_every_s": "--report-every",
+          "token": "--token"}  # fmt: skip
+MAX_BATCH_SIZE = 1 << 24  # rows per batch
+_MAX_COUNT = 1 << 30  # --warmup-batches, --read-ahead, --synthetic
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +57,42 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     _add_reader_options(parser)
     add_quiet_option(parser)
     parser.set_defaults(func=lambda args: _cli_serve(args, options))
+
+
+def _flag(name: str) -> str:
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def _server_config(args: argparse.Namespace, options: ConfigOptions, token: str | None) -> Any:
+    """The :class:`ServiceConfig` of the options; a bad value is one line naming its flag."""
+    try:
+        return ServiceConfig(**options.values(args), token=token)
+    except DataError as exc:
+        message = str(exc)
+        for name in (*_SERVER_OPTIONS, "token"):
+            message = message.replace(f"`{name}`", f"`{_flag(name)}`")
+        raise DataError(message) from None
+
+
+def _check_reader_options(args: argparse.Namespace) -> None:
+    """Refuse a reader option no reader could run with, before anything starts.
+
+    Raises:
+        DataError: one line naming the flag and quoting the value.
+    """
+    counts = (
+        ("batch_size", 1, MAX_BATCH_SIZE), ("warmup_batches", 0, _MAX_COUNT),
+        ("read_ahead", 0, _MAX_COUNT), ("synthetic", 0, _MAX_COUNT),
+        ("seed", 0, (1 << 63) - 1),
+    )  # fmt: skip
+    for name, least, most in counts:
+        value = getattr(args, name)
+        if value is not None and not least <= value <= most:
+            msg = f"`{_flag(name)}` must be an integer in [{least}, {most:,}], got {value!r}"
+            raise DataError(msg)
+    if not 0.0 <= args.alpha <= 1.0:  # NaN too
+        msg = f"`--alpha` must be a number in [0, 1], got {args.alpha!r}"
+        raise DataError(msg)
 
 
 def _add_token_options(parser: argparse.ArgumentParser) -> None:
@@ -223,7 +263,8 @@ def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
     from readers.service.producers import BatchProducer, DatasetProducer, SyntheticProducer
     from readers.service.server import serve
 
-    config = options.build(args, token=read_token(token=args.token, token_file=args.token_file))
+    config = _server_config(args, options, read_token(token=args.token, token_file=args.token_file))
+    _check_reader_options(args)
     if args.quiet:  # no progress lines; the summary at the end stays
         config = dataclasses.replace(config, report_every_s=0.0)
     dedup = args.dedup == "on"
@@ -255,15 +296,16 @@ def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
             read_ahead=args.read_ahead,
             extras=tuple(name.strip() for name in args.extras.split(",") if name.strip()),
         )
-        if producer.extras:  # an unknown extras column fails here, not in every reader
-            from readers.source import DatasetSource, ReaderConfig
+        # a dataset, schema, preprocessing config or extras column the readers cannot use
+        # fails here, in one line, not in every reader once a client connects
+        from readers.dataset import make_pipeline
+        from readers.source import DatasetSource, ReaderConfig
 
-            DatasetSource(
-                args.dataset,
-                schema=producer.read_schema(),
-                config=ReaderConfig(extras=producer.extras),
-            )
+        schema = producer.read_schema()
+        DatasetSource(args.dataset, schema=schema, config=ReaderConfig(extras=producer.extras))
+        make_pipeline(args.preprocess, schema, dataset=args.dataset)
         if args.dedup_groups is not None:  # "auto" runs the stats once, not in every reader
-            groups = producer.read_schema().dedup_groups
-            producer = dataclasses.replace(producer, dedup_groups=[list(g) for g in groups])
+            producer = dataclasses.replace(
+                producer, dedup_groups=[list(g) for g in schema.dedup_groups]
+            )
     return serve(producer, config=config)
