@@ -68,6 +68,8 @@ def schema(tmp_path) -> str:
 
 
 def _argv(command: str, inputs: list[str], out: Path, schema: str) -> list[str]:
+    if command == "validate":
+        return ["etl", "validate", *inputs, "--schema", schema]
     common = [*inputs, "--out", str(out), "--schema", schema, "--quiet"]
     if command == "shard":
         return ["etl", "shard", *common, "--num-shards", "2"]
@@ -122,7 +124,7 @@ def unreadable(tmp_path):
     (logs / "sub").chmod(0o755)
 
 
-@pytest.mark.parametrize("command", ["build", "shard"])
+@pytest.mark.parametrize("command", ["build", "shard", "validate"])
 @pytest.mark.parametrize("given", ["dir", "glob"])
 def test_an_unreadable_subdirectory_is_an_error_naming_it(
     tmp_path, unreadable, schema, command, given
