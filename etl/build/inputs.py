@@ -16,6 +16,11 @@ number, its text and the way it is split never depend on the engine:
   file, with the file and line it came from (``source``, ``source_line``).
 
 Paths are never handed to DuckDB or Polars as globs: :func:`duckdb_path` escapes them.
+
+The manifest's ``inputs`` describe exactly the bytes parsed: each file's status is taken before
+anything reads it (:func:`check_structure`), its digest must be of the file in that state
+(:func:`digest`), the reader refuses a file that changes under it, and the build ends by
+comparing every status again (:func:`check_unchanged`); a file that changed is an error naming it.
 """
 
 from __future__ import annotations
