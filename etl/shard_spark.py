@@ -12,9 +12,10 @@ each one goes and writes every file:
   the local engine reads it (:func:`etl.shard.read_position`: files side by side, a step of
   lines from each in turn); an unroutable line becomes its ``_unroutable`` record there.
 - **flushes**: the local engine compresses each shard's buffered lines whenever the lines
-  routed since the last flush pass ``buffer_mb``. When all routed lines together pass it, the
-  driver replays that count over the lines' lengths in read order (one small array per step
-  of lines of a file, streamed block by block) and finds the lines after which a flush falls.
+  routed since the last flush pass ``buffer_mb``. When all routed lines together pass it, one
+  task replays that count over the lines' lengths in read order (one small array per step
+  of lines of a file, streamed) and returns the lines after which a flush falls (a few
+  positions: one per ``buffer_mb``); the driver sees no line and no length.
 - **write**: the lines are partitioned by shard (and by the comparison routings of
   ``compare``, which only count bytes) and sorted by read position within each partition;
   each task feeds every shard it holds, in read order and flush by flush, to the local
@@ -93,6 +94,8 @@ _LINES = pa.schema(
         ("step_lengths", pa.binary()),
     ]
 )
+#: a flush of the local engine: the read position of the line it follows
+_CUTS = pa.schema([(c, pa.int32() if c in ("g", "file_id") else pa.int64()) for c in _POSITION])
 _WRITTEN = pa.schema(
     [
         ("v", pa.int32()),
@@ -164,10 +167,24 @@ def run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig) -
 
 
 def _flush_cuts(table: Any, limit: int) -> list[tuple[int, ...]]:
-    """The read positions of the lines after which the local engine flushes, in order."""
+    """The read positions of the lines after which the local engine flushes, in order.
+
+    The replay is sequential by nature (a flush resets the count), so one task runs it over
+    the steps' line lengths in read order (8 bytes a line, streamed; no line text) and
+    returns only the cuts (one per ``buffer_mb`` of lines): nothing per line reaches the
+    driver."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
     steps = table.where(table.step_lengths.isNotNull()).select("g", "r", "file_id", "step_lengths")
-    ordered = steps.orderBy("g", "r", "file_id")
-    return run_action(lambda: _replay(ordered.toLocalIterator(), limit))
+    ordered = steps.repartition(1).sortWithinPartitions("g", "r", "file_id")
+
+    def replay(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        rows = (row for b in batches for row in b.to_pylist())
+        cuts = _replay(rows, limit)
+        yield pa.RecordBatch.from_pylist([dict(zip(_POSITION, c)) for c in cuts], schema=_CUTS)
+
+    found = run_action(ordered.mapInArrow(replay, from_arrow_schema(_CUTS)).toArrow)
+    return sorted(tuple(r.values()) for r in found.to_pylist())
 
 
 def _replay(steps: Iterator[Any], limit: int) -> list[tuple[int, ...]]:
