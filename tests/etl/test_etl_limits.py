@@ -131,6 +131,17 @@ def test_a_full_disk_is_one_line_and_the_old_output_is_kept(
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
 
 
+def test_a_full_spill_dir_is_one_line_naming_it(tmp_path, schema, small_disk, capsys):
+    logs = _logs(tmp_path / "logs" / "a.jsonl", 500, sessions=50)
+    _fill(small_disk, leave=0)
+    spill = small_disk / "spill"
+    argv = ["etl", "build", str(logs), "--out", str(tmp_path / "ds"), "--schema", schema]
+    argv += ["--memory-limit", "64MB", "--spill-dir", str(spill), "--quiet"]
+    assert main(argv) == 1
+    one_line_error(capsys.readouterr().err, str(spill), "No space left on device")
+    assert not (tmp_path / "ds").exists() and not list(spill.iterdir())
+
+
 # --- options that cannot work ---------------------------------------------------------------
 
 
