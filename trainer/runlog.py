@@ -28,6 +28,7 @@ __all__ = [
     "RunLog",
     "TrainResult",
     "batch_dedup_factor",
+    "divergence_hint",
     "format_bytes",
     "format_summary",
     "run_targets",
@@ -90,6 +91,18 @@ class TrainResult:
     def final_eval(self) -> EvalResult | None:
         """The last evaluation."""
         return self.evals[-1][1] if self.evals else None
+
+
+def divergence_hint(config: TrainConfig, saved_step: int | None) -> str:
+    """The end of a "training stopped" message: what the checkpoint keeps, and what to try."""
+    lr = DEFAULT_LR[config.optimizer] if config.lr is None else config.lr
+    if config.checkpoint is None:
+        kept = ""
+    elif saved_step is None:
+        kept = "; no checkpoint was written"
+    else:
+        kept = f"; the checkpoint of step {saved_step} is kept"
+    return f"{kept}; try a lower `--lr` (it is {lr:g})"
 
 
 def run_targets(config: TrainConfig) -> tuple[int | None, int | None]:

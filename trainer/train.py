@@ -58,6 +58,7 @@ from trainer.runlog import (
     EvalResult,
     RunLog,
     TrainResult,
+    divergence_hint,
     format_bytes,
     run_targets,
 )
@@ -405,15 +406,7 @@ class _Run:
                 raise RecpipeError(msg)
 
     def _lr_hint(self) -> str:
-        cfg = self.config
-        lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
-        if cfg.checkpoint is None:
-            kept = ""
-        elif self.saved_step is None:
-            kept = "; no checkpoint was written"
-        else:
-            kept = f"; the checkpoint of step {self.saved_step} is kept"
-        return f"{kept}; try a lower `--lr` (it is {lr:g})"
+        return divergence_hint(self.config, self.saved_step)
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         """The saved training state, or ``None`` when there is no checkpoint file yet."""

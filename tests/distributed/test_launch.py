@@ -127,3 +127,22 @@ def test_a_worker_killed_with_sigkill_fails_the_job_within_a_minute(dist_dataset
                 p.kill()
             proc.kill()
             proc.communicate(timeout=30)
+
+
+def test_a_diverging_multi_rank_run_stops_without_saving(dist_dataset, tmp_path):
+    """`--lr 1e30` on 2 ranks: the losses become non-finite; every rank stops at the same step
+    (the losses are all-reduced), the command ends in one line naming the step and `--lr`, and
+    the checkpoint of the first step, saved before, is still the one on disk."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [_recpipe(), "train", str(dist_dataset), "--nproc", "2", "--steps", "6", "--lr", "1e30",
+         "--checkpoint", str(ckpt), "--checkpoint-every", "1",
+         "--log-every", "1", *SMALL],
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=420,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the training loss is" in proc.stderr and "try a lower `--lr`" in proc.stderr
+    state = torch.load(ckpt / "checkpoint.pt", weights_only=False)
+    stopped = int(proc.stderr.split("step ")[1].split(":")[0])
+    assert 1 <= state["trainer"]["step"] < stopped

@@ -18,6 +18,7 @@ Rank 0 shows progress and writes the checkpoint's dense part, the summary and th
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -39,7 +40,7 @@ from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.settings import check_same_settings, job_settings
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.metrics import peak_memory_bytes
-from trainer.runlog import RunLog, TrainResult, run_targets
+from trainer.runlog import RunLog, TrainResult, divergence_hint, run_targets
 from trainer.train import read_schema
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
@@ -289,7 +290,14 @@ class _RankRun:
     # -- losses and metrics ------------------------------------------------------------------------
     def _reduce_losses(self) -> None:
         """The pending steps' losses (one all-reduce for all of them), and their records."""
-        losses = self.trainer.pending_losses()
+        losses = self.trainer.pending_losses()  # all-reduced: every rank sees the same values
+        for record, loss in zip(self.unreduced, losses, strict=True):
+            if not math.isfinite(loss):
+                msg = (
+                    f"step {record['step']}: the training loss is {loss}; training stopped"
+                    f"{divergence_hint(self.config, self.saved_step)}"
+                )
+                raise RecpipeError(msg)
         self.log.losses += losses
         for record, loss in zip(self.unreduced, losses, strict=True):
             self.log.record({**record, "loss": loss})
