@@ -38,8 +38,9 @@ data grows. (a) ``spark_driver_rss_growth``: a local Spark build at each of
 <= 1.2: the driver only coordinates), with the JVM's peak heap at each size beside it (a
 ``local`` JVM runs the tasks too, so its heap is the executors' as well). (b) the build of
 ``--requests`` requests on a standalone cluster started here (``etl.build.spark_cluster``) with
-each of ``--spark-workers`` (1,2) workers of one core: ``build_spark_standalone_s`` per worker
-count, ``--repeat`` rounds each with their spread. (c) ``spark_local_vs_duckdb_build`` at
+each of ``--spark-workers`` (1,2) workers of one core: ``build_spark_standalone`` (seconds) per worker
+count, ``--repeat`` rounds each (no warm-up round: every build is a fresh driver) with their
+spread. (c) ``spark_local_vs_duckdb_build`` at
 ``--requests``: local Spark vs DuckDB, alternated rounds, with spread. Results go under
 ``spark_scaleout``; the other figures of the file are kept.
 
@@ -727,7 +728,9 @@ def run_spark_scaleout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             config = {**spark, "master": url}
             spec = {"kind": "build", **main, "out": str(work / "standalone"), "config": config}
             label = f"spark standalone, {workers} worker(s)"
-            timed = _alternated({"standalone": (spec, label)}, work, repeat=args.repeat)
+            timed = _alternated(
+                {"standalone": (spec, label)}, work, repeat=args.repeat, warmup=False
+            )
         walls = [t.wall_s for t in timed["standalone"]]
         standalone[str(workers)] = {
             "s": statistics.median(walls),
