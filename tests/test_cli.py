@@ -255,3 +255,34 @@ def test_a_stdout_that_cannot_be_written_is_named(tmp_path):
         )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr == "recpipe etl: error: No space left on device: '<stdout>'\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["synth", "--out", "O", "--requests", str(10**30)],
+         f"argument --requests: '{10**30}' does not fit in a 64-bit integer"),
+        (["synth", "--out", "O", "--bad-fraction", "nan"],
+         "argument --bad-fraction: must be a number, got 'nan'"),
+        (["towers", "partition", "DS", "--towers", "0"], "`--towers` must be a positive integer"),
+        (["etl", "validate", "IN", "--sample", "0"],
+         "argument --sample: must be a positive integer, got '0'"),
+    ],
+)  # fmt: skip
+def test_a_nonsense_value_is_a_usage_error_naming_the_flag(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / a) if a in ("O", "DS", "IN") else a for a in argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_refusal_names_the_flag_the_user_gave(monkeypatch, capsys):
+    from recpipe.errors import RecpipeError
+
+    _failing_synth(monkeypatch, RecpipeError("`seed` must be small, got 3; see `seed` in X"))
+    assert main(["synth", "--out", "O", "--seed", "3"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "error: `--seed` must be small, got 3; see `seed` in X\n"
+    )
+    assert main(["synth", "--out", "O"]) == 1  # not given: the message is the library's own
+    assert capsys.readouterr().err.endswith("error: `seed` must be small, got 3; see `seed` in X\n")

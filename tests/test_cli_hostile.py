@@ -35,7 +35,7 @@ import pytest
 from tests.common.data import synthetic_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 60  # seconds: every case must end well before (an accepted value may hang `serve`)
+TIMEOUT = 180  # seconds: every case must end well before (an accepted value may hang `serve`)
 KINDS = ("unwritable", "readonly", "full")
 MODEL = ["--embedding-dim", "4", "--num-embeddings", "200", "--bottom-mlp", "8", "--top-mlp", "8"]
 TRAIN = ["--steps", "1", "--batch-size", "32", "--eval-batches", "1", *MODEL]
@@ -347,7 +347,7 @@ NONSENSE = [
     ("build-memory-limit-word", ["etl", "build", "{raw}", "--out", "{out}/d", "--memory-limit",
                                  "lots"], "--memory-limit"),
     ("build-session-gap-negative", ["etl", "build", "{raw}", "--out", "{out}/d",
-                                    "--session-gap", "-5m"], "--session-gap"),
+                                    "--session-gap=-5m"], "--session-gap"),
     ("validate-sample-zero", ["etl", "validate", "{raw}", "--sample", "0"], "--sample"),
     ("stats-batch-size-zero", ["stats", "{ds}", "--out", "{out}/s", "--batch-size", "0"],
      "--batch-size"),
@@ -355,8 +355,6 @@ NONSENSE = [
      "--threads"),
     ("serve-batch-size-zero", ["serve", "{ds}", "--batch-size", "0"], "--batch-size"),
     ("serve-port-huge", ["serve", "{ds}", "--port", "70000"], "--port"),
-    ("serve-readers-negative", ["serve", "{ds}", "--readers", "-1"], "--readers"),
-    ("serve-queue-depth-zero", ["serve", "{ds}", "--queue-depth", "0"], "--queue-depth"),
     ("train-batch-size-zero", ["train", "{ds}", *TRAIN, "--batch-size", "0"], "--batch-size"),
     ("train-steps-negative", ["train", "{ds}", *TRAIN, "--steps", "-1"], "--steps"),
     ("train-embedding-dim-zero", ["train", "{ds}", *TRAIN, "--embedding-dim", "0"],
@@ -364,7 +362,6 @@ NONSENSE = [
     ("train-num-embeddings-huge", ["train", "{ds}", *TRAIN, "--num-embeddings", HUGE],
      "--num-embeddings"),
     ("train-workers-negative", ["train", "{ds}", *TRAIN, "--workers", "-1"], "--workers"),
-    ("train-nproc-zero", ["train", "{ds}", *TRAIN, "--nproc", "0"], "--nproc"),
     ("train-master-port-huge", ["train", "{ds}", *TRAIN, "--nproc", "2", "--master-port",
                                 "99999"], "--master-port"),
     ("train-bottom-mlp-zero", ["train", "{ds}", *TRAIN, "--bottom-mlp", "0"], "--bottom-mlp"),
@@ -385,7 +382,6 @@ NONSENSE = [
      "--eval-fraction"),
     ("serve-handshake-timeout-nan", ["serve", "{ds}", "--handshake-timeout", "nan"],
      "--handshake-timeout"),
-    ("serve-alpha-inf", ["serve", "{ds}", "--alpha", "inf"], "--alpha"),
     ("train-lr-nan", ["train", "{ds}", *TRAIN, "--lr", "nan"], "--lr"),
     ("train-lr-inf", ["train", "{ds}", *TRAIN, "--lr", "inf"], "--lr"),
     ("train-eval-fraction-nan", ["train", "{ds}", *TRAIN, "--eval-fraction", "nan"],
@@ -419,44 +415,22 @@ NONSENSE = [
     ("validate-input-proc", ["etl", "validate", PROC], PROC),
     ("verify-proc", ["etl", "verify", "/proc/self"], "/proc/self"),
     ("stats-out-proc", ["stats", "{ds}", "--out", PROC + "/s"], PROC),
-    ("fit-preprocess-proc", ["fit", "{ds}", "--preprocess", PROC], PROC),
     ("serve-dataset-proc", ["serve", PROC], PROC),
-    ("train-json-proc", ["train", "{ds}", *TRAIN, "--json", PROC + "/s.json"], PROC),
     ("train-checkpoint-proc", ["train", "{ds}", *TRAIN, "--checkpoint", PROC + "/ck"], PROC),
     ("store-proc", ["store", PROC], PROC),
-    ("towers-out-proc", ["towers", "partition", "{ds}", "--towers", "2", "--out",
-                         PROC + "/p.toml"], PROC),
     ("towers-plan-proc", ["towers", "train", "{ds}", "--towers", PROC, *TRAIN], PROC),
 ]  # fmt: skip
-# Refused while the options are parsed or checked, before any data is read: fast.
+# The cases that load torch (or start reader processes) before they refuse.
 SLOW_NONSENSE = {
-    "synth-requests-huge",
-    "shard-num-shards-huge",
-    "build-memory-limit-tiny",
-    "build-master-bogus",
-    "build-spill-dir-proc",
-    "fit-eval-fraction-nan",
     "serve-batch-size-zero",
     "serve-port-huge",
-    "serve-readers-negative",
-    "serve-queue-depth-zero",
     "serve-handshake-timeout-nan",
-    "serve-alpha-inf",
-    "train-num-embeddings-huge",
-    "train-lr-nan",
-    "train-lr-inf",
-    "train-device-tpu",
-    "train-attention-bogus",
+    "serve-dispatch-bogus",
+    "serve-dataset-proc",
+    "fit-eval-fraction-nan",
     "train-master-port-huge",
-    "train-dist-timeout-nan",
-    "towers-count-zero",
-    "towers-balance-nan",
-    "towers-compression-inf",
-    "towers-ranks-per-host-zero",
-    "towers-tower-module-bogus",
-    "train-json-proc",
+    "train-attention-bogus",
     "train-checkpoint-proc",
-    "towers-out-proc",
     "towers-plan-proc",
 }
 
@@ -478,3 +452,4 @@ def test_every_command_is_covered():
     assert {a[0] for a in argvs} == {name for name, _, _ in SUBCOMMANDS}
     assert {a[1] for a in argvs if a[0] == "etl"} == {"shard", "build", "validate", "verify"}
     assert {a[1] for a in argvs if a[0] == "towers"} == {"partition", "train"}
+    assert {c for c, _, _ in NONSENSE} >= SLOW_NONSENSE and {c for c, _, _ in WRITERS} >= FAST
