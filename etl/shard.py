@@ -236,8 +236,11 @@ class ShardSink:
     def _emit(self, i: int, data: bytes) -> None:
         self.bytes[i] += len(data)
         if self.paths and data:
-            with self.paths[i].open("ab") as fh:
-                fh.write(data)
+            try:
+                with self.paths[i].open("ab") as fh:
+                    fh.write(data)
+            except OSError as exc:  # a full disk: name the shard
+                raise OSError(exc.errno, exc.strerror, str(self.paths[i])) from None
 
 
 def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | None, str]:
@@ -389,6 +392,8 @@ def shard(
         DataError: on missing inputs or an existing ``out_dir`` without ``overwrite``.
         CorruptInputError: naming the file, on a broken zstd input or a file that is not
             UTF-8 text (naming the line too).
+        RecpipeError: the shards cannot be written (a full disk), naming ``out_dir``; shards
+            already there are left as they were.
     """
     cfg = config or ShardConfig()
     schema = schema or load_schema(None)
@@ -408,11 +413,20 @@ def shard(
             report = getattr(importlib.import_module(module), name)(files, tmp, schema, cfg)
         report["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "_shard.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
+        if out.exists():  # swapped, then removed: a crash never leaves neither in place
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # inputs are read with errors of their own: the output
+            from etl.build.output import output_error
+
+            raise output_error(out, exc) from None
         raise
     report["out_dir"] = str(out)
     report["shards"] = [str(shard_path(out, i)) for i in range(n)]

@@ -131,6 +131,22 @@ def test_a_full_disk_is_one_line_and_the_old_output_is_kept(
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
 
 
+@pytest.mark.parametrize("command", ["build", "shard"])
+def test_the_library_names_the_output_on_a_full_disk(tmp_path, small_disk, command):
+    from etl.build import build
+    from etl.shard import shard
+    from recpipe.errors import RecpipeError
+    from schemas import parse_schema
+
+    logs = _logs(tmp_path / "big" / "a.jsonl", 20_000, sessions=5_000)
+    _fill(small_disk, leave=64 << 10)
+    run = build if command == "build" else shard
+    with pytest.raises(RecpipeError, match="No space left on device") as got:
+        run(logs, small_disk / "out", schema=parse_schema(SCHEMA))
+    assert str(small_disk / "out") in str(got.value).splitlines()[0]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
 def test_a_full_spill_dir_is_one_line_naming_it(tmp_path, schema, small_disk, capsys):
     logs = _logs(tmp_path / "logs" / "a.jsonl", 500, sessions=50)
     _fill(small_disk, leave=0)
