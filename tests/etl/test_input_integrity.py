@@ -204,24 +204,23 @@ def test_an_input_cut_while_it_is_read_is_an_error(
     assert not (tmp_path / "out").exists()
 
 
-def _replace_after_digest(monkeypatch, path: Path, data: bytes) -> None:
-    """Once the build has hashed ``path``, put ``data`` (same size, other bytes) in its place."""
-    real = etl.build.driver.digest
+def _replace_after_parse(monkeypatch, path: Path, data: bytes) -> None:
+    """Once the build has parsed its inputs, put ``data`` (same size, other bytes) in place of
+    ``path`` (deterministic: the parse is over, the manifest not yet written)."""
+    real = etl.build.driver._combine
 
-    def digest_then_replace(f, *args):
-        got = real(f, *args)
-        if Path(f.path) == path:
-            tmp = path.with_name(".swap")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        return got
+    def replace_then_combine(*args, **kwargs):
+        tmp = path.with_name(".swap")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(etl.build.driver, "digest", digest_then_replace)
+    monkeypatch.setattr(etl.build.driver, "_combine", replace_then_combine)
 
 
 @pytest.mark.parametrize("engine", ["duckdb", "polars"])
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_an_input_replaced_after_its_digest_is_an_error(
+def test_an_input_replaced_during_the_build_is_an_error(
     tmp_path, schema, monkeypatch, capsys, engine, fmt
 ):
     logs = tmp_path / "logs"
@@ -236,7 +235,7 @@ def test_an_input_replaced_after_its_digest_is_an_error(
         pq.write_table(pa.Table.from_pylist(_records(0, 200)[::-1]), other_path)
         other = other_path.read_bytes()
     assert other != src.read_bytes()
-    _replace_after_digest(monkeypatch, src, other)
+    _replace_after_parse(monkeypatch, src, other)
     argv = [*_argv("build", [str(src)], tmp_path / "out", schema), "--engine", engine]
     assert main(argv) == 1
     one_line_error(capsys.readouterr().err, str(src), "changed")
