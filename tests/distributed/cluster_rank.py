@@ -63,6 +63,10 @@ def main(dataset: str, out: str) -> None:
     Path(out, f"rank-{record['rank']}.json").write_text(json.dumps(record))
     destroy()
     _say("left the group")
+    sys.stderr.flush()
+    # gloo's threads can abort the interpreter's exit ("terminate called without an active
+    # exception") once the group is gone; the rank's record is written: leave now
+    os._exit(0)
 
 
 if __name__ == "__main__":

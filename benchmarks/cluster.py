@@ -1,0 +1,453 @@
+"""Scale-out wins as wall time over shaped links: a cluster in a box (`recpipe.testing.cluster`).
+
+Two namespace hosts joined through a bridge namespace, each host's link shaped with tbf to
+`--rate-mbit` each way; one rank per host (gloo on the host's link, `GLOO_SOCKET_IFNAME`).
+Needs root (network namespaces); elsewhere it stops with the reason.
+
+Figures (written to benchmarks/results/cluster.json), each with its spread over alternated
+repeats (`_common.alternate`: the cases' order rotates every repeat; rank 0's wall time):
+  hypereca_best_r_vs_r0     2 hosts x 1 rank: global samples/s at the best hot-set size R
+                            measured / at R = 0 (HypeReca reports 1.6x-7.8x). Target >= 1.5
+  hypereca_chosen_vs_best   samples/s at the best R measured / at the R the cost model picks,
+                            the model fitted at start-up on the shaped group. Target <= 1.05
+  where the time goes       per R: the step's wall time, rank 0's CPU time in it (the rest is
+                            waiting on the link), and the bytes each step moves by all-to-all
+                            and by the hot rows' all-reduce (counted by the exchange) and by
+                            DDP's all-reduce of the dense gradients (their size), with the
+                            time they need at the link's rate
+  hypereca_best_nonzero_r_vs_r0  the best R > 0 measured / R = 0 (below 1: a hot set costs)
+  unshaped                  the same job right after in the same cluster, links unshaped:
+                            samples/s by R, and the share of the shaped R = 0 step that the
+                            link costs (1 - unshaped step / shaped step)
+  collectives_ms            one all-to-all sending the other rank 64 KiB, 256 KiB, 1 MiB (both
+                            ways at once), and a 4-byte all-reduce, shaped and unshaped, beside
+                            the time the bytes need one way at the rate
+  link_measured_mbit        a plain TCP transfer between the hosts before the job (the shaping
+                            holds: never above the rate)
+
+The rank's work is `benchmarks/distributed.py`'s (its batches, model and trainer); the rate is
+chosen so that the R = 0 step's all-to-all needs several times the step's compute on the wire
+(docs/distributed.md, "Cluster in a box").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import ratio_spread, spread, write_results
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cluster.json"
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"hypereca_best_r_vs_r0": 1.5, "hypereca_chosen_vs_best": 1.05}
+
+__all__ = ["main", "parse_args", "run"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rate-mbit", type=float, default=100.0, help="each host's link, Mbit/s")
+    parser.add_argument("--requests", type=int, default=20_000, help="synthetic requests")
+    parser.add_argument("--batch-size", type=int, default=1024, help="rows per rank per step")
+    parser.add_argument("--batches", type=int, default=4, help="distinct batches per rank")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per case and repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="alternated repeats per case")
+    parser.add_argument("--embedding-dim", type=int, default=16)
+    parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
+    parser.add_argument("--probe-rows", type=int, default=4096, help="largest cost probe")
+    parser.add_argument("--timeout-s", type=float, default=1200.0, help="the whole job's deadline")
+    parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank: JSON options
+    return parser.parse_args(argv)
+
+
+# -- one rank (inside a namespace host) ---------------------------------------------------------
+def _hypereca_rank(options: dict[str, Any]) -> None:
+    import torch
+
+    from benchmarks._common import alternate
+    from benchmarks.distributed import _batches, _line, _ours
+    from trainer.distributed.comm import destroy, init_from_env
+    from trainer.distributed.costs import choose_num_hot, fit_costs
+
+    torch.set_num_threads(1)
+    comm = init_from_env(device="cpu", timeout_s=600.0)
+    dataset, steps = options["dataset"], options["steps"]
+    batches = _batches(dataset, options, rank=comm.rank, world=comm.world_size, dedup=True)
+    top = options["probe_rows"]
+    probe = [max(top // k, 1) for k in (64, 16, 4, 1)]
+    t0 = time.perf_counter()
+    fit = fit_costs(comm, dim=options["embedding_dim"], ar_rows=probe, a2a_rows=probe,
+                    repeats=3, rounds=3, warm=1)  # fmt: skip
+    probe_s = time.perf_counter() - t0
+    base = _ours(dataset, options, comm)
+    for batch in batches:
+        base.sparse.count(batch)
+    candidates = base.sparse.gather_counts(budget=1 << 24)
+    plan = choose_num_hot(candidates, fit)
+    everything = int(candidates.counts.size)
+    sizes = sorted({0, plan.num_hot, everything // 256, everything // 64, everything // 16})
+    trainers = {}
+    for r in sizes:
+        trainer = base if r == 0 else _ours(dataset, options, comm)
+        trainer.sparse.candidates, trainer.sparse.count_left = candidates, 0
+        trainer.sparse.reshard(r)
+        trainers[r] = trainer
+
+    def case(trainer: Any) -> Any:
+        def run() -> None:
+            comm.barrier(what="benchmark")
+            for k in range(steps):
+                trainer.train_step(batches[k % len(batches)], reduce_loss=False)
+            trainer.pending_losses()
+
+        return run
+
+    cases = {f"R={r}": case(t) for r, t in trainers.items()}
+    for trainer in trainers.values():
+        trainer.sparse.stats = type(trainer.sparse.stats)()
+    runs = alternate(cases, repeats=options["repeats"])
+    totals = {}
+    for r, trainer in trainers.items():
+        stats = trainer.sparse.stats.as_tensor()
+        comm.all_reduce(stats, what="benchmark")
+        totals[str(r)] = dict(zip(type(trainer.sparse.stats).__dataclass_fields__, stats.tolist(),
+                                  strict=True))  # fmt: skip
+    rho = candidates.rho()
+    cpu = {name: [t.cpu_s for t in ts] for name, ts in runs.items()}
+    Path(f"{options['out']}.cpu-{comm.rank}").write_text(json.dumps(cpu))  # every rank's
+    # what DDP all-reduces every step besides the exchange: the dense gradients
+    dense_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters()
+                      if p.requires_grad)  # fmt: skip
+    if comm.rank == 0:
+        raw = {
+            "runs": {name: [[t.wall_s, t.cpu_s] for t in ts] for name, ts in runs.items()},
+            "sizes": sizes,
+            "chosen": plan.num_hot,
+            "all_rows": everything,
+            "rho": {str(r): float(rho[min(r, rho.size - 1)]) for r in sizes},
+            "accesses_per_step": float(candidates.accesses_per_step),
+            "predicted_cost_s": {
+                str(r): float(fit.cost(r, rho[min(r, rho.size - 1)], candidates.accesses_per_step))
+                for r in sizes
+            },
+            "fit": {
+                **{n: _line(getattr(fit, n)) for n in ("all_reduce", "all_to_all", "hot_lookup")},
+                "c_ar": fit.c_ar,
+                "c_a2a": fit.c_a2a,
+                "r2": fit.r2,
+            },
+            "probe_s": probe_s,
+            "dense_grad_bytes": dense_bytes,
+            "exchange": totals,
+            "world": comm.world_size,
+        }
+        Path(options["out"]).write_text(json.dumps(raw))
+    comm.barrier(what="benchmark")
+    destroy()
+
+
+def _collectives_rank(options: dict[str, Any]) -> None:
+    """Median seconds of single collectives on the job's group: a 4-byte all-reduce (the
+    round trip) and all-to-alls sending each other rank ``size`` bytes (both ways at once)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.distributed.comm import destroy, init_from_env
+
+    torch.set_num_threads(1)
+    comm = init_from_env(device="cpu", timeout_s=120.0)
+    out: dict[str, float] = {}
+    for size in (4, *options["a2a_bytes"]):
+        n = max(size // 4, 1)
+        times = []
+        for _ in range(options["repeats"]):
+            send = torch.zeros(n * comm.world_size)
+            recv = torch.empty_like(send)
+            dist.barrier(group=comm.group)
+            t0 = time.perf_counter()
+            if size == 4:
+                dist.all_reduce(send[:1], group=comm.group)
+            else:
+                dist.all_to_all_single(recv, send, group=comm.group)
+            times.append(time.perf_counter() - t0)
+        out["all_reduce_4" if size == 4 else f"all_to_all_{size}"] = statistics.median(times)
+    if comm.rank == 0:
+        Path(options["out"]).write_text(json.dumps(out))
+    comm.barrier(what="benchmark")
+    destroy()
+
+
+# -- the job ------------------------------------------------------------------------------------
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the cluster's `with`: namespaces removed
+
+
+def _job(cluster: Any, options: dict[str, Any], work: Path, *, timeout_s: float) -> None:
+    """Run ``_<kind>_rank(options)`` on 2 ranks, rank k on host k."""
+    from recpipe.testing.cluster import wait_all
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"
+    argv = [sys.executable, "-m", "benchmarks.cluster", "--worker", json.dumps(options)]
+    procs = cluster.launch(argv, [0, 1], env=env, logs=work)
+    codes = wait_all(procs, timeout_s=timeout_s)
+    if codes != [0, 0]:
+        tails = "\n".join(f"-- {p.name}\n" + p.read_text(errors="replace")[-3000:]
+                          for p in sorted(work.glob("rank-*.log")))  # fmt: skip
+        msg = f"the {options['kind']} ranks exited with {codes} (None: killed at the deadline)"
+        raise RuntimeError(f"{msg}\n{tails}")
+
+
+def _collectives(cluster: Any, work: Path, *, name: str) -> dict:
+    raw_path = work / f"{name}.json"
+    options = {"kind": "collectives", "a2a_bytes": [64 << 10, 256 << 10, 1 << 20],
+               "repeats": 9, "out": str(raw_path)}  # fmt: skip
+    _job(cluster, options, work, timeout_s=300.0)
+    return json.loads(raw_path.read_text())
+
+
+def _hypereca(
+    cluster: Any, dataset: Path, args: argparse.Namespace, work: Path, *, name: str
+) -> dict:
+    raw_path = work / f"{name}.json"
+    options = {
+        k: getattr(args, k)
+        for k in (
+            "batch_size",
+            "batches",
+            "steps",
+            "repeats",
+            "embedding_dim",
+            "num_embeddings",
+            "probe_rows",
+        )
+    }
+    options.update(kind="hypereca", dataset=str(dataset), out=str(raw_path))  # fmt: skip
+    _job(cluster, options, work, timeout_s=args.timeout_s)
+    raw = json.loads(raw_path.read_text())
+    raw["cpu_by_rank"] = [json.loads(Path(f"{raw_path}.cpu-{k}").read_text()) for k in (0, 1)]
+    return raw
+
+
+def _summarise_hypereca(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    world, steps = raw["world"], args.steps
+    samples = world * args.batch_size * steps
+    walls = {name: [w for w, _ in ts] for name, ts in raw["runs"].items()}
+    cpus = {name: [c for _, c in ts] for name, ts in raw["runs"].items()}
+    rates = {name: [samples / w for w in ws] for name, ws in walls.items()}
+    sps = {int(name[2:]): spread(v)["median"] for name, v in rates.items()}
+    best, chosen = max(sps, key=sps.get), raw["chosen"]
+    link = args.rate_mbit * 1e6 / 8  # bytes/s each way per host
+    where = {}
+    for r in raw["sizes"]:
+        ex = raw["exchange"][str(r)]
+        rank_steps = max(ex["steps"], 1)  # summed over the ranks
+        a2a, ar = ex["a2a_bytes"] / rank_steps, ex["allreduce_bytes"] / rank_steps
+        where[str(r)] = {
+            "step_s": spread([w / steps for w in walls[f"R={r}"]]),
+            "rank0_cpu_s_per_step": spread([c / steps for c in cpus[f"R={r}"]]),
+            "rank1_cpu_s_per_step": spread([c / steps for c in raw["cpu_by_rank"][1][f"R={r}"]]),
+            "a2a_bytes_per_rank_step": a2a,
+            "allreduce_bytes_per_rank_step": ar,
+            # what a rank sends on its link: its all-to-all bytes to the others (counted so)
+            # and 2(W-1)/W of the hot gradients it all-reduces (a ring): seconds at the rate
+            "dense_allreduce_bytes_per_rank_step": raw["dense_grad_bytes"],
+            "wire_s_at_rate": (a2a + ar * 2 * (world - 1) / world) / link,
+            "dense_wire_s_at_rate": raw["dense_grad_bytes"] * 2 * (world - 1) / world / link,
+            "rho": raw["rho"][str(r)],
+        }
+
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        return {"median": ratio_spread(rates[a], rates[b])["median"],
+                "wall": ratio_spread(rates[a], rates[b]),
+                "cpu": ratio_spread([samples / c for c in cpus[a]],
+                                    [samples / c for c in cpus[b]])}  # fmt: skip
+
+    best_vs_r0 = ratio(f"R={best}", "R=0")
+    hot = {r: v for r, v in sps.items() if r > 0}
+    best_hot = max(hot, key=hot.get) if hot else best
+    chosen_vs_best = ratio(f"R={best}", f"R={chosen}")
+    return {
+        "hypereca_best_r_vs_r0": {
+            **best_vs_r0,
+            "target": TARGETS["hypereca_best_r_vs_r0"],
+            "met": best_vs_r0["median"] >= 1.5,
+        },
+        "hypereca_chosen_vs_best": {
+            **chosen_vs_best,
+            "target": TARGETS["hypereca_chosen_vs_best"],
+            "met": chosen_vs_best["median"] <= 1.05,
+        },
+        # the best R > 0 / R = 0: what a hot set does to this job (below 1: it costs)
+        "hypereca_best_nonzero_r_vs_r0": {**ratio(f"R={best_hot}", "R=0"), "r": best_hot},
+        "hypereca": {
+            "hosts": 2,
+            "ranks_per_host": 1,
+            "samples_per_s": {str(r): v for r, v in sorted(sps.items())},
+            "samples_per_s_spread": {n: spread(v) for n, v in rates.items()},
+            "best_measured_r": best,
+            "chosen_r": chosen,
+            "all_rows": raw["all_rows"],
+            "accesses_per_step": raw["accesses_per_step"],
+            "where_the_time_goes": where,
+            "predicted_cost_s": raw["predicted_cost_s"],
+            "cost_model": raw["fit"],
+            "cost_probe_s": raw["probe_s"],
+            "exchange": raw["exchange"],
+        },
+    }
+
+
+def _unshaped(summary: dict[str, Any], shaped: dict[str, Any], args: argparse.Namespace) -> dict:
+    """The same job right after, links unshaped (run, not alternated, with the shaped one):
+    each R's step time there, and the share of the shaped R = 0 step the link costs."""
+    where = summary["hypereca"]["where_the_time_goes"]
+    step0 = spread([w / args.steps for w, _ in shaped["runs"]["R=0"]])["median"]
+    return {
+        "samples_per_s": summary["hypereca"]["samples_per_s"],
+        "step_s": {r: w["step_s"]["median"] for r, w in where.items()},
+        "rank0_cpu_s_per_step": {r: w["rank0_cpu_s_per_step"]["median"] for r, w in where.items()},
+        "best_measured_r": summary["hypereca"]["best_measured_r"],
+        "chosen_r": summary["hypereca"]["chosen_r"],
+        "best_r_vs_r0": summary["hypereca_best_r_vs_r0"],
+        "best_nonzero_r_vs_r0": summary["hypereca_best_nonzero_r_vs_r0"],
+        "link_share_of_r0_step": 1.0 - where["0"]["step_s"]["median"] / step0,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from recpipe.testing.cluster import Cluster, ClusterUnavailable, unavailable
+
+    why = unavailable()
+    if why is not None:
+        raise ClusterUnavailable(f"no cluster in a box here: {why}")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with tempfile.TemporaryDirectory(prefix="recpipe-bench-cluster-") as tmp:
+            work = Path(tmp)
+            t0, load = time.perf_counter(), os.getloadavg()[0]
+            if args.data is None:
+                from benchmarks.distributed import build_dataset
+
+                dataset = build_dataset(work, requests=args.requests, seed=args.seed)
+            else:
+                dataset = args.data
+            with Cluster([args.rate_mbit, args.rate_mbit]) as cluster:
+                nbytes = max(int(args.rate_mbit * 1e6 / 8), 1 << 20)  # about a second
+                link = [cluster.transfer(0, 1, nbytes), cluster.transfer(1, 0, nbytes)]
+                topology = cluster.describe()
+                raw = _hypereca(cluster, dataset, args, work, name="shaped")
+                calls = _collectives(cluster, work, name="calls-shaped")
+                for host in (0, 1):  # the same job with the links unshaped: the link's share
+                    cluster.set_rate(host, None)
+                unshaped = _hypereca(cluster, dataset, args, work, name="unshaped")
+                calls_unshaped = _collectives(cluster, work, name="calls-unshaped")
+            results = {
+                "config": {
+                    k: (str(v) if isinstance(v, Path) else v)
+                    for k, v in vars(args).items()
+                    if k != "worker"
+                },
+                "topology": topology,
+                "link_measured_mbit": [nbytes * 8 / s / 1e6 for s in link],
+                **_summarise_hypereca(raw, args),
+                "unshaped": _unshaped(_summarise_hypereca(unshaped, args), raw, args),
+                "collectives_ms": {
+                    "shaped": {k: v * 1e3 for k, v in calls.items()},
+                    "unshaped": {k: v * 1e3 for k, v in calls_unshaped.items()},
+                    # the bytes one way at the rate (what a full-duplex link would need)
+                    "at_rate": {
+                        f"all_to_all_{n}": n * 8 / (args.rate_mbit * 1e6) * 1e3
+                        for n in (64 << 10, 256 << 10, 1 << 20)
+                    },
+                },
+                "not_measured": [
+                    "dmt_sptt_tm_vs_flat",
+                    "dmt_auc_delta",
+                    "esd_vs_laia_samples_per_s",
+                    "service_ikjt_vs_kjt_samples_per_s",
+                    "vs_torchrec_dmp_shaped",
+                    "dispatch_vs_saved",
+                ],
+                "load_average_1m": [load, os.getloadavg()[0]],  # at the start, at the end
+                "wall_s": time.perf_counter() - t0,
+            }
+            return results
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _table(results: dict[str, Any]) -> str:
+    h = results["hypereca"]
+    rows = [
+        ("link (Mbit/s each way)", f"{results['config']['rate_mbit']:g} shaped, measured "
+         + " / ".join(f"{v:.1f}" for v in results["link_measured_mbit"])),
+        ("samples/s by R", ", ".join(f"{r}: {v:,.0f}" for r, v in h["samples_per_s"].items())),
+        ("chosen R / best measured", f"{h['chosen_r']} / {h['best_measured_r']} "
+                                     f"(of {h['all_rows']:,} rows)"),
+    ]  # fmt: skip
+    f = results["hypereca_best_nonzero_r_vs_r0"]
+    rows.append(("best R > 0 vs R = 0", f"{f['median']:.3f} (R={f['r']}; "
+                 f"{f['wall']['min']:.3f}-{f['wall']['max']:.3f})"))  # fmt: skip
+    u = results["unshaped"]
+    rows.append(("unshaped, same job", "samples/s " + ", ".join(
+        f"{r}: {v:,.0f}" for r, v in u["samples_per_s"].items())
+        + f"; the link's share of the R=0 step {u['link_share_of_r0_step']:.0%}"))  # fmt: skip
+    for name in ("hypereca_best_r_vs_r0", "hypereca_chosen_vs_best"):
+        f = results[name]
+        rows.append((name, f"{f['median']:.3f} ({f['wall']['min']:.3f}-{f['wall']['max']:.3f}; "
+                           f"target {f['target']}: {'met' if f['met'] else 'missed'})"))  # fmt: skip
+    for r, w in h["where_the_time_goes"].items():
+        rows.append((f"R={r} step", f"{w['step_s']['median'] * 1e3:.0f} ms, CPU rank 0 "
+                     f"{w['rank0_cpu_s_per_step']['median'] * 1e3:.0f} ms / rank 1 "
+                     f"{w['rank1_cpu_s_per_step']['median'] * 1e3:.0f} ms, on the wire "
+                     f"{w['wire_s_at_rate'] * 1e3:.0f} ms + dense "
+                     f"{w['dense_wire_s_at_rate'] * 1e3:.0f} ms (a2a "
+                     f"{w['a2a_bytes_per_rank_step'] / 1e6:.2f} MB, hot all-reduce "
+                     f"{w['allreduce_bytes_per_rank_step'] / 1e6:.2f} MB, dense all-reduce "
+                     f"{w['dense_allreduce_bytes_per_rank_step'] / 1e6:.2f} MB per rank)"))  # fmt: skip
+    c = results["collectives_ms"]
+    for k in c["shaped"]:
+        at = f", at the rate {c['at_rate'][k]:.1f}" if k in c["at_rate"] else ""
+        rows.append((k, f"{c['shaped'][k]:.1f} ms shaped, {c['unshaped'][k]:.1f} ms unshaped{at}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        options = json.loads(args.worker)
+        {"hypereca": _hypereca_rank, "collectives": _collectives_rank}[options["kind"]](options)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # gloo's threads can abort the interpreter's exit ("terminate called without an
+        # active exception") after the group is gone: the rank's work is written, leave now
+        os._exit(0)
+    results = run(args)
+    path = write_results(results, args.out)
+    print(f"benchmarks/cluster.py: 2 hosts x 1 rank over {args.rate_mbit:g} Mbit/s -> {path}")
+    print(_table(results))
+    print(json.dumps({"wall_s": round(results["wall_s"], 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
