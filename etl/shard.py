@@ -453,9 +453,9 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
     limit = cfg.buffer_mb << 20
     bar = None
     if progress:
-        from tqdm import tqdm
+        from recpipe.progress import progress_bar
 
-        bar = tqdm(unit=" lines", unit_scale=True, desc="shard", file=sys.stderr)
+        bar = progress_bar(unit=" lines", unit_scale=True, desc="shard", file=sys.stderr)
     try:
         for path, lineno, line, size in _interleave(files, cfg.max_line_bytes):
             lines_in += 1

@@ -182,10 +182,10 @@ def verify_digests(dataset_dir: str | Path, *, progress: bool = False) -> Verify
 
 
 def _bar(desc: str, total: int, unit: str, *, progress: bool):
-    from tqdm.auto import tqdm
+    from recpipe.progress import progress_bar
 
     scale = unit == "B"
-    return tqdm(
+    return progress_bar(
         total=total, desc=desc, unit=unit, unit_scale=scale, disable=not progress, file=sys.stderr
     )
 

@@ -345,7 +345,7 @@ class _RankRun:
         self.summary.c_ar, self.summary.c_a2a = self.fit.c_ar, self.fit.c_a2a
 
     def run(self) -> TrainResult:
-        from tqdm import tqdm
+        from recpipe.progress import progress_bar
 
         cfg, comm, log = self.config, self.comm, self.log
         self.restore()
@@ -353,7 +353,7 @@ class _RankRun:
             self._fit_costs()
         target_steps, target_epochs = run_targets(cfg)
         count_until = self.trainer.step + self.options.count_steps
-        bar = tqdm(total=target_steps, initial=self.trainer.step, unit="step", desc="train",
+        bar = progress_bar(total=target_steps, initial=self.trainer.step, unit="step", desc="train",
                    file=sys.stderr, disable=not self.progress, dynamic_ncols=True)  # fmt: skip
         t0 = last = time.perf_counter()
         samples0 = log.samples
@@ -371,11 +371,12 @@ class _RankRun:
                     step = self.trainer.step
                     bar.update(1)
                     now = time.perf_counter()
-                    rate = (log.samples - samples0) / max(now - t0, 1e-9)
+                    train_s = now - t0 - log.eval_s  # evaluations are not training time
+                    rate = (log.samples - samples0) / max(train_s, 1e-9)
                     window_auc = log.window.auc() if step % cfg.log_every == 0 else None
                     self.unreduced.append(log.train_record(
                         step=step, epoch=self.loader.epoch, auc=window_auc, samples_per_s=rate,
-                        step_s=now - last, memory=peak_memory_bytes(self.device), wall_s=now - t0,
+                        step_s=now - last, memory=peak_memory_bytes(self.device), wall_s=train_s,
                     ))  # fmt: skip
                     last = now
                     if step % cfg.log_every == 0:
@@ -385,7 +386,7 @@ class _RankRun:
                     if not self.hot_chosen and step >= count_until:
                         self._choose_hot_set()
                     if cfg.eval_every and step % cfg.eval_every == 0:
-                        self._evaluate(step)
+                        last += self._evaluate(step)  # the next step_s leaves it out
                     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                         self.save()
                     if target_steps is not None and step >= target_steps:
@@ -398,7 +399,7 @@ class _RankRun:
                     )
                     raise RecpipeError(msg)
             self._reduce_losses()
-            wall = time.perf_counter() - t0
+            wall = time.perf_counter() - t0 - log.eval_s  # train_wall_s
             if not log.evaluated_at(self.trainer.step):
                 self._evaluate(self.trainer.step)
             path = self.save()
@@ -443,12 +444,16 @@ class _RankRun:
             return self.trainer.step >= target_steps
         return self.loader.epoch >= target_epochs
 
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self, step: int) -> float:
+        """Evaluate on the held-out data of all ranks; the seconds it took."""
         if self.eval_ds is None:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         self.eval_ds.set_epoch(0)
         result = self.trainer.evaluate(iter(self.eval_ds), max_batches=self.config.eval_batches)
-        self.log.add_eval(step, result, epoch=self.loader.epoch)
+        seconds = time.perf_counter() - t0
+        self.log.add_eval(step, result, epoch=self.loader.epoch, seconds=seconds)
+        return seconds
 
 
 def train_rank(

@@ -258,14 +258,14 @@ class _Run:
         self.loader = RankLoader(self.train_ds, num_workers=cfg.workers)
 
     def run(self) -> tuple[TrainResult, TowersSummary]:
-        from tqdm import tqdm
+        from recpipe.progress import progress_bar
 
         cfg, comm, trainer = self.config, self.comm, self.trainer
         steps = cfg.steps
         epochs = cfg.epochs if cfg.steps is None else None
         if steps is None and epochs is None:
             epochs = 1
-        bar = tqdm(total=steps, unit="step", desc="towers", file=sys.stderr,
+        bar = progress_bar(total=steps, unit="step", desc="towers", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True)  # fmt: skip
         window = PredictionWindow(cfg.log_window)
         losses: list[float] = []
@@ -295,15 +295,18 @@ class _Run:
         wall = time.perf_counter() - t0
         bar.close()
         summary = self._summary(samples)  # before the evaluation's collectives
+        t_eval = time.perf_counter()
         self.eval_ds.set_epoch(0)
         ev = trainer.evaluate(iter(self.eval_ds), max_batches=cfg.eval_batches)
+        eval_wall = time.perf_counter() - t_eval
         result = TrainResult(
             steps=trainer.step, samples=samples, losses=losses, train_auc=window.auc(),
             evals=[(trainer.step, ev)] if ev.samples else [],
             samples_per_s=samples / wall if wall > 0 else float("nan"),
             peak_memory_bytes=peak_memory_bytes(self.device),
-            dedup_factor=float(np.mean(factors)) if factors else 1.0, wall_s=wall,
-            train_splits=self.splits[0], eval_splits=self.splits[1],
+            dedup_factor=float(np.mean(factors)) if factors else 1.0, train_wall_s=wall,
+            train_splits=self.splits[0], eval_splits=self.splits[1], eval_wall_s=eval_wall,
+            eval_runs=1,
         )  # fmt: skip
         return result, summary
 
