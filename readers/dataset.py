@@ -52,7 +52,7 @@ from readers.groups import DedupGroups, resolve_dedup_groups
 from readers.pipeline import Pipeline, PipelineSource
 from readers.source import DatasetSource, ReaderConfig, SourcePosition, plan_splits
 from readers.transforms import Transform
-from recpipe.errors import DataError, RecpipeError
+from recpipe.errors import DataError, RecpipeError, SchemaError
 
 if TYPE_CHECKING:
     from readers.holdout import Holdout
@@ -118,20 +118,31 @@ def make_pipeline(
     schema: DatasetSchema,
     *,
     dataset: str | os.PathLike[str] | Sequence[Any] | None = None,
+    fitted: str | os.PathLike[str] | None = None,
 ) -> Pipeline | None:
     """A Pipeline from a Pipeline, a list of Transform objects, or a config (dict/list/file).
 
-    A config's ``fit`` entries take their fitted state from ``dataset`` when it is a dataset
-    directory (``recpipe fit``, see :mod:`readers.fitted`)."""
+    A config's ``fit`` entries take their fitted state from the file ``fitted`` (``recpipe fit
+    --out``), or else from ``dataset`` when it is a dataset directory (``recpipe fit``); a
+    dataset directory must be the one the state was fitted on (see :mod:`readers.fitted`)."""
+    is_list = isinstance(transforms, Sequence) and not isinstance(transforms, str)
+    built = isinstance(transforms, Pipeline) or (
+        is_list and transforms and all(isinstance(t, Transform) for t in transforms)
+    )
+    if fitted is not None and (transforms is None or built):
+        msg = (
+            f"`fitted` {os.fspath(fitted)!r} is given without a preprocessing config to fill "
+            "from it (`transforms`: a TOML file or [[preprocess]] entries with `fit` keys)"
+        )
+        raise SchemaError(msg)
     if transforms is None:
         return None
     if isinstance(transforms, Pipeline):
         return transforms
-    is_list = isinstance(transforms, Sequence) and not isinstance(transforms, str)
-    if is_list and transforms and all(isinstance(t, Transform) for t in transforms):
-        return Pipeline(list(transforms), schema=schema)
+    if built:
+        return Pipeline(list(transforms), schema=schema)  # type: ignore[arg-type]
     root = dataset if isinstance(dataset, str | os.PathLike) and Path(dataset).is_dir() else None
-    return Pipeline.from_config(transforms, schema=schema, dataset=root)
+    return Pipeline.from_config(transforms, schema=schema, dataset=root, fitted=fitted)
 
 
 def _start_position(
@@ -227,6 +238,7 @@ def iter_batches(
     with_positions: bool = False,
     holdout: Holdout | None = None,
     dedup_groups: DedupGroups = None,
+    fitted: str | os.PathLike[str] | None = None,
 ) -> Iterator[Batch] | Iterator[tuple[Batch, ReaderPosition]]:
     """Produce the preprocessed batches of one reader: worker ``worker_id`` of ``rank``.
 
@@ -250,6 +262,8 @@ def iter_batches(
             :mod:`readers.holdout`); ``None``: every split.
         dedup_groups: the dedup groups to read with (see :mod:`readers.groups`; ``None``: the
             schema's).
+        fitted: the fitted state of the config's ``fit`` entries (``recpipe fit --out``;
+            ``None``: the dataset's own, see :mod:`readers.fitted`).
     """
     schema = schema or dataset_schema(dataset_dir)
     config = config or ReaderConfig()
@@ -265,7 +279,7 @@ def iter_batches(
     )  # fmt: skip
     stream = _produce(
         source, BatchConverter(schema, dedup=dedup, extras=config.extras),
-        make_pipeline(transforms, schema, dataset=dataset_dir),
+        make_pipeline(transforms, schema, dataset=dataset_dir, fitted=fitted),
         epoch=epoch if state_epoch is None else state_epoch, rank=rank, world_size=world_size,
         worker_id=worker_id, num_workers=num_workers, start=start,
     )  # fmt: skip
@@ -286,6 +300,8 @@ class ParquetBatchDataset(IterableDataset):
         config: batch size, shuffling, error policy, ``extras`` (pass-through columns to
             deliver in ``Batch.extras``, see :mod:`readers.extras`).
         transforms: a :class:`Pipeline` or its config.
+        fitted: the fitted state of the config's ``fit`` entries (``recpipe fit --out``;
+            ``None``: the dataset's own, see :mod:`readers.fitted`).
         dedup: IKJTs for the dedup groups (``False``: one plain KJT).
         rank, world_size: the trainer rank and how many there are.
         dedup_groups: the dedup groups (see :mod:`readers.groups`: ``None`` the schema's,
@@ -316,6 +332,7 @@ class ParquetBatchDataset(IterableDataset):
         world_size: int = 1,
         num_workers: int = 0,
         dedup_groups: DedupGroups = None,
+        fitted: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
@@ -329,7 +346,7 @@ class ParquetBatchDataset(IterableDataset):
         )  # fmt: skip
         self.source = DatasetSource(source, schema=self.schema, config=self.config)
         self.converter = BatchConverter(self.schema, dedup=dedup, extras=self.config.extras)
-        self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
+        self.pipeline = make_pipeline(transforms, self.schema, dataset=source, fitted=fitted)
         self.rank, self.world_size = rank, world_size
         self.num_workers = num_workers
         self.epoch = 0
@@ -581,6 +598,7 @@ def make_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
     dedup_groups: DedupGroups = None,
+    fitted: str | os.PathLike[str] | None = None,
     **loader_kwargs: Any,
 ) -> StatefulLoader:
     """A resumable loader of preprocessed batches (see :class:`StatefulLoader`).
@@ -594,6 +612,9 @@ def make_dataloader(
     lists of feature names. ``loader.dataset.schema`` carries the groups chosen (build the
     model from it).
 
+    ``fitted`` is the fitted state of the config's ``fit`` entries that ``recpipe fit --out``
+    wrote (``None``: the one ``recpipe fit`` wrote into the dataset; see :mod:`readers.fitted`).
+
     Example::
 
         loader = make_dataloader("data/demo/dataset", config=ReaderConfig(batch_size=4096),
@@ -605,7 +626,7 @@ def make_dataloader(
     """
     dataset = ParquetBatchDataset(
         source, schema=schema, config=config, transforms=transforms, dedup=dedup, rank=rank,
-        world_size=world_size, num_workers=num_workers, dedup_groups=dedup_groups,
+        world_size=world_size, num_workers=num_workers, dedup_groups=dedup_groups, fitted=fitted,
     )  # fmt: skip
     if num_workers > 0:
         loader_kwargs.setdefault("persistent_workers", False)

@@ -4,8 +4,18 @@ The statistics are DuckDB aggregates over the dataset's Parquet files, restricte
 training rows (the sessions the holdout of ``--eval-fraction``/``--seed`` leaves for training,
 selected in the query by the same session hash as :mod:`readers.holdout`), so nothing is loaded
 whole into memory and nothing of the held-out data leaks into the model's inputs. What each
-``fit`` entry computes is in :mod:`readers.fitted`; the result is written beside the dataset's
-manifest as ``_preprocess_fitted.json``, where every reader of the dataset finds it.
+``fit`` entry computes is in :mod:`readers.fitted`; the result is written to ``--out``, or by
+default beside the dataset's manifest as ``_preprocess_fitted.json``, where every reader of the
+dataset finds it.
+
+A fitted entry is fitted on the values it will see. Where no earlier entry names its feature,
+those are the stored column, aggregated in SQL. Where earlier entries do (a ``HashModulo``
+before a ``VocabLookup``, a ``Log1p`` before a ``Normalize``, or an earlier fitted entry), the
+training rows are read through the readers (:func:`readers.dataset.iter_batches`, training
+part of the holdout, no dedup) and those earlier entries, as a pipeline, rewrite them exactly as
+they will in training; the feature's values are then appended to a DuckDB table and aggregated
+by the same SQL. Entries are fitted in config order, so a fitted entry after another is fitted
+on the values the first one's fitted parameters give.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import numpy as np
 
 from readers.fitted import (
     FITTED_VERSION,
+    dataset_digest,
+    fill_fitted,
     fit_entries,
     fit_options,
     fitted_path,
@@ -38,6 +50,7 @@ from recpipe.paths import check_output
 if TYPE_CHECKING:
     import duckdb
 
+    from readers.pipeline import Pipeline
     from schemas import DatasetSchema
 
 __all__ = ["fit_preprocess", "register_cli"]
@@ -52,6 +65,7 @@ def fit_preprocess(
     seed: int = 0,
     threads: int | None = None,
     write: bool = True,
+    out: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Fit the ``fit`` entries of a preprocessing config on a dataset's training rows.
 
@@ -62,7 +76,9 @@ def fit_preprocess(
         eval_fraction, seed: the holdout whose training part is fitted on (as ``recpipe
             train``'s options of the same names; 0 fits on every row).
         threads: DuckDB threads (default: DuckDB's).
-        write: write the state to ``DATASET/_preprocess_fitted.json``.
+        write: write the state (to ``out``).
+        out: the file to write (``None``: ``DATASET/_preprocess_fitted.json``). Given, nothing
+            is written into the dataset: a read-only dataset can be fitted.
 
     Returns:
         The fitted state (what is written).
@@ -80,8 +96,14 @@ def fit_preprocess(
     if not root.is_dir():
         msg = f"`dataset` {os.fspath(dataset)!r} is not a dataset directory"
         raise DataError(msg)
-    if write:  # the fitted state goes into the dataset: refuse a read-only one before any work
-        check_output(fitted_path(root), kind="file", arg="dataset")
+    target = fitted_path(root) if out is None else Path(out)
+    if write:  # refuse an output that cannot be written, or would replace an input, before work
+        config = [preprocess] if isinstance(preprocess, str | os.PathLike) else []
+        if out is None:  # into the dataset: the check of a read-only one
+            check_output(target, kind="file", arg="dataset", inputs=config)
+        else:
+            inputs = [*config, root / "_manifest.json", *discover_files(root)]
+            check_output(target, kind="file", arg="--out", inputs=inputs)
     schema = schema or dataset_schema(root)
     origin = f"{os.fspath(preprocess)} " if isinstance(preprocess, str | os.PathLike) else ""
     entries = (
@@ -100,27 +122,37 @@ def fit_preprocess(
     threshold = train[0].keep.threshold if held else None
     con = duckdb.connect(config={} if threads is None else {"threads": threads})
     try:
+        # Parquet writers leave NaN out of a float column's min/max; from those statistics
+        # DuckDB concludes that the column holds no NaN and folds `isnan(x)` to false, so a
+        # missing value would reach the sums (a NaN mean) and the quantiles
+        con.execute("SET disabled_optimizers = 'statistics_propagation'")
         _train_view(con, discover_files(root), schema, threshold=threshold, seed=seed)
-        steps = []
+        steps: list[dict[str, Any]] = []
         for i, entry in fitted:
             where = f"{origin}[[preprocess]] #{i + 1}"
             options = fit_options(entry, where=where)
             features = _entry_features(entry, schema, where=where)
-            steps.append(
-                {
-                    "transform": entry["transform"],
-                    "features": {
-                        f: _fit_one(con, entry["transform"], f, schema, options) for f in features
-                    },
-                }
-            )
+            before = _steps_before(entries, i, features, steps, schema=schema, origin=origin)
+            per: dict[str, Any] = {}
+            for f in features:
+                if before is None or f not in _named(before):
+                    values = _values(f, schema)
+                else:
+                    values = _fed_values(
+                        con, root, f, before, schema=schema, eval_fraction=eval_fraction,
+                        seed=seed,
+                    )  # fmt: skip
+                per[f] = _fit_one(con, entry["transform"], f, values, options)
+            steps.append({"transform": entry["transform"], "features": per})
         rows = int(con.execute("SELECT count(*) FROM train").fetchone()[0])
     finally:
         con.close()
     state = {
         "version": FITTED_VERSION,
-        "signature": fitted_signature(entries),
+        "config_digest": fitted_signature(entries),
+        "dataset_digest": dataset_digest(root),
         "config": origin.strip() or None,
+        "dataset": os.fspath(root),
         "eval_fraction": eval_fraction,
         "seed": seed,
         "train_rows": rows,
@@ -129,11 +161,84 @@ def fit_preprocess(
         "elapsed_s": time.perf_counter() - start,
     }
     if write:
-        path = fitted_path(root)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(json.dumps(state, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     return state
+
+
+def _named(pipeline: Pipeline) -> set[str]:
+    return {name for step in pipeline.transforms for name in step.features}
+
+
+def _steps_before(
+    entries: Sequence[Mapping[str, Any]],
+    index: int,
+    features: Sequence[str],
+    fitted: Sequence[Mapping[str, Any]],
+    *,
+    schema: DatasetSchema,
+    origin: str,
+) -> Pipeline | None:
+    """The pipeline of the entries before ``entries[index]`` that name one of ``features``
+    (earlier fitted entries filled from ``fitted``, the steps fitted so far); ``None``: none."""
+    from readers.pipeline import Pipeline, transform_from_config
+
+    labels = [f"{origin}[[preprocess]] #{i + 1}" for i in range(index)]
+    filled, where = fill_fitted(entries[:index], fitted, labels)
+    names = set(features)
+    kept = [(e, w) for e, w in zip(filled, where) if names & set(_listed(e.get("features")))]
+    if not kept:
+        return None
+    steps = [transform_from_config(e, where=w) for e, w in kept]
+    return Pipeline(steps, schema=schema, where=[w for _, w in kept])
+
+
+def _listed(features: Any) -> list[str]:
+    return [features] if isinstance(features, str) else list(features or ())
+
+
+_FED_ROWS = 65_536  # rows per batch read while feeding a step's inputs to DuckDB
+
+
+def _fed_values(
+    con: duckdb.DuckDBPyConnection,
+    root: Path,
+    feature: str,
+    before: Pipeline,
+    *,
+    schema: DatasetSchema,
+    eval_fraction: float,
+    seed: int,
+) -> str:
+    """Append ``feature``'s values, as ``before`` hands them on, over the training rows to a
+    DuckDB table; a query of them (``v``, as :func:`_values`)."""
+    import pyarrow as pa
+    import torch
+
+    from readers.dataset import iter_batches
+    from readers.holdout import Holdout
+    from readers.source import ReaderConfig
+
+    sparse = feature in schema.sparse_names
+    column = None if sparse else schema.dense_names.index(feature)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE recpipe_fed (v {'BIGINT' if sparse else 'DOUBLE'})")
+    batches = iter_batches(
+        root, schema=schema, config=ReaderConfig(batch_size=_FED_ROWS), transforms=before,
+        dedup=False, holdout=Holdout(eval_fraction, seed=seed, part="train"),
+    )  # fmt: skip
+    for batch in batches:
+        if sparse:
+            values = batch.kjt.to_dict()[feature].values.to(torch.int64).numpy()
+        else:
+            values = batch.dense[:, column].numpy().astype(np.float64)
+            values = values[~np.isnan(values)]
+        con.register("recpipe_chunk", pa.table({"v": values}))
+        try:
+            con.execute("INSERT INTO recpipe_fed SELECT v FROM recpipe_chunk")
+        finally:
+            con.unregister("recpipe_chunk")
+    return "SELECT v FROM recpipe_fed"
 
 
 def _entry_features(entry: Mapping[str, Any], schema: DatasetSchema, *, where: str) -> list[str]:
@@ -202,10 +307,10 @@ def _fit_one(
     con: duckdb.DuckDBPyConnection,
     transform: str,
     feature: str,
-    schema: DatasetSchema,
+    values: str,
     options: Mapping[str, Any],
 ) -> dict[str, Any]:
-    values = _values(feature, schema)
+    """The fitted parameters of one feature from ``values``, a query of its values ``v``."""
     if transform == "VocabLookup":
         limit = "" if options["max_size"] is None else f"LIMIT {int(options['max_size'])}"
         rows = con.execute(
@@ -255,8 +360,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "Compute, in DuckDB over the dataset's training rows (the sessions not held out by "
             "--eval-fraction and --seed, as `recpipe train` holds them out), what the `fit` "
             "entries of a preprocessing config ask for: VocabLookup vocabularies, Normalize "
-            "mean/std, Bucketize quantile boundaries. Writes DATASET/_preprocess_fitted.json, "
-            "which every reader of the dataset then uses with that config."
+            "mean/std, Bucketize quantile boundaries, each on the values it will see (after the "
+            "config's earlier entries on the same feature). Writes --out, or by default "
+            "DATASET/_preprocess_fitted.json, which every reader of the dataset then uses with "
+            "that config (give readers another file with their --fitted). The file records a "
+            "digest of the dataset and of the config; readers refuse it for any other."
         ),
     )
     parser.add_argument("dataset", type=Path, help="clustered dataset directory")
@@ -268,6 +376,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="share of rows held out (as recpipe train's; default 0.1): not fitted on",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the holdout's seed (default 0)")
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="FILE",
+        help="write the fitted state to FILE (JSON) and nothing into the dataset, e.g. for a "
+        "read-only dataset; readers take it with --fitted FILE (default: "
+        "DATASET/_preprocess_fitted.json, which readers find by themselves)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="DuckDB threads")
     parser.set_defaults(func=_main)
 
@@ -275,7 +389,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     state = fit_preprocess(
         args.dataset, args.preprocess, eval_fraction=args.eval_fraction, seed=args.seed,
-        threads=args.threads,
+        threads=args.threads, out=args.out,
     )  # fmt: skip
     for step in state["steps"]:
         for feature, fitted in step["features"].items():
@@ -286,7 +400,7 @@ def _main(args: argparse.Namespace) -> int:
             print(f"{step['transform']:<12} {feature:<24} {what}")
     print(
         f"fit: {state['train_rows']:,} training rows ({state['held_out_rows']:,} held out); "
-        f"wrote {fitted_path(args.dataset)} in {state['elapsed_s']:.1f}s",
+        f"wrote {args.out or fitted_path(args.dataset)} in {state['elapsed_s']:.1f}s",
         file=sys.stderr,
     )
     return 0

@@ -36,10 +36,25 @@ Bucketize   ``num_buckets`` (>= 2)       ``boundaries`` per feature: the distinc
 ``recpipe fit DATASET --preprocess P.toml`` computes them in DuckDB over the dataset's training
 rows (the sessions :func:`readers.holdout.holdout_splits` does not hold out, for its
 ``--eval-fraction`` and ``--seed``) and writes ``DATASET/_preprocess_fitted.json``
-(:data:`FITTED_NAME`). A pipeline made for that dataset (``make_dataloader(DATASET,
-transforms="P.toml")``, ``recpipe train``, ``recpipe serve``) fills each fitted entry from it; an
-entry with ``fit`` and no fitted state, or a state fitted for other ``fit`` entries, is an error
-that says to run ``recpipe fit``.
+(:data:`FITTED_NAME`), or with ``--out FITTED.json`` that file and nothing into the dataset (a
+read-only or shared dataset, several fitted states of one dataset). A pipeline made for that
+dataset (``make_dataloader(DATASET, transforms="P.toml", fitted=...)``, ``recpipe train
+--fitted``, ``recpipe serve --fitted``) fills each fitted entry from the file it is given, or
+else from ``DATASET/_preprocess_fitted.json``; an entry with ``fit`` and no fitted state is an
+error that says to run ``recpipe fit``.
+
+**Fitted on the values the step sees.** A fitted entry is fitted on its features' values as
+the pipeline hands them to it: after every earlier entry of the config that names the same
+feature (a ``HashModulo`` before a ``VocabLookup``: the vocabulary holds hashed ids; a
+``Log1p`` before a ``Normalize``: the mean and std of the logs; a fitted ``Normalize`` before a
+fitted ``Bucketize``: quantiles of the normalised values). Without earlier entries that is the
+stored column.
+
+**Whose state it is.** The file records two digests and readers refuse a file whose digests
+are not theirs, in one line: ``config_digest`` (:func:`fitted_signature`: the fitted entries'
+transforms, features and ``fit`` options, and every earlier entry naming one of their features,
+whole) and ``dataset_digest`` (:func:`dataset_digest`: the dataset's part files by path, size
+and content digest).
 """
 
 from __future__ import annotations
@@ -51,15 +66,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from recpipe.errors import SchemaError
+from recpipe.errors import DataError, SchemaError
+from recpipe.integrity import MANIFEST_NAME, file_sha256, listed_files, read_manifest
 
 __all__ = [
     "FITTED_NAME",
     "FITTED_VERSION",
     "FIT_OPTIONS",
     "apply_fitted",
+    "dataset_digest",
+    "fill_fitted",
     "fit_entries",
     "fit_options",
+    "fitted_file",
     "fitted_holdout_mismatch",
     "fitted_path",
     "fitted_signature",
@@ -69,7 +88,9 @@ __all__ = [
 FITTED_NAME = "_preprocess_fitted.json"
 """The fitted state's file name inside the dataset directory (``_``: readers skip it)."""
 
-FITTED_VERSION = 1
+FITTED_VERSION = 2
+"""Version 2 records ``config_digest`` and ``dataset_digest`` and fits on each step's inputs;
+a version-1 state (fitted on the stored columns) is refused with a hint to fit again."""
 
 FIT_OPTIONS: dict[str, dict[str, Any]] = {
     "VocabLookup": {"min_count": 1, "max_size": None},
@@ -137,13 +158,69 @@ def fit_options(entry: Mapping[str, Any], *, where: str) -> dict[str, Any]:
 
 
 def fitted_signature(entries: Sequence[Mapping[str, Any]]) -> str:
-    """A digest of the fitted entries (transform, features, ``fit`` options): a state fitted for
-    other entries is refused."""
-    key = [
-        [e.get("transform"), list(_features(e)), e["fit"] if e["fit"] is not True else {}]
-        for _, e in fit_entries(entries)
-    ]
+    """The config digest of a fitted state: a state fitted for another config is refused.
+
+    It covers what decides the fitted figures: each fitted entry's transform, features and
+    ``fit`` options, and, whole, every earlier entry that names one of its features (what the
+    fitted step is fitted after). Other entries, and a fitted entry's own ``params`` (its
+    ``num_oov_buckets``...), can change without fitting again."""
+    key = []
+    for i, entry in fit_entries(entries):
+        names = set(_features(entry))
+        before = [_plain(e) for e in entries[:i] if names & set(_features(e))]
+        fit = entry["fit"] if entry["fit"] is not True else {}
+        key.append([before, entry.get("transform"), list(_features(entry)), fit])
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _plain(entry: Mapping[str, Any]) -> Any:
+    """An entry as JSON can hold it (a digest's input)."""
+    return json.loads(json.dumps(entry, sort_keys=True, default=repr))
+
+
+_TAIL = 1 << 16  # the bytes of a part file digested when the manifest has no sha256 of it
+
+
+def dataset_digest(dataset: str | os.PathLike[str]) -> str:
+    """The dataset digest of a fitted state: a state fitted on another dataset is refused.
+
+    A digest of the part files the readers read (:func:`readers.listing.discover_files`): each
+    one's path inside the dataset, size and content digest, the ``sha256`` the manifest lists
+    (``recpipe etl build`` records it) or else that of the file's last 64 KiB (its Parquet
+    footer, which holds every column chunk's statistics). A copy of the dataset has the same
+    digest; a rebuilt one, another.
+
+    Raises:
+        DataError: the dataset's files cannot be listed or read.
+    """
+    from readers.listing import discover_files
+
+    root = Path(dataset)
+    known: dict[str, str | None] = {}
+    if (root / MANIFEST_NAME).is_file():
+        manifest = read_manifest(root)
+        if isinstance(manifest.get("files"), list):
+            source = os.fspath(root / MANIFEST_NAME)
+            known = {f.path: f.sha256 for f in listed_files(manifest, source=source)}
+    key = []
+    for path in discover_files(root):
+        rel = path.relative_to(root).as_posix()
+        try:
+            size = path.stat().st_size
+            sha = known.get(rel) or _tail_sha256(path, size)
+        except OSError as exc:
+            msg = f"{os.fspath(path)}: cannot read the part file to identify the dataset: {exc}"
+            raise DataError(msg) from exc
+        key.append([rel, size, sha])
+    return hashlib.sha256(json.dumps(sorted(key)).encode()).hexdigest()[:16]
+
+
+def _tail_sha256(path: Path, size: int) -> str:
+    if size > _TAIL:
+        with path.open("rb") as fh:
+            fh.seek(size - _TAIL)
+            return hashlib.sha256(fh.read()).hexdigest()
+    return file_sha256(path)[1]
 
 
 def _features(entry: Mapping[str, Any]) -> tuple[str, ...]:
@@ -162,27 +239,48 @@ def read_fitted(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         msg = f"{os.fspath(path)}: cannot read the fitted preprocessing state: {exc}"
         raise SchemaError(msg) from exc
-    if not isinstance(state, dict) or state.get("version") != FITTED_VERSION:
+    version = state.get("version") if isinstance(state, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version < FITTED_VERSION:
+        msg = (
+            f"{os.fspath(path)}: a fitted state of version {version}, written by an older "
+            f"`recpipe fit` (this one reads version {FITTED_VERSION})\n"
+            "hint: run `recpipe fit` again"
+        )
+        raise SchemaError(msg)
+    if version != FITTED_VERSION or not isinstance(state.get("steps"), list):
         msg = f"{os.fspath(path)}: not a fitted preprocessing state (version {FITTED_VERSION})"
         raise SchemaError(msg)
     return state
+
+
+def fitted_file(
+    dataset: str | os.PathLike[str] | None, fitted: str | os.PathLike[str] | None = None
+) -> Path | None:
+    """The fitted state a reader of ``dataset`` uses: ``fitted`` when given, else the
+    dataset's own :data:`FITTED_NAME` (``None``: neither)."""
+    if fitted is not None:
+        return Path(fitted)
+    return None if dataset is None else fitted_path(dataset)
 
 
 def apply_fitted(
     entries: Sequence[Mapping[str, Any]],
     *,
     dataset: str | os.PathLike[str] | None,
+    fitted: str | os.PathLike[str] | None = None,
     origin: str = "",
 ) -> tuple[list[Mapping[str, Any]], list[str]]:
-    """The entries with every ``fit`` entry filled from the dataset's fitted state.
+    """The entries with every ``fit`` entry filled from a fitted state.
 
     A fitted ``VocabLookup`` or ``Bucketize`` entry becomes one entry per feature (each has its
     own vocabulary or boundaries); entries without ``fit`` pass through.
 
     Args:
         entries: ``[[preprocess]]`` entries.
-        dataset: the dataset directory (its :data:`FITTED_NAME` is read when some entry has
-            ``fit``).
+        dataset: the dataset directory read (``None``: not a directory). Its
+            :data:`FITTED_NAME` is read when some entry has ``fit`` and ``fitted`` is not given,
+            and a state fitted on another dataset is refused.
+        fitted: the fitted state file (``recpipe fit --out``).
         origin: names the config in messages (a file name and a space, or ``""``).
 
     Returns:
@@ -190,32 +288,51 @@ def apply_fitted(
 
     Raises:
         SchemaError: an entry asks to be fitted and there is no fitted state, or the state was
-            fitted for other entries.
+            fitted for another config or on another dataset.
     """
-    fitted = fit_entries(entries)
+    fitted_at = fit_entries(entries)
     labels = [f"{origin}[[preprocess]] #{i + 1}" for i in range(len(entries))]
-    if not fitted:
+    if not fitted_at:
         return list(entries), labels
-    for i, entry in fitted:
+    for i, entry in fitted_at:
         fit_options(entry, where=labels[i])
-    path = None if dataset is None else fitted_path(dataset)
+    config = origin.strip() or "CONFIG"
+    path = fitted_file(dataset, fitted)
     if path is None or not path.is_file():
-        first = labels[fitted[0][0]]
-        where = "no dataset directory" if path is None else f"no {path}"
+        first = labels[fitted_at[0][0]]
+        what = "no dataset directory" if path is None else f"no {path}"
         msg = (
-            f"{first}: asks to be fitted (`fit`), and there is {where}\n"
-            f"hint: run `recpipe fit DATASET --preprocess {origin.strip() or 'CONFIG'}`"
+            f"{first}: asks to be fitted (`fit`), and there is {what}\n"
+            f"hint: run `recpipe fit DATASET --preprocess {config}`"
         )
         raise SchemaError(msg)
     state = read_fitted(path)
-    if state.get("signature") != fitted_signature(entries):
+    refit = f"recpipe fit {os.fspath(dataset) if dataset is not None else 'DATASET'} --preprocess {config}"
+    if state.get("config_digest") != fitted_signature(entries):
         msg = (
-            f"{path}: fitted for other `fit` entries than {origin.strip() or 'this config'}'s\n"
-            f"hint: run `recpipe fit {os.fspath(dataset)} --preprocess "
-            f"{origin.strip() or 'CONFIG'}` again"
+            f"{path}: fitted for another preprocessing config ({state.get('config') or '?'}, "
+            f"config digest {state.get('config_digest')}) than {origin.strip() or 'this one'} "
+            f"({fitted_signature(entries)})\nhint: run `{refit}`"
         )
         raise SchemaError(msg)
-    steps = iter(state["steps"])
+    if dataset is not None and state.get("dataset_digest") != (here := dataset_digest(dataset)):
+        msg = (
+            f"{path}: fitted on another dataset ({state.get('dataset') or '?'}, dataset digest "
+            f"{state.get('dataset_digest')}) than {os.fspath(dataset)} ({here})\n"
+            f"hint: run `{refit}`"
+        )
+        raise SchemaError(msg)
+    return fill_fitted(entries, state["steps"], labels)
+
+
+def fill_fitted(
+    entries: Sequence[Mapping[str, Any]],
+    steps: Sequence[Mapping[str, Any]],
+    labels: Sequence[str],
+) -> tuple[list[Mapping[str, Any]], list[str]]:
+    """The entries with their ``fit`` entries filled from ``steps`` (one per fitted entry, in
+    order: a fitted state's ``steps``), and their labels. See :func:`apply_fitted`."""
+    it = iter(steps)
     out: list[Mapping[str, Any]] = []
     where: list[str] = []
     for i, entry in enumerate(entries):
@@ -223,7 +340,7 @@ def apply_fitted(
             out.append(entry)
             where.append(labels[i])
             continue
-        step = next(steps)
+        step = next(it)
         base = {k: v for k, v in entry.items() if k != "fit"}
         params = dict(entry.get("params") or {})
         if entry["transform"] == "Normalize":
@@ -242,12 +359,17 @@ def apply_fitted(
 
 
 def fitted_holdout_mismatch(
-    dataset: str | os.PathLike[str], *, eval_fraction: float, seed: int
+    dataset: str | os.PathLike[str],
+    *,
+    eval_fraction: float,
+    seed: int,
+    fitted: str | os.PathLike[str] | None = None,
 ) -> str | None:
-    """Why the dataset's fitted state does not match a run's holdout (``None``: it matches, or
-    there is no fitted state). Fitted on another holdout, the statistics saw held-out rows."""
-    path = fitted_path(dataset)
-    if not path.is_file():
+    """Why the fitted state a run uses (``fitted``, else the dataset's) does not match the run's
+    holdout (``None``: it matches, or there is no fitted state). Fitted on another holdout, the
+    statistics saw held-out rows."""
+    path = fitted_file(dataset, fitted)
+    if path is None or not path.is_file():
         return None
     state = read_fitted(path)
     if state.get("eval_fraction") == eval_fraction and state.get("seed") == seed:

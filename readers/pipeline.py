@@ -216,13 +216,16 @@ class Pipeline:
         *,
         schema: DatasetSchema,
         dataset: str | os.PathLike[str] | None = None,
+        fitted: str | os.PathLike[str] | None = None,
     ) -> Pipeline:
         """Build from ``[[preprocess]]`` entries: a dict with a ``preprocess`` list, a list of
         entries, a TOML file (a pipeline config, or a schema file with ``[[preprocess]]``
         tables), or ``None`` (no steps).
 
-        Entries with a ``fit`` key take their fitted parameters from the dataset directory
-        ``dataset`` (what ``recpipe fit`` wrote there, see :mod:`readers.fitted`)."""
+        Entries with a ``fit`` key take their fitted parameters from the fitted state file
+        ``fitted`` (``recpipe fit --out``), or else from the dataset directory ``dataset`` (what
+        ``recpipe fit`` wrote there); a state fitted for another config or on another dataset
+        is refused (see :mod:`readers.fitted`)."""
         origin = ""
         if config is None:
             entries: Sequence[Mapping[str, Any]] = []
@@ -236,7 +239,13 @@ class Pipeline:
         if not isinstance(entries, Sequence) or isinstance(entries, str):
             msg = f"{origin}`preprocess` must be an array of tables ([[preprocess]])"
             raise SchemaError(msg)
-        entries, where = apply_fitted(entries, dataset=dataset, origin=origin)
+        if fitted is not None and not any(isinstance(e, Mapping) and "fit" in e for e in entries):
+            msg = (
+                f"`fitted` {os.fspath(fitted)!r} is given, but {origin or 'the config '}has no "
+                "[[preprocess]] entry with a `fit` key to fill from it"
+            )
+            raise SchemaError(msg)
+        entries, where = apply_fitted(entries, dataset=dataset, fitted=fitted, origin=origin)
         steps = [transform_from_config(e, where=w) for e, w in zip(entries, where)]
         return cls(steps, schema=schema, where=where)
 
