@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas import default_schema
 from tests.common.data import synthetic_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,21 +43,6 @@ TRAIN = ["--steps", "1", "--batch-size", "32", "--eval-batches", "1", *MODEL]
 PARTITION = ["towers", "partition", "{ds}", "--towers", "2", "--steps", "1", "--batch-size", "32",
              "--affinity-batches", "1", *MODEL]  # fmt: skip
 HUGE = str(10**30)
-PLAN = """\
-[partition]
-strategy = "coherent"
-balance = 1.0
-seed = 0
-source = "tests/test_cli_hostile.py"
-
-[[tower]]
-features = ["user_segment", "user_country", "user_follows", "user_liked_items",
-            "user_liked_sellers", "user_recent_queries"]
-
-[[tower]]
-features = ["item_id", "item_seller", "item_category", "item_tags", "context_device",
-            "context_surface"]
-"""
 PREPROCESS = """\
 [[preprocess]]
 transform = "Normalize"
@@ -117,7 +103,10 @@ def data(tmp_path_factory) -> dict[str, Path]:
     """A ~1k-row dataset, its raw logs, a tower plan and a preprocessing config."""
     root = tmp_path_factory.mktemp("hostile")
     dataset = synthetic_dataset(root, requests=1000, seed=5, files=1, row_group_size=64)
-    (root / "plan.toml").write_text(PLAN)
+    sparse = default_schema().sparse_names  # two towers of the dataset's sparse features
+    towers = [sparse[: len(sparse) // 2], sparse[len(sparse) // 2 :]]
+    plan = "".join(f"[[tower]]\nfeatures = {list(t)!r}\n\n" for t in towers)
+    (root / "plan.toml").write_text(plan)
     (root / "preprocess.toml").write_text(PREPROCESS)
     return {
         "ds": dataset,
