@@ -15,8 +15,10 @@ The outputs (``KINDS``):
 * ``full``: a small tmpfs filled to its last byte (``ENOSPC``); a command that writes only to
   stdout gets ``/dev/full`` there.
 
-Mounting a tmpfs needs root; elsewhere those cases are skipped with the reason. The commands
-that load torch and train (``train``, ``fit``, ``towers``, ``store``) are marked slow.
+``serve`` writes nothing but its log, so it gets only the nonsense values. Mounting a tmpfs
+needs root; elsewhere those cases are skipped with the reason. The cases that load torch or
+start reader processes before they end are marked slow (most refusals come from the option
+parser and take a fraction of a second).
 """
 
 from __future__ import annotations
