@@ -194,6 +194,8 @@ class TrainConfig:
         seed: seed of the model init, the shuffles and the held-out draw.
         workers: DataLoader worker processes.
         preprocess: the readers' preprocessing config (a TOML file).
+        fitted: the fitted state of the preprocessing config's ``fit`` entries that ``recpipe
+            fit --out FILE`` wrote (default: the one ``recpipe fit`` wrote into the dataset).
         model: the model config (its seed is replaced by ``seed``).
         log_window: batches in the running training AUC.
         log_every: compute the running training AUC (progress bar, metrics) every N steps.
@@ -226,6 +228,7 @@ class TrainConfig:
     seed: int = 0
     workers: int = 0
     preprocess: str | None = None
+    fitted: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     log_window: int = 50
     log_every: int = 10
@@ -273,6 +276,9 @@ class TrainConfig:
             raise RecpipeError(msg)
         if self.overwrite and self.resume:
             msg = "give `resume` or `overwrite`, not both: continue the checkpoint or replace it"
+            raise RecpipeError(msg)
+        if self.fitted is not None and self.preprocess is None:
+            msg = f"`fitted` {self.fitted!r} needs the `preprocess` config it was fitted for"
             raise RecpipeError(msg)
         if self.metrics is not None:
             metrics_format(self.metrics)

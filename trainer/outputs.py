@@ -46,4 +46,6 @@ def check_train_outputs(
         ("--tensorboard", config.tensorboard, "directory"),
     )
     dedup_groups = None if config.dedup_groups == "auto" else config.dedup_groups
-    check_outputs(outputs, inputs=[config.dataset, config.preprocess, dedup_groups, *reads])
+    check_outputs(
+        outputs, inputs=[config.dataset, config.preprocess, config.fitted, dedup_groups, *reads]
+    )

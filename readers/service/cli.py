@@ -158,6 +158,14 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         help="preprocessing config file (see readers.pipeline)",
     )
     parser.add_argument(
+        "--fitted",
+        default=None,
+        metavar="FILE",
+        help="the fitted state of the config's `fit` entries that `recpipe fit --out FILE` "
+        "wrote (default: DATASET/_preprocess_fitted.json); refused if fitted on another "
+        "dataset or for another config",
+    )
+    parser.add_argument(
         "--schema", default=None, help="schema TOML (default: the dataset's manifest)"
     )
     parser.add_argument(
@@ -288,6 +296,7 @@ def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
             batch_size=args.batch_size,
             dedup=dedup,
             preprocess=args.preprocess,
+            fitted=args.fitted,
             schema=args.schema,
             dedup_groups=args.dedup_groups,
             shuffle=args.shuffle,
@@ -303,7 +312,7 @@ def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
 
         schema = producer.read_schema()
         DatasetSource(args.dataset, schema=schema, config=ReaderConfig(extras=producer.extras))
-        make_pipeline(args.preprocess, schema, dataset=args.dataset)
+        make_pipeline(args.preprocess, schema, dataset=args.dataset, fitted=args.fitted)
         if args.dedup_groups is not None:  # "auto" runs the stats once, not in every reader
             producer = dataclasses.replace(
                 producer, dedup_groups=[list(g) for g in schema.dedup_groups]

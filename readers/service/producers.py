@@ -105,6 +105,8 @@ class DatasetProducer:
         dedup: ``True``: one IKJT per dedup group of the schema; ``False``: one plain KJT.
         preprocess: the preprocessing pipeline: a config file, a list of ``[[preprocess]]``
             entries (see ``readers.pipeline.Pipeline.from_config``), or ``None``.
+        fitted: the fitted state of its ``fit`` entries (``recpipe fit --out``; ``None``: the
+            one ``recpipe fit`` wrote into the dataset, see ``readers.fitted``).
         schema: a schema TOML file, or ``None`` for the schema in the dataset's manifest.
         shuffle: shuffle row groups and sessions (seeded; the epoch is mixed in).
         seed: the shuffle seed.
@@ -125,6 +127,7 @@ class DatasetProducer:
     batch_size: int = 4096
     dedup: bool = True
     preprocess: str | Sequence[Mapping[str, Any]] | None = None
+    fitted: str | None = None
     schema: str | None = None
     shuffle: bool = False
     seed: int = 0
@@ -166,6 +169,7 @@ class DatasetProducer:
             schema=self.read_schema(),
             config=config,
             transforms=self.preprocess,
+            fitted=self.fitted,
             dedup=self.dedup,
             rank=spec.shard,
             world_size=spec.num_shards,
@@ -188,6 +192,7 @@ class DatasetProducer:
 
     def _rank_reader(self, ranks: RankRequest, holdout: Holdout | None) -> Any:
         """The in-process rank reader this client's rank would use."""
+        from readers.dataset import make_pipeline
         from readers.ranks import RankBatchDataset
         from readers.source import DatasetSource
 
@@ -198,7 +203,10 @@ class DatasetProducer:
         cut = copy.copy(self.cut)  # a fresh copy per client: a stateful cut starts with it
         return RankBatchDataset(
             self.dataset, schema=schema, config=self._reader_config(),
-            transforms=self.preprocess, dedup=self.dedup, rank=ranks.rank,
+            transforms=make_pipeline(
+                self.preprocess, schema, dataset=self.dataset, fitted=self.fitted
+            ),
+            dedup=self.dedup, rank=ranks.rank,
             world_size=ranks.world_size, splits=splits, cut=cut,
         )  # fmt: skip
 

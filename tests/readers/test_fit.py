@@ -331,3 +331,22 @@ def test_missing_dense_values_are_left_out_whatever_the_parquet_statistics_say(
     entries = [{"transform": "Normalize", "features": ["user_age"], "fit": True}]
     state = fit_preprocess(root, entries, schema=tiny_schema, eval_fraction=0.0, write=False)
     assert state["steps"][0]["features"]["user_age"]["mean"] == pytest.approx(np.nanmean(age))
+
+
+@pytest.mark.parametrize("command", ["train", "serve"])
+def test_train_and_serve_take_the_fitted_file(command, fitted, tmp_path, tiny_schema, capsys):
+    from recpipe_cli import main
+
+    root, config, _ = fitted
+    other = tmp_path / "other"
+    write_clustered(
+        session_table(tiny_schema, num_sessions=50, seed=9), other / "p.parquet", row_group_rows=200
+    )
+    (other / "_manifest.json").write_text(json.dumps({"schema": tiny_schema.to_toml()}))
+    theirs = tmp_path / "theirs.json"
+    fit_preprocess(other, config, eval_fraction=FRACTION, seed=SEED, out=theirs)
+    argv = [command, str(root), "--preprocess", str(config), "--fitted", str(theirs)]
+    extra = ["--steps", "1", "--batch-size", "64"] if command == "train" else ["--port", "9"]
+    assert main([*argv, *extra]) == 1  # refused before a step or a client: it reached the readers
+    err = capsys.readouterr().err
+    assert f"recpipe {command}: error: {theirs}: fitted on another dataset" in err

@@ -232,11 +232,15 @@ class _RankRun:
                 raise RecpipeError(msg)
             self._make_service_loaders(train, held)
             return
+        from readers.dataset import make_pipeline
         from readers.dispatch.cut import rank_cut
         from readers.ranks import RankBatchDataset, RankLoader
         from readers.source import ReaderConfig
 
-        common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup,
+        transforms = make_pipeline(
+            cfg.preprocess, self.schema, dataset=cfg.dataset, fitted=cfg.fitted
+        )
+        common = {"schema": self.schema, "transforms": transforms, "dedup": cfg.dedup,
                   "rank": self.comm.rank, "world_size": self.comm.world_size}  # fmt: skip
         reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
         opts = self.options
