@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 from collections.abc import Iterator
 
@@ -77,7 +76,7 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     """Train ``config`` (on several ranks when ``args`` asks for it), print the summary and
     write ``--json``; the exit code. A torchrun worker of ``--nproc`` enters here too."""
     from trainer.outputs import check_train_outputs
-    from trainer.runlog import format_summary
+    from trainer.runlog import format_summary, summary_dict
     from trainer.train import train
 
     check_train_outputs(config, json=args.json)
@@ -94,20 +93,7 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     if summary is not None:
         print(distributed.describe(summary))
     if args.json:
-        ev = result.final_eval
-        doc = {
-            "steps": result.steps,
-            "samples": result.samples,
-            "final_loss": result.losses[-1] if result.losses else None,
-            "train_auc": _num(result.train_auc),
-            "eval_loss": _num(ev.loss) if ev else None,
-            "eval_auc": _num(ev.auc) if ev else None,
-            "samples_per_s": _num(result.samples_per_s),
-            "peak_memory_bytes": result.peak_memory_bytes,
-            "dedup_factor": result.dedup_factor,
-            "wall_s": result.wall_s,
-            "checkpoint": result.checkpoint,
-        }
+        doc = summary_dict(config, result)
         if summary is not None:
             doc["distributed"] = distributed.dump(summary)
         with open(args.json, "w") as fh:
@@ -141,7 +127,3 @@ def _claim_for_workers(config: TrainConfig, args: argparse.Namespace) -> Iterato
             path = checkpoint_file(config.checkpoint)
             check_resume(load_checkpoint(path), config, path=path, multi_rank=True)
         yield
-
-
-def _num(x: float) -> float | None:
-    return None if math.isnan(x) else x

@@ -2,7 +2,11 @@
 per-step records go (a CSV or JSON Lines file, TensorBoard when it is installed).
 
 A record is a flat dict of :data:`METRIC_FIELDS`: one per training step (``kind`` ``"train"``)
-and one per evaluation (``"eval"``); fields that do not apply are ``None``.
+and one per evaluation (``"eval"``); fields that do not apply are ``None``. The run's summary
+(:func:`trainer.runlog.summary_dict`, ``recpipe train --json``) names a record's field by its
+kind: ``eval_loss``/``eval_auc``/``eval_samples`` are the last ``eval`` record's ``loss``/
+``auc``/``samples``, ``final_step_loss`` and ``train_wall_s`` the last ``train`` record's
+``loss`` and ``wall_s``, ``eval_wall_s`` the sum of the ``eval`` records' ``wall_s``.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ METRIC_FIELDS: tuple[str, ...] = (
     "samples",  # training samples seen (train) or evaluated (eval)
     "loss",  # the step's loss, or the mean held-out loss
     "auc",  # AUC of the last `log_window` batches, every `log_every` steps; or held-out AUC
-    "samples_per_s",  # training samples per second since the run (or resume) started
-    "step_s",  # wall seconds of this step, reading the batch included
+    "samples_per_s",  # training samples per second of training (wall_s) since the run started
+    "step_s",  # wall seconds of this step, reading the batch included, evaluations not
     "dedup_factor",  # sparse values of the expanded batch / values stored
     "peak_memory_bytes",  # peak device memory (CUDA) or peak RSS (CPU) so far
-    "wall_s",  # seconds since the run (or resume) started
+    # train: seconds of training since the run (or resume) started, evaluations not counted;
+    # eval: seconds this evaluation took
+    "wall_s",
 )
 """The fields of a metrics record, in file order."""
 

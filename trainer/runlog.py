@@ -9,6 +9,7 @@ end in the same :class:`TrainResult`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = [
     "format_bytes",
     "format_summary",
     "run_targets",
+    "summary_dict",
 ]
 
 _log = logging.getLogger(__name__)
@@ -64,13 +66,19 @@ class TrainResult:
         losses: per-step training losses of the whole run (resumed ones included).
         train_auc: AUC over the last ``log_window`` training batches.
         evals: ``[(step, EvalResult)]`` evaluations on the held-out data.
-        samples_per_s: training throughput of this process (loading included).
+        samples_per_s: training samples of this process / ``train_wall_s`` (loading included).
         peak_memory_bytes: peak device memory (CUDA) or peak RSS (CPU).
         dedup_factor: mean sparse dedup factor of the training batches of this process.
-        wall_s: wall time of this process.
+        train_wall_s: seconds this process spent in the training loop: reading, steps and the
+            checkpoints taken inside it; the held-out evaluations are not counted.
         checkpoint: the checkpoint file written last (``None`` without checkpoints).
         resumed_from: the step resumed from (``None`` for a fresh run).
         train_splits, eval_splits: row groups holding training rows and held-out rows.
+        eval_wall_s: seconds this process spent in held-out evaluations (all of them).
+        eval_runs: evaluations this process ran (those of a resumed run's first part aside).
+
+    Start-up (opening the dataset, building the model) and the final checkpoint are in neither
+    ``train_wall_s`` nor ``eval_wall_s``; :attr:`wall_s` is their sum.
     """
 
     steps: int
@@ -81,16 +89,24 @@ class TrainResult:
     samples_per_s: float
     peak_memory_bytes: int
     dedup_factor: float
-    wall_s: float
+    train_wall_s: float
     checkpoint: str | None = None
     resumed_from: int | None = None
     train_splits: int = 0
     eval_splits: int = 0
+    eval_wall_s: float = 0.0
+    eval_runs: int = 0
 
     @property
     def final_eval(self) -> EvalResult | None:
         """The last evaluation."""
         return self.evals[-1][1] if self.evals else None
+
+    @property
+    def wall_s(self) -> float:
+        """``train_wall_s + eval_wall_s``: training and evaluating, start-up and the final
+        checkpoint not counted."""
+        return self.train_wall_s + self.eval_wall_s
 
 
 def divergence_hint(config: TrainConfig, saved_step: int | None) -> str:
@@ -134,6 +150,8 @@ class RunLog:
         self.resumed_from: int | None = None
         self.sinks: list[Any] = []
         self.dataset_id: str | None = None  # read from the manifest at the first checkpoint
+        self.eval_s = 0.0  # seconds this process spent evaluating (the loops subtract it)
+        self.eval_runs = 0
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -199,15 +217,18 @@ class RunLog:
             "peak_memory_bytes": memory, "wall_s": wall_s,
         }  # fmt: skip
 
-    def add_eval(self, step: int, result: EvalResult, *, epoch: int) -> None:
-        """Keep (and record, and log) an evaluation that saw samples."""
+    def add_eval(self, step: int, result: EvalResult, *, epoch: int, seconds: float) -> None:
+        """Count ``seconds`` of evaluation (:attr:`eval_s`: the loops leave it out of their
+        training time), and keep (and record, and log) an evaluation that saw samples."""
+        self.eval_s += seconds
+        self.eval_runs += 1
         if not result.samples:
             return
         self.evals.append((step, result))
         self.record({
             "kind": "eval", "step": step, "epoch": epoch, "samples": result.samples,
             "loss": result.loss, "auc": result.auc,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "peak_memory_bytes": peak_memory_bytes(self.device), "wall_s": seconds,
         })  # fmt: skip
         _log.info(
             "step %d: held-out loss %.4f, AUC %.4f (%d samples)",
@@ -228,7 +249,8 @@ class RunLog:
         train_splits: int,
         eval_splits: int,
     ) -> TrainResult:
-        """The run's :class:`TrainResult` (``samples0``: samples before this process started)."""
+        """The run's :class:`TrainResult` (``samples0``: samples before this process started;
+        ``wall``: seconds of its training loop less :attr:`eval_s`)."""
         done = self.samples - samples0
         return TrainResult(
             steps=steps,
@@ -239,11 +261,13 @@ class RunLog:
             samples_per_s=done / wall if wall > 0 else float("nan"),
             peak_memory_bytes=peak_memory_bytes(self.device),
             dedup_factor=float(np.mean(self.factors)) if self.factors else 1.0,
-            wall_s=wall,
+            train_wall_s=wall,
             checkpoint=None if checkpoint is None else str(checkpoint),
             resumed_from=self.resumed_from,
             train_splits=train_splits,
             eval_splits=eval_splits,
+            eval_wall_s=self.eval_s,
+            eval_runs=self.eval_runs,
         )
 
 
@@ -263,36 +287,106 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def format_summary(config: TrainConfig, result: TrainResult) -> str:
-    """A one-screen summary of a run."""
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def summary_dict(config: TrainConfig, result: TrainResult) -> dict[str, Any]:
+    """The run's summary as JSON-ready values (``nan`` as ``None``): what ``--json`` writes,
+    under the names :func:`format_summary` prints.
+
+    ``train_loss`` is the mean loss of the last ``log_window`` steps and ``train_auc`` the AUC
+    of the last ``log_window`` batches; ``final_step_loss`` is the loss of the last step (the
+    ``loss`` of the last ``train`` record of ``--metrics``). ``eval_loss``, ``eval_auc`` and
+    ``eval_samples`` are those of the last evaluation (its ``eval`` record's ``loss``, ``auc``
+    and ``samples``); ``eval_wall_s`` sums the ``wall_s`` of the ``eval`` records, and
+    ``train_wall_s`` is the ``wall_s`` of the last ``train`` record (to the loop's end).
+    """
     ev = result.final_eval
-    last = result.losses[-min(50, len(result.losses)) :] if result.losses else []
-    rows = [
-        ("dataset", config.dataset if config.service is None else f"{config.service} (service)"),
-        ("dedup", "on" if config.dedup else "off"),
-        ("device", config.device),
-        ("optimizer", f"{config.optimizer} lr={config.lr or DEFAULT_LR[config.optimizer]}"),
-        (
-            "row groups",
-            f"{result.train_splits} with training rows, {result.eval_splits} with held-out",
+    window = result.losses[-min(config.log_window, len(result.losses)) :]
+    return {
+        "dataset": str(config.dataset) if config.service is None else f"{config.service} (service)",
+        "dedup": config.dedup,
+        "device": config.device,
+        "optimizer": config.optimizer,
+        "lr": DEFAULT_LR[config.optimizer] if config.lr is None else config.lr,
+        "train_splits": result.train_splits,
+        "eval_splits": result.eval_splits,
+        "steps": result.steps,
+        "resumed_from": result.resumed_from,
+        "samples": result.samples,
+        "log_window": config.log_window,
+        "train_loss": _num(float(np.mean(window))) if window else None,
+        "final_step_loss": _num(result.losses[-1]) if result.losses else None,
+        "train_auc": _num(result.train_auc),
+        "eval_step": result.evals[-1][0] if result.evals else None,
+        "eval_loss": _num(ev.loss) if ev else None,
+        "eval_auc": _num(ev.auc) if ev else None,
+        "eval_samples": ev.samples if ev else None,
+        "samples_per_s": _num(result.samples_per_s),
+        "dedup_factor": result.dedup_factor,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "train_wall_s": result.train_wall_s,
+        "eval_wall_s": result.eval_wall_s,
+        "eval_runs": result.eval_runs,
+        "wall_s": result.wall_s,
+        "checkpoint": result.checkpoint,
+    }
+
+
+def format_summary(config: TrainConfig, result: TrainResult) -> str:
+    """A one-screen summary of a run: one line per key of :func:`summary_dict` (the names
+    ``--json`` writes), its value and what it is."""
+    d = summary_dict(config, result)
+    n = min(config.log_window, len(result.losses))
+
+    def num(key: str, fmt: str, note: str = "") -> tuple[str, str]:
+        value = d[key]
+        text = "-" if value is None else format(value, fmt)
+        return text, note if value is not None else ""
+
+    resumed = d["resumed_from"]
+    rows: dict[str, tuple[str, str]] = {
+        "dataset": (str(d["dataset"]), ""),
+        "dedup": ("on" if d["dedup"] else "off", ""),
+        "device": (str(d["device"]), ""),
+        "optimizer": (str(d["optimizer"]), ""),
+        "lr": (f"{d['lr']:g}", ""),
+        "train_splits": (f"{d['train_splits']}", "row groups with training rows"),
+        "eval_splits": (f"{d['eval_splits']}", "row groups with held-out rows"),
+        "steps": (f"{d['steps']:,}" + (f" (resumed at {resumed:,})" if resumed else ""), ""),
+        "resumed_from": ("-" if resumed is None else f"{resumed:,}", ""),
+        "samples": (f"{d['samples']:,}", "training samples"),
+        "log_window": (f"{d['log_window']}", "steps in train_loss and train_auc"),
+        "train_loss": num("train_loss", ".4f", f"mean of the last {n} steps"),
+        "final_step_loss": num("final_step_loss", ".4f", "the last step's loss"),
+        "train_auc": num("train_auc", ".4f", f"last {n} batches"),
+        "eval_step": num("eval_step", ",", "step of the last evaluation"),
+        "eval_loss": num("eval_loss", ".4f", "held-out, last evaluation"),
+        "eval_auc": num("eval_auc", ".4f", "held-out, last evaluation"),
+        "eval_samples": num("eval_samples", ",", "held-out samples evaluated"),
+        "samples_per_s": num("samples_per_s", ",.0f", "training samples / train_wall_s"),
+        "dedup_factor": (
+            f"{d['dedup_factor']:.2f}x",
+            "sparse values per value stored, mean per batch",
         ),
-        (
-            "steps",
-            f"{result.steps:,}"
-            + (f" (resumed at {result.resumed_from:,})" if result.resumed_from else ""),
+        "peak_memory_bytes": (format_bytes(d["peak_memory_bytes"]), ""),
+        "train_wall_s": (
+            f"{d['train_wall_s']:.1f} s",
+            "reading, steps and the checkpoints in the loop; evaluations not counted",
         ),
-        ("samples", f"{result.samples:,}"),
-        ("train loss", f"{np.mean(last):.4f} (last {len(last)} steps)" if last else "-"),
-        ("train AUC", f"{result.train_auc:.4f} (last {config.log_window} batches)"),
-        (
-            "held-out",
-            f"loss {ev.loss:.4f}  AUC {ev.auc:.4f}  ({ev.samples:,} samples)" if ev else "-",
+        "eval_wall_s": (f"{d['eval_wall_s']:.1f} s", "held-out evaluations"),
+        "eval_runs": (f"{d['eval_runs']}", "evaluations run by this process"),
+        "wall_s": (
+            f"{d['wall_s']:.1f} s",
+            "train_wall_s + eval_wall_s; start-up and the final checkpoint not counted",
         ),
-        ("samples/s", f"{result.samples_per_s:,.0f}"),
-        ("dedup factor", f"{result.dedup_factor:.2f}x sparse values (mean per batch)"),
-        ("peak memory", format_bytes(result.peak_memory_bytes)),
-        ("wall time", f"{result.wall_s:.1f} s"),
-        ("checkpoint", result.checkpoint or "-"),
+        "checkpoint": (d["checkpoint"] or "-", ""),
+    }
+    width = max(len(k) for k in rows)
+    vwidth = max((len(v) for v, note in rows.values() if note), default=0)
+    lines = [
+        f"  {k:<{width}}  {v:<{vwidth}}  {note}".rstrip() if note else f"  {k:<{width}}  {v}"
+        for k, (v, note) in rows.items()
     ]
-    width = max(len(k) for k, _ in rows)
-    return "recpipe train: done\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+    return "recpipe train: done\n" + "\n".join(lines)

@@ -491,7 +491,8 @@ class _Run:
                     step = self.trainer.step
                     bar.update(1)
                     now = time.perf_counter()
-                    rate = (log.samples - samples0) / max(now - t0, 1e-9)
+                    train_s = now - t0 - log.eval_s  # evaluations are not training time
+                    rate = (log.samples - samples0) / max(train_s, 1e-9)
                     memory = peak_memory_bytes(self.device)
                     window_auc = None
                     if step % cfg.log_every == 0 or step == target_steps:
@@ -505,12 +506,12 @@ class _Run:
                         )
                     record = log.train_record(
                         step=step, epoch=self._loader_epoch(), auc=window_auc,
-                        samples_per_s=rate, step_s=now - last, memory=memory, wall_s=now - t0,
+                        samples_per_s=rate, step_s=now - last, memory=memory, wall_s=train_s,
                     )  # fmt: skip
                     log.record({**record, "loss": log.losses[-1]})
                     last = now
                     if cfg.eval_every and step % cfg.eval_every == 0:
-                        self._evaluate(step)
+                        last += self._evaluate(step)  # the next step_s leaves it out
                     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                         self.save()
                     if target_steps is not None and step >= target_steps:
@@ -519,7 +520,7 @@ class _Run:
                 if empty_passes >= 2 and not done:
                     msg = f"{cfg.dataset}: the training split yields no batches"
                     raise DataError(msg)
-            wall = time.perf_counter() - t0
+            wall = time.perf_counter() - t0 - log.eval_s  # train_wall_s
             if not log.evaluated_at(self.trainer.step):
                 self._evaluate(self.trainer.step)
             path = self.save()
@@ -549,9 +550,13 @@ class _Run:
             return self.trainer.step >= target_steps
         return self._loader_epoch() >= target_epochs
 
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self, step: int) -> float:
+        """Evaluate on the held-out data; the seconds it took."""
+        t0 = time.perf_counter()
         result = self.trainer.evaluate(self._eval_batches(), max_batches=self.config.eval_batches)
-        self.log_.add_eval(step, result, epoch=self._loader_epoch())
+        seconds = time.perf_counter() - t0
+        self.log_.add_eval(step, result, epoch=self._loader_epoch(), seconds=seconds)
+        return seconds
 
 
 def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = None) -> TrainResult:

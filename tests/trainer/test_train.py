@@ -279,7 +279,7 @@ def test_summary_renders(dataset, tmp_path):
     cfg = _config(dataset, steps=2, eval_batches=1)
     result = train(cfg, progress=False)
     text = format_summary(cfg, result)
-    assert "samples/s" in text and "peak memory" in text and result.samples == 512
+    assert "samples_per_s" in text and "peak_memory_bytes" in text and result.samples == 512
 
 
 def test_hybrid_store_trains_and_resumes_exactly(dataset, tmp_path):

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from typing import Any
 
 from recpipe.config_cli import Option, add_config_options, add_quiet_option
 from trainer.config import ModelConfig, TrainConfig
@@ -166,7 +164,7 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
     ``--json``; the exit code. A worker of ``--nproc`` enters here too."""
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
     from trainer.outputs import check_train_outputs
-    from trainer.runlog import format_summary
+    from trainer.runlog import format_summary, summary_dict
     from trainer.towers.run import checked_plan, train_towers
 
     config, towers = configs
@@ -195,22 +193,8 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
     if args.json:
-        ev = result.final_eval
-        doc: dict[str, Any] = {
-            "steps": result.steps,
-            "samples": result.samples,
-            "final_loss": result.losses[-1] if result.losses else None,
-            "eval_auc": _num(ev.auc) if ev else None,
-            "eval_loss": _num(ev.loss) if ev else None,
-            "samples_per_s": _num(result.samples_per_s),
-            "wall_s": result.wall_s,
-            "towers": summary.dump(),
-        }
+        doc = {**summary_dict(config, result), "towers": summary.dump()}
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2)
     sys.stdout.flush()
     return 0
-
-
-def _num(x: float) -> float | None:
-    return None if math.isnan(x) else x
