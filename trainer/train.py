@@ -263,14 +263,15 @@ class _Run:
         cfg = self.config
         reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
         eval_reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=False)
-        common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup}
+        common = {"schema": self.schema, "transforms": cfg.preprocess, "fitted": cfg.fitted,
+                  "dedup": cfg.dedup}  # fmt: skip
         self.eval_ds = ParquetBatchDataset(cfg.dataset, config=eval_reader, **common)
         self.eval_stream: ServiceStream | None = None
         if cfg.preprocess is not None:
             from readers.fitted import fitted_holdout_mismatch
 
             why = fitted_holdout_mismatch(
-                cfg.dataset, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+                cfg.dataset, eval_fraction=cfg.eval_fraction, seed=cfg.seed, fitted=cfg.fitted
             )
             if why is not None:
                 _log.warning("%s", why)
