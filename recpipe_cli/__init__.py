@@ -14,7 +14,8 @@ every command uses; older spellings such as ``--no-progress`` are set too).
 A failure ends in one line on stderr, ``recpipe <command>: error: ...``, and exit status 1: a
 :class:`~recpipe.errors.RecpipeError` (a refusal, already phrased for the user), and an
 ``OSError`` or ``MemoryError`` that escapes the command (a full disk, a read-only file system, no
-permission, too many open files, out of memory), as its ``strerror`` and the path it names;
+permission, too many open files, out of memory; torch's allocators, which raise
+``RuntimeError``, too), as its ``strerror`` and the path it names;
 one without a path (a full disk reports none) names the command's outputs instead, and a
 failure to write stdout names ``'<stdout>'``. ``recpipe --verbose <command>`` prints the
 traceback above that line. Anything else is a bug and keeps its traceback.
@@ -61,6 +62,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "stats": ("out",),
     "fit": ("dataset",),
     "train": ("checkpoint", "json", "metrics", "tensorboard"),
+    "predict": ("out", "json"),
     "towers partition": ("out", "plot"),
     "towers train": ("json",),
 }
@@ -183,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError as exc:
         detail = f" ({exc})" if str(exc) else ""
         return _fail(args, f"out of memory{detail}", exc)
+    except RuntimeError as exc:
+        if not _out_of_memory(exc):
+            raise
+        return _fail(args, f"out of memory ({str(exc).splitlines()[0]})", exc)
     except KeyboardInterrupt:
         print(f"recpipe {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -249,6 +255,16 @@ def os_error_message(exc: OSError, *, outputs: dict[str, str] | None = None) -> 
     if exc.errno in _WRITE_ERRNOS and outputs:
         return f"{what}, writing " + ", ".join(f"`{f}` {p!r}" for f, p in outputs.items())
     return what
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is torch running out of memory: its CPU allocator raises a plain
+    ``RuntimeError`` (``DefaultCPUAllocator: can't allocate memory``), CUDA's a subclass."""
+    torch = sys.modules.get("torch")
+    cuda_oom = getattr(torch, "OutOfMemoryError", None)
+    if isinstance(cuda_oom, type) and isinstance(exc, cuda_oom):
+        return True
+    return "DefaultCPUAllocator: can't allocate memory" in str(exc)
 
 
 def _path_repr(name: object) -> str:
