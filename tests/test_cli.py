@@ -212,6 +212,13 @@ def _failing_synth(monkeypatch, exc: BaseException) -> None:
     monkeypatch.setattr(etl.synth_cli, "_run", run)
 
 
+# What torch's CPU allocator raises (a RuntimeError) when an allocation fails.
+TORCH_OOM = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 16000000000000000 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
 @pytest.mark.parametrize(
     ("exc", "line"),
     [
@@ -221,6 +228,7 @@ def _failing_synth(monkeypatch, exc: BaseException) -> None:
         (OSError(28, "No space left on device"), "No space left on device, writing `--out` 'O'"),
         (OSError(24, "Too many open files"), "Too many open files"),
         (MemoryError("Unable to allocate 8.00 EiB"), "out of memory (Unable to allocate 8.00 EiB)"),
+        (RuntimeError(f"{TORCH_OOM}\nframe #0: ..."), f"out of memory ({TORCH_OOM})"),
     ],
 )  # fmt: skip
 def test_an_os_or_memory_error_is_one_line(monkeypatch, capsys, exc, line):
@@ -237,9 +245,10 @@ def test_verbose_shows_the_traceback_above_the_line(monkeypatch, capsys):
     assert err.endswith("recpipe synth: error: No space left on device, writing `--out` 'O'\n")
 
 
-def test_other_exceptions_keep_their_traceback(monkeypatch):
-    _failing_synth(monkeypatch, ValueError("a bug"))
-    with pytest.raises(ValueError, match="a bug"):
+@pytest.mark.parametrize("exc", [ValueError("a bug"), RuntimeError("a bug")])
+def test_other_exceptions_keep_their_traceback(monkeypatch, exc):
+    _failing_synth(monkeypatch, exc)
+    with pytest.raises(type(exc), match="a bug"):
         main(["synth", "--out", "O"])
 
 
