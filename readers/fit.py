@@ -133,16 +133,18 @@ def fit_preprocess(
             options = fit_options(entry, where=where)
             features = _entry_features(entry, schema, where=where)
             before = _steps_before(entries, i, features, steps, schema=schema, origin=origin)
-            per: dict[str, Any] = {}
-            for f in features:
-                if before is None or f not in _named(before):
-                    values = _values(f, schema)
-                else:
-                    values = _fed_values(
-                        con, root, f, before, schema=schema, eval_fraction=eval_fraction,
-                        seed=seed,
-                    )  # fmt: skip
-                per[f] = _fit_one(con, entry["transform"], f, values, options)
+            fed = [] if before is None else [f for f in features if f in _named(before)]
+            queries = _fed_values(
+                con, root, fed, before, schema=schema, eval_fraction=eval_fraction, seed=seed
+            ) if fed and before is not None else {}  # fmt: skip
+            per = {
+                f: _fit_one(
+                    con, entry["transform"], f, queries.get(f) or _values(f, schema), options
+                )
+                for f in features
+            }
+            for j in range(len(fed)):
+                con.execute(f"DROP TABLE recpipe_fed_{j}")
             steps.append({"transform": entry["transform"], "features": per})
         rows = int(con.execute("SELECT count(*) FROM train").fetchone()[0])
     finally:
@@ -204,15 +206,16 @@ _FED_ROWS = 65_536  # rows per batch read while feeding a step's inputs to DuckD
 def _fed_values(
     con: duckdb.DuckDBPyConnection,
     root: Path,
-    feature: str,
+    features: Sequence[str],
     before: Pipeline,
     *,
     schema: DatasetSchema,
     eval_fraction: float,
     seed: int,
-) -> str:
-    """Append ``feature``'s values, as ``before`` hands them on, over the training rows to a
-    DuckDB table; a query of them (``v``, as :func:`_values`)."""
+) -> dict[str, str]:
+    """Append each feature's values, as ``before`` hands them on, over the training rows (one
+    read of them) to a DuckDB table ``recpipe_fed_J``; per feature, a query of them (``v``, as
+    :func:`_values`)."""
     import pyarrow as pa
     import torch
 
@@ -220,25 +223,28 @@ def _fed_values(
     from readers.holdout import Holdout
     from readers.source import ReaderConfig
 
-    sparse = feature in schema.sparse_names
-    column = None if sparse else schema.dense_names.index(feature)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE recpipe_fed (v {'BIGINT' if sparse else 'DOUBLE'})")
+    dense = {n: i for i, n in enumerate(schema.dense_names)}
+    for j, f in enumerate(features):
+        kind = "DOUBLE" if f in dense else "BIGINT"
+        con.execute(f"CREATE OR REPLACE TEMP TABLE recpipe_fed_{j} (v {kind})")
     batches = iter_batches(
         root, schema=schema, config=ReaderConfig(batch_size=_FED_ROWS), transforms=before,
         dedup=False, holdout=Holdout(eval_fraction, seed=seed, part="train"),
     )  # fmt: skip
     for batch in batches:
-        if sparse:
-            values = batch.kjt.to_dict()[feature].values.to(torch.int64).numpy()
-        else:
-            values = batch.dense[:, column].numpy().astype(np.float64)
-            values = values[~np.isnan(values)]
-        con.register("recpipe_chunk", pa.table({"v": values}))
-        try:
-            con.execute("INSERT INTO recpipe_fed SELECT v FROM recpipe_chunk")
-        finally:
-            con.unregister("recpipe_chunk")
-    return "SELECT v FROM recpipe_fed"
+        jagged = batch.kjt.to_dict()
+        for j, f in enumerate(features):
+            if f in dense:
+                values = batch.dense[:, dense[f]].numpy().astype(np.float64)
+                values = values[~np.isnan(values)]
+            else:
+                values = jagged[f].values.to(torch.int64).numpy()
+            con.register("recpipe_chunk", pa.table({"v": values}))
+            try:
+                con.execute(f"INSERT INTO recpipe_fed_{j} SELECT v FROM recpipe_chunk")
+            finally:
+                con.unregister("recpipe_chunk")
+    return {f: f"SELECT v FROM recpipe_fed_{j}" for j, f in enumerate(features)}
 
 
 def _entry_features(entry: Mapping[str, Any], schema: DatasetSchema, *, where: str) -> list[str]:
