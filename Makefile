@@ -27,7 +27,7 @@ ROW_GROUP_SIZE ?= 65536
 EVAL_FRACTION ?= 0.1
 ## EPOCHS    passes over the data in `make train` (default 1)
 EPOCHS ?= 1
-## BATCH     rows per batch in `make train` (default 1024)
+## BATCH     rows per batch in `make train`, and the B of `make etl`/`make stats`'s dedup factors (default 1024)
 BATCH ?= 1024
 ## DEDUP     on or off: `make train` with or without deduplication (default on)
 DEDUP ?= on
@@ -72,10 +72,10 @@ etl: setup  ## raw logs -> clustered zstd Parquet + stats (INPUT=..., EVENTS=...
 	$(RECPIPE) etl shard $$feats --out $(OUT)/shards --num-shards $(SHARDS) $$schema_arg --overwrite; \
 	$(RECPIPE) etl build $(OUT)/shards $${evs:+--events $$evs} --out $(OUT)/dataset $$schema_arg \
 	  --row-group-size $(ROW_GROUP_SIZE) --overwrite; \
-	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats $$schema_arg
+	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats $$schema_arg --batch-size $(BATCH)
 
 stats: setup  ## DuckDB duplication statistics of OUT/dataset
-	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats
+	$(RECPIPE) stats $(OUT)/dataset --out $(OUT)/stats --batch-size $(BATCH)
 
 serve: setup  ## serve OUT/dataset's preprocessed batches over TCP (127.0.0.1; PORT=..., READERS=...)
 	$(RECPIPE) serve $(OUT)/dataset --port $(PORT) --readers $(READERS)
