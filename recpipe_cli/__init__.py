@@ -50,7 +50,6 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("fit", "readers.fit", "fit preprocessing (vocabularies, mean/std, buckets) on training rows"),
     ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
     ("train", "trainer.cli", "train a DLRM with or without dedup"),
-    ("predict", "trainer.predict", "score or evaluate a dataset with a trained model"),
     ("store", "trainer.store.cli", "inspect a hybrid embedding store"),
     ("towers", "trainer.towers.cli", "partition features into towers; train a towered DLRM (SPTT)"),
 )
@@ -61,14 +60,15 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "etl shard": ("out",),
     "etl build": ("out", "spill_dir"),
     "stats": ("out",),
-    "fit": ("dataset",),
+    "fit": ("out|dataset",),
     "train": ("checkpoint", "json", "metrics", "tensorboard"),
     "predict": ("out", "json"),
     "towers partition": ("out", "plot"),
     "towers train": ("json",),
 }
 """Command -> the ``args`` attributes naming what it writes: named when a write fails with an
-``OSError`` that names no file (a full disk reports only ``No space left on device``)."""
+``OSError`` that names no file (a full disk reports only ``No space left on device``).
+``"a|b"``: ``a`` if it was given, else ``b``."""
 
 _LEADING_NAME = re.compile(r"`([A-Za-z_]\w*)`")
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -277,7 +277,8 @@ def _outputs(args: argparse.Namespace) -> dict[str, str]:
     sub = getattr(args, "stage", None) or getattr(args, "towers_command", None)
     name = f"{args.command} {sub}" if sub else args.command
     given = {}
-    for dest in OUTPUTS.get(name, ()):
+    for choices in OUTPUTS.get(name, ()):
+        dest = next((d for d in choices.split("|") if getattr(args, d, None) is not None), "")
         value = getattr(args, dest, None)
         if isinstance(value, (str, os.PathLike)):
             flag = f"--{dest.replace('_', '-')}" if dest != "dataset" else "DATASET"
