@@ -11,10 +11,10 @@ accepts quietly or refuses with little help:
   ``[keys]`` mapping to write when a missing feature and an unknown key look alike;
 - records in another layout than the schema's (``layout``: flat records under a nested schema,
   or the other way round);
-- timestamps that look like seconds, microseconds or nanoseconds instead of epoch milliseconds
-  (``ts_unit``);
-- ids written as strings (``string_ids``): sparse ids (quarantined as ``wrong_type``) and dense
-  numbers in quotes;
+- timestamps that look like another unit than the schema's ``time_unit`` (``ts_unit``; the fix
+  names the unit to set);
+- ids written as strings (``string_ids``): sparse ids of an ``ids = "int"`` feature (quarantined
+  as ``wrong_type``; the fix suggests ``ids = "hash"``) and dense numbers in quotes;
 - lists longer than ``max_len`` (``list_too_long``: cut, or quarantined with ``truncate = false``);
 - a session key that never repeats (``session_key``), so every record is its own session;
 - every quarantine reason met (``quarantine``), with the validator's detail.
@@ -364,11 +364,14 @@ class _Checks:
 
     def ts_unit(self) -> None:
         tk = self.schema.time_key
+        declared = self.schema.time_unit
+        per_ms = {"s": 1000, "ms": 1, "us": 0.001}[declared]  # the build's ts: raw * per_ms
         units: dict[str, list[int]] = {}
         for i, r in self.records:
             ts = r.get(tk)
             if isinstance(ts, bool) or not isinstance(ts, int | float) or ts <= 0:
                 continue
+            ts = ts * per_ms
             if ts < _MS_RANGE[0] / 10:
                 unit = "seconds" if ts >= 10**8 else ""
             elif ts < _MS_RANGE[1]:
@@ -379,28 +382,36 @@ class _Checks:
                 unit = "nanoseconds"
             if unit:
                 units.setdefault(unit, []).append(i)
-        scale = {
-            "seconds": "multiply by 1000",
-            "microseconds": "divide by 1000",
-            "nanoseconds": "divide by 1,000,000",
-        }
+        # what the logs' unit is, given how far off the declared one reads them
+        names = {"s": "seconds", "ms": "milliseconds", "us": "microseconds"}
+        actual = {"seconds": "s", "microseconds": "us", "nanoseconds": "ns"}
+        steps = {"s": 0, "ms": 1, "us": 2, "ns": 3}
         for unit, at in units.items():
             ts = self.s.records[at[0]][tk]
+            step = steps[declared] + steps[actual[unit]] - 1
+            guess = next((u for u, k in steps.items() if k == step), None)
+            if guess in names:
+                fix = f'set `time_unit = "{guess}"` in the schema\'s [dataset] table'
+            else:
+                fix = f"write `{tk}` in epoch seconds, milliseconds or microseconds"
             self.add(
                 "ts_unit",
                 "error" if len(at) >= MOST * len(self.records) else "warning",
-                f"`{tk}` looks like epoch {unit} in {len(at):,} of {len(self.records):,} records "
-                f"(e.g. {ts}); the build reads epoch milliseconds, so sessions derived by the "
+                f"`{tk}` looks like epoch {names.get(guess, 'nanoseconds')} in {len(at):,} of "
+                f"{len(self.records):,} records (e.g. {ts}); the schema reads it as epoch "
+                f"{names[declared]} (`time_unit` = {declared!r}), so sessions derived by the "
                 "inactivity gap and hour partitions would be wrong",
                 field=tk,
                 at=at[0],
                 count=len(at),
-                fix=f"write `{tk}` in epoch milliseconds ({scale[unit]} when writing the logs)",
+                fix=fix,
             )
 
     def string_ids(self) -> None:
         for group, features in (("sparse", self.schema.sparse), ("dense", self.schema.dense)):
             for f in features:
+                if getattr(f, "ids", "int") == "hash":  # strings are what it reads
+                    continue
                 at = []
                 for i, r in self.records:
                     v = _feature_value(r, self.schema, group, f.name)
@@ -412,10 +423,12 @@ class _Checks:
                 v = _feature_value(self.s.records[at[0]], self.schema, group, f.name)
                 numeric = all(_numeric(x) for x in (v if isinstance(v, list) else [v]))
                 what = "ids" if group == "sparse" else "a number"
-                fix = (
-                    f"write {what} as JSON {'integers: [12, 7]' if group == 'sparse' else 'numbers: 1.5'}, not strings"
-                    + ("" if numeric else "; hash non-numeric ids to int64 when writing the logs")
-                )
+                fix = f"write {what} as JSON {'integers: [12, 7]' if group == 'sparse' else 'numbers: 1.5'}, not strings"
+                if group == "sparse" and not numeric:
+                    fix = f'set `ids = "hash"` on the [[sparse]] feature `{f.name}` (string ids hashed in the build)'
+                elif group == "sparse":
+                    fix += f'; or set `ids = "hash"` on the [[sparse]] feature `{f.name}` (string ids hashed in the build)'
+
                 self.add(
                     "string_ids",
                     "warning",

@@ -48,8 +48,10 @@ __all__ = [
     "DatasetSchema",
     "DenseFeature",
     "FeatureKind",
+    "IdKind",
     "Layout",
     "SparseFeature",
+    "TimeUnit",
     "default_schema",
     "default_schema_path",
     "load_schema",
@@ -60,6 +62,10 @@ FeatureKind = Literal["user", "item", "context"]
 _KINDS: tuple[str, ...] = get_args(FeatureKind)
 Layout = Literal["nested", "flat"]
 _LAYOUTS: tuple[str, ...] = get_args(Layout)
+TimeUnit = Literal["s", "ms", "us"]
+_TIME_UNITS: tuple[str, ...] = get_args(TimeUnit)
+IdKind = Literal["int", "hash"]
+_ID_KINDS: tuple[str, ...] = get_args(IdKind)
 
 #: Names a feature may not take: raw-log keys and the fixed columns of the clustered dataset.
 RESERVED_NAMES: frozenset[str] = frozenset(
@@ -80,9 +86,10 @@ _DATASET_KEYS = (
     "user_key",
     "layout",
     "passthrough",
+    "time_unit",
 )
 _DENSE_KEYS = ("name", "fill")
-_SPARSE_KEYS = ("name", "kind", "max_len", "truncate")
+_SPARSE_KEYS = ("name", "kind", "max_len", "truncate", "ids")
 _DEDUP_KEYS = ("groups",)
 # `[[preprocess]]` tables belong to the readers (readers.pipeline.Pipeline); the schema
 # loader accepts them and leaves them alone.
@@ -170,12 +177,17 @@ class SparseFeature:
         max_len: longest list kept.
         truncate: if True, longer lists are cut to their last ``max_len`` ids (the most recent);
             if False, such records are quarantined as ``list_too_long``.
+        ids: how the logs write the ids: ``"int"`` (int64 integers, stored as they are) or
+            ``"hash"`` (strings or integers, each stored as the stable 63-bit hash of its text:
+            the first 8 bytes of its UTF-8 MD5, little-endian, top bit cleared; an integer is
+            hashed as its decimal text, so ``5`` and ``"5"`` are one id).
     """
 
     name: str
     kind: FeatureKind
     max_len: int
     truncate: bool = True
+    ids: IdKind = "int"
 
     def __post_init__(self) -> None:
         _check_name(self.name, f"sparse feature {self.name!r}")
@@ -189,6 +201,9 @@ class SparseFeature:
             raise _fail(where, f"`max_len` must be in [1, {_MAX_LEN_LIMIT}], got {self.max_len!r}")
         if not isinstance(self.truncate, bool):
             raise _fail(where, f"`truncate` must be true or false, got {self.truncate!r}")
+        if self.ids not in _ID_KINDS:
+            hint = _did_you_mean(str(self.ids), _ID_KINDS) or f"one of: {', '.join(_ID_KINDS)}"
+            raise _fail(where, f"`ids` must be one of {list(_ID_KINDS)}, got {self.ids!r}", hint)
 
 
 @dataclass(frozen=True)
@@ -201,7 +216,8 @@ class DatasetSchema:
         sparse: sparse features, in column order.
         dedup_groups: groups of sparse features deduplicated together (one IKJT each).
         session_key: raw-log key (and dataset column) of the session.
-        time_key: raw-log key (and dataset column) of the epoch-millisecond timestamp.
+        time_key: raw-log key of the timestamp (an integer in ``time_unit`` since the epoch),
+            and the dataset column holding it in epoch milliseconds.
         label_key: event-log key (and dataset column) of the label.
         user_key: raw-log key of the user, used to derive sessions when there is no session key.
         layout: ``"nested"`` (features inside the record's ``dense`` / ``sparse`` objects) or
@@ -210,6 +226,8 @@ class DatasetSchema:
             call them by the raw key, the dataset by the name.
         passthrough: top-level raw-log keys copied to the dataset as string columns of the
             same name (after :data:`PASSTHROUGH_COLUMNS`), untouched by training.
+        time_unit: the unit of the logs' timestamps: ``"s"``, ``"ms"`` (the default) or
+            ``"us"``; the build stores milliseconds (seconds times 1000, microseconds floored).
 
     Raises:
         SchemaError: on duplicate or reserved names, bad dedup groups or bad key mappings.
@@ -226,6 +244,7 @@ class DatasetSchema:
     layout: Layout = "nested"
     raw_keys: tuple[tuple[str, str], ...] = ()
     passthrough: tuple[str, ...] = ()
+    time_unit: TimeUnit = "ms"
     _by_name: dict[str, DenseFeature | SparseFeature] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -282,6 +301,13 @@ class DatasetSchema:
             )
         object.__setattr__(self, "raw_keys", self._validated_raw_keys(self.raw_keys, keys))
         object.__setattr__(self, "passthrough", self._validated_passthrough(self.passthrough))
+        if self.time_unit not in _TIME_UNITS:
+            hint = _did_you_mean(str(self.time_unit), _TIME_UNITS) or "one of: s, ms, us"
+            raise _fail(
+                "[dataset]",
+                f"`time_unit` must be one of {list(_TIME_UNITS)}, got {self.time_unit!r}",
+                hint,
+            )
 
     def _validated_passthrough(self, names: Any) -> tuple[str, ...]:
         if isinstance(names, str) or not isinstance(names, Iterable):
@@ -451,6 +477,8 @@ class DatasetSchema:
             lines.append(f"layout = {_toml_str(self.layout)}")
         if self.passthrough:
             lines.append(f"passthrough = [{', '.join(_toml_str(n) for n in self.passthrough)}]")
+        if self.time_unit != defaults["time_unit"].default:
+            lines.append(f"time_unit = {_toml_str(self.time_unit)}")
         for f in self.dense:
             lines += [
                 "",
@@ -467,6 +495,8 @@ class DatasetSchema:
                 f"max_len = {s.max_len}",
                 f"truncate = {'true' if s.truncate else 'false'}",
             ]
+            if s.ids != "int":
+                lines.append(f"ids = {_toml_str(s.ids)}")
         if self.raw_keys:
             lines += ["", "[keys]"]
             lines += [f"{_toml_str(n)} = {_toml_str(r)}" for n, r in self.raw_keys]

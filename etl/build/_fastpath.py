@@ -12,7 +12,6 @@ from etl.build._sql import (
     FLOAT32_MAX,
     PENDING,
     TRAILING_COMMA_RE,
-    TS_RANGE,
     ident,
     passthrough_columns,
     passthrough_struct,
@@ -20,6 +19,8 @@ from etl.build._sql import (
     sql_str,
     sql_sum,
     too_long_check,
+    ts_bounds,
+    ts_ms,
     value_columns,
 )
 from schemas import DatasetSchema
@@ -42,10 +43,12 @@ def fast_select(
       unknown, repeated or null keys, no number written as a string,
     - no ``true``/``false``, no trailing comma, no list where an object belongs,
     - ids are integers or strings (a number without ``.`` or exponent), ``ts`` an integer in
-      :data:`TS_RANGE`, sparse ids free of fractions and exponents (no ``.``, ``E`` or digit
+      :func:`~etl.build._sql.ts_bounds` (milliseconds once in ``time_unit``), sparse ids free of fractions and exponents (no ``.``, ``E`` or digit
       followed by ``e`` after the ``"sparse"`` key: the full checks quarantine ``1e5``), dense
       values finite,
       sparse lists free of NULLs (ids outside int64, strings, nulls) and short enough.
+      The ids of an ``ids = "hash"`` feature are read as text and must be plain integers
+      here (a string id adds quotes to the line, which then goes to the full checks).
 
     Values are not masked for rows that fail (they are deleted after their second look).
     Every other row is returned with the reason :data:`PENDING` and its raw line, to be
@@ -55,7 +58,11 @@ def fast_select(
     rk, sk, uk, tk = schema_keys(schema)
     ids = (rk, sk, uk, tk)
     dense_s = ", ".join(f'"{f.name}": "DOUBLE"' for f in schema.dense)
-    sparse_s = ", ".join(f'"{f.name}": "BIGINT[]"' for f in schema.sparse)
+    # ``ids = "hash"``: the ids' texts (an integer's digits; a string id adds quotes, so its
+    # line is left to the full checks)
+    sparse_s = ", ".join(
+        f'"{f.name}": "{"VARCHAR" if f.ids == "hash" else "BIGINT"}[]"' for f in schema.sparse
+    )
     struct = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in ids) + passthrough_struct(schema)
     struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
     struct += (', "sparse": {' + sparse_s + "}") if schema.sparse else ""
@@ -106,11 +113,12 @@ def fast_select(
         )
         return f"({col} IS NULL OR {is_str(key)} OR {as_int})"
 
+    ts_lo, ts_hi = ts_bounds(schema.time_unit)
     tests = [
         "j IS NOT NULL",
         "too_long IS NULL",
         f"j.{ident(rk)} IS NOT NULL",
-        f"TRY_CAST(j.{ident(tk)} AS BIGINT) BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
+        f"TRY_CAST(j.{ident(tk)} AS BIGINT) BETWEEN {ts_lo} AND {ts_hi}",
         f"NOT (contains(j.{ident(tk)}, '.') OR contains(lower(j.{ident(tk)}), 'e'))",
         f"NOT {is_str(tk)}",
         id_ok(rk),
@@ -141,6 +149,11 @@ def fast_select(
         v = f"sv{i}"
         too_long = "" if f.truncate else f" AND len({v}) <= {int(f.max_len)}"
         tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
+        if f.ids == "hash":  # plain integers only (the full checks read them the same way)
+            tests.append(
+                f"({v} IS NULL OR len(list_filter({v}, "
+                "lambda x: NOT regexp_full_match(x, '-?(0|[1-9][0-9]{0,17})'))) = 0)"
+            )
     if schema.sparse and not facts:
         tail = "substr(line, strpos(line, '\"sparse\"'))"
         # no fraction or exponent among the sparse ids (key names may hold an `e`)
@@ -174,7 +187,7 @@ SELECT
   j.{ident(rk)} AS request_id,
   j.{ident(sk)} AS session_key,
   j.{ident(uk)} AS user_key,
-  TRY_CAST(j.{ident(tk)} AS BIGINT) AS ts,
+  {ts_ms(f"TRY_CAST(j.{ident(tk)} AS BIGINT)", schema.time_unit)} AS ts,
 {value_columns(schema)}{passthrough_columns(schema, good="j IS NOT NULL")}
   NULL::VARCHAR[] AS unknown,
   NULL::VARCHAR[] AS unknown_keys

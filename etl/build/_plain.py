@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from etl.build._kernels import pack_words, text_buffers
-from etl.build._sql import FLOAT32_MAX, TS_RANGE, schema_keys, value_columns
+from etl.build._sql import FLOAT32_MAX, schema_keys, ts_bounds, ts_ms, value_columns
 from schemas import DatasetSchema
 
 __all__ = ["plain_select", "split_plain", "usable_schema"]
@@ -437,8 +437,9 @@ def _kernels():
 
 
 def usable_schema(schema: DatasetSchema) -> bool:
-    """Whether this tier reads the schema's lines: no passthrough keys, and every key name
-    printable ASCII without ``"`` or ``\\`` (written in a line as it is)."""
+    """Whether this tier reads the schema's lines: no passthrough keys, no ``ids = "hash"``
+    feature (string ids: the SQL tiers read those), and every key name printable ASCII
+    without ``"`` or ``\\`` (written in a line as it is)."""
     return _tables(schema) is not None
 
 
@@ -449,7 +450,7 @@ def _tables(schema: DatasetSchema) -> tuple[np.ndarray, np.ndarray, np.ndarray] 
     words = [*schema_keys(schema), "dense", "sparse"]
     words += [f.name for f in schema.dense] + [f.name for f in schema.sparse]
     plain = all(w and all(32 <= ord(c) <= 126 and c not in '"\\' for c in w) for w in words)
-    if schema.passthrough or not plain:
+    if schema.passthrough or not plain or any(f.ids == "hash" for f in schema.sparse):
         return None
     names, name_off = pack_words(words)
     max_len = np.array([-1 if f.truncate else int(f.max_len) for f in schema.sparse], np.int64)
@@ -508,8 +509,9 @@ def _parse_chunk(
     sp_at = np.empty((ns, n), dtype=np.int64)
     sp_len = np.empty((ns, n), dtype=np.int64)
     values = np.empty(int(offsets[-1] - offsets[0]) // 2 + 1, dtype=np.int64)
+    ts_lo, ts_hi = ts_bounds(schema.time_unit)  # the raw ts, in the schema's unit
     m, used = kernel(
-        offsets, data, usable, names, name_off, nd, ns, max_len, TS_RANGE[0], TS_RANGE[1],
+        offsets, data, usable, names, name_off, nd, ns, max_len, ts_lo, ts_hi,
         ok, rows, spans, ts, sp_at, sp_len, values,
     )  # fmt: skip
     if not m:
@@ -572,7 +574,7 @@ SELECT
   request_id,
   session_key,
   user_key,
-  ts,
+  {ts_ms("ts", schema.time_unit)} AS ts,
 {value_columns(schema)}  NULL::VARCHAR[] AS unknown,
   NULL::VARCHAR[] AS unknown_keys
 FROM {src}

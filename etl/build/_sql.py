@@ -11,6 +11,7 @@ __all__ = [
     "TRAILING_COMMA_RE",
     "TS_RANGE",
     "feature_columns",
+    "hash_id",
     "ident",
     "json_path",
     "passthrough_columns",
@@ -19,6 +20,8 @@ __all__ = [
     "sql_str",
     "sql_sum",
     "too_long_check",
+    "ts_bounds",
+    "ts_ms",
     "value_columns",
 ]
 
@@ -29,6 +32,40 @@ FLOAT32_MAX = "3.4028234663852886e38"
 TS_RANGE = (-9_223_372_022_400_000, 9_223_372_036_854_775)
 """The ts values (epoch ms) a build accepts: those DuckDB's ``epoch_ms`` turns into a timestamp
 (about 290,000 BC .. 294,000 AD); others are quarantined as ``ts_out_of_range``."""
+
+
+def ts_bounds(unit: str) -> tuple[int, int]:
+    """The raw ts values (in ``unit``) whose milliseconds lie in :data:`TS_RANGE`.
+
+    >>> ts_bounds("s")
+    (-9223372022400, 9223372036854)
+    """
+    lo, hi = TS_RANGE
+    if unit == "s":
+        return -(-lo // 1000), hi // 1000
+    if unit == "us":  # every int64 of microseconds is within range once in milliseconds
+        return -(2**63), 2**63 - 1
+    return lo, hi
+
+
+def ts_ms(expr: str, unit: str) -> str:
+    """SQL turning the raw BIGINT ts ``expr`` (in ``unit``, within :func:`ts_bounds`) into
+    epoch milliseconds: seconds times 1000, microseconds floored to the millisecond."""
+    if unit == "s":  # NULL, not an error, for a rejected row's ts beyond the range
+        return f"TRY_CAST(({expr})::HUGEINT * 1000 AS BIGINT)"
+    if unit == "us":
+        x = f"({expr})::HUGEINT"  # an exact floor division, also below zero
+        return f"CAST(({x} - (({x} % 1000) + 1000) % 1000) // 1000 AS BIGINT)"
+    return expr
+
+
+def hash_id(expr: str) -> str:
+    """SQL of the stable id of the text ``expr`` (``[[sparse]] ids = "hash"``): the first 8
+    bytes of its UTF-8 MD5 read little-endian, the top bit cleared (a non-negative int64).
+
+    In Python: ``int.from_bytes(hashlib.md5(text.encode()).digest()[:8], "little") & (2**63 - 1)``.
+    """
+    return f"(md5_number_upper({expr}) & 9223372036854775807)::BIGINT"
 
 
 def sql_str(text: str) -> str:
@@ -113,9 +150,13 @@ def value_columns(schema: DatasetSchema) -> str:
 
     Dense: float32; sparse: BIGINT[], longer than ``max_len`` -> the last ``max_len`` ids;
     missing (absent or ``null``) -> NULL, filled when the dataset is written (bad rows get
-    meaningless values: they are quarantined and never written).
+    meaningless values: they are quarantined and never written). A feature with
+    ``ids = "hash"`` arrives as VARCHAR[] (the ids' texts) and leaves hashed (:func:`hash_id`).
     """
     out = [f"TRY_CAST(dv{i} AS FLOAT)" for i in range(len(schema.dense))]
     for i, f in enumerate(schema.sparse):
-        out.append(f"sv{i}[-{int(f.max_len)}:]" if f.truncate else f"sv{i}")
+        v = f"sv{i}[-{int(f.max_len)}:]" if f.truncate else f"sv{i}"
+        if f.ids == "hash":
+            v = f"list_transform({v}, lambda x: {hash_id('x')})"
+        out.append(v)
     return "".join(f"  {e} AS {n},\n" for e, n in zip(out, feature_columns(schema)))

@@ -49,6 +49,8 @@ from etl.build._sql import (
     schema_keys,
     sql_str,
     too_long_check,
+    ts_bounds,
+    ts_ms,
     value_columns,
 )
 from etl.build.inputs import LINE_COLUMNS
@@ -149,6 +151,16 @@ _DENSE_CHECKS = (
         "expected a finite float32",
     ),
 )
+#: the checks of an ``ids = "hash"`` feature: a list of strings or integers (``sv{i}`` their texts)
+_HASHED_CHECKS = (
+    (
+        "{v} IS NOT NULL AND json_type({v}) <> 'NULL' AND (json_type({v}) <> 'ARRAY' OR "
+        "len(list_filter(from_json({v}, '[\"JSON\"]'), "
+        "lambda x: coalesce(json_type(x), 'NULL') NOT IN ('VARCHAR', 'BIGINT', 'UBIGINT'))) > 0)",
+        reasons.WRONG_TYPE,
+        "expected a list of string or integer ids",
+    ),
+)
 _SPARSE_CHECKS = (
     (
         f"{{v}} IS NOT NULL AND json_type({{v}}) = 'ARRAY' AND {_NOT_INT_LIST} "
@@ -174,6 +186,23 @@ _BAD_ROW = """  file_id,
   CASE WHEN bad IS NOT NULL THEN line END AS raw,
   CASE WHEN bad IS NOT NULL THEN source END AS source,
   CASE WHEN bad IS NOT NULL THEN source_line END AS source_line,"""
+
+
+_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds"}
+
+
+def _ts_text(schema: DatasetSchema) -> str:
+    """How a detail names the expected ts: ``an int64 (epoch milliseconds)``."""
+    return f"an int64 (epoch {_UNIT_NAMES[schema.time_unit]}, `time_unit` = {schema.time_unit!r})"
+
+
+def _id_texts(fragment: str) -> str:
+    """SQL: the texts of the ids of the JSON list ``fragment`` (a string's value, an integer's
+    digits), for ``ids = "hash"``."""
+    return (
+        f"list_transform(from_json({fragment}, '[\"JSON\"]'), lambda x: "
+        "CASE WHEN json_type(x) = 'VARCHAR' THEN x ->> '$' ELSE x::VARCHAR END)"
+    )
 
 
 def _parsed(src: str, struct: str) -> str:
@@ -222,6 +251,7 @@ def feature_select(
     ``unknown_keys`` (top-level keys the build does not read, or NULL).
     """
     rk, sk, uk, tk = schema_keys(schema)
+    ts_lo, ts_hi = ts_bounds(schema.time_unit)
     dense_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.dense)
     sparse_s = ", ".join(f'"{f.name}": "JSON"' for f in schema.sparse)
     struct = (
@@ -241,14 +271,14 @@ def feature_select(
             f"json_type(j.{ident(tk)}) NOT IN {_INT_TYPES} "
             f"OR {_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL",
             reasons.WRONG_TYPE,
-            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{ident(tk)}"),
+            _detail(tk, f"expected {_ts_text(schema)}", f"j.{ident(tk)}"),
         ),
         (
-            f"{_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} NOT BETWEEN {TS_RANGE[0]} AND {TS_RANGE[1]}",
+            f"{_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} NOT BETWEEN {ts_lo} AND {ts_hi}",
             reasons.TS_OUT_OF_RANGE,
             _detail(
                 tk,
-                f"expected epoch milliseconds in {TS_RANGE[0]}..{TS_RANGE[1]}",
+                f"expected epoch {_UNIT_NAMES[schema.time_unit]} in {ts_lo}..{ts_hi}",
                 f"j.{ident(tk)}",
             ),
         ),
@@ -281,7 +311,8 @@ def feature_select(
         checks += _feature_checks(_DENSE_CHECKS, f"dense.{feat.name}", v=f"df{i}", i=i)
     for i, feat in enumerate(schema.sparse):
         field = f"sparse.{feat.name}"
-        checks += _feature_checks(_SPARSE_CHECKS, field, v=f"sf{i}", i=i)
+        table = _HASHED_CHECKS if feat.ids == "hash" else _SPARSE_CHECKS
+        checks += _feature_checks(table, field, v=f"sf{i}", i=i)
         if not feat.truncate:
             too_many = f"{sql_str(f' ids > max_len {feat.max_len} (truncate = false)')}"
             checks.append(
@@ -294,7 +325,12 @@ def feature_select(
     fragments = [f"j.dense[{sql_str(f.name)}] AS df{i}" for i, f in enumerate(schema.dense)]
     fragments += [f"j.sparse[{sql_str(f.name)}] AS sf{i}" for i, f in enumerate(schema.sparse)]
     typed = [f"TRY_CAST(df{i}::VARCHAR AS DOUBLE) AS dv{i}" for i in range(len(schema.dense))]
-    typed += [f"from_json(sf{i}, '[\"BIGINT\"]') AS sv{i}" for i in range(len(schema.sparse))]
+    typed += [
+        f"{_id_texts(f'sf{i}')} AS sv{i}"
+        if f.ids == "hash"
+        else f"from_json(sf{i}, '[\"BIGINT\"]') AS sv{i}"
+        for i, f in enumerate(schema.sparse)
+    ]
     if fast:
         return fast_select(schema, src, guarded=guarded, facts=facts, max_line_bytes=max_line_bytes)
 
@@ -318,7 +354,8 @@ SELECT
     AS session_key,
   CASE WHEN bad IS NULL AND j.{ident(uk)}::VARCHAR <> 'null' THEN {text_of(f"j.{ident(uk)}")} END
     AS user_key,
-  CASE WHEN bad IS NULL THEN TRY_CAST(j.{ident(tk)}::VARCHAR AS BIGINT) END AS ts,
+  CASE WHEN bad IS NULL THEN {ts_ms(f"TRY_CAST(j.{ident(tk)}::VARCHAR AS BIGINT)", schema.time_unit)} END
+    AS ts,
 {value_columns(schema)}{passthrough_columns(schema, good="bad IS NULL")}  CASE WHEN bad IS NULL THEN {_unknown_keys(schema)} END AS unknown,
   CASE WHEN bad IS NULL THEN {_unknown_top_keys(schema)} END AS unknown_keys
 FROM checked
@@ -367,7 +404,7 @@ def event_select(
             f"AND (json_type(j.{ident(tk)}) NOT IN {_INT_TYPES} "
             f"OR {_num(f'j.{ident(tk)}', 'BIGINT', _INT_TYPES)} IS NULL)",
             reasons.WRONG_TYPE,
-            _detail(tk, "expected an int64 (epoch milliseconds)", f"j.{ident(tk)}"),
+            _detail(tk, f"expected {_ts_text(schema)}", f"j.{ident(tk)}"),
         ),
         (
             f"{lab} IS NULL AND json_type(line, {sql_str(json_path(lk))}) IS NULL",

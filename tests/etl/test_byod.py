@@ -259,7 +259,7 @@ def _flat(rec: dict) -> None:
 
 PLANTED = {
     # name: (change, finding kind, severity, field, words of the fix)
-    "seconds": (_seconds, "ts_unit", "error", "ts", "epoch milliseconds (multiply by 1000"),
+    "seconds": (_seconds, "ts_unit", "error", "ts", 'time_unit = "s"'),
     "missing": (_missing, "missing_feature", "error", "dense.user_age", 'user_age = "usr_age"'),
     "string_ids": (_string_ids, "string_ids", "warning", "sparse.item_id", "JSON integers"),
     "flat": (_flat, "layout", "error", "dense/sparse", 'layout = "flat"'),
