@@ -1,4 +1,4 @@
-"""``recpipe etl {validate,shard,build,verify}``: the ETL stages as one command group.
+"""``recpipe etl {validate,infer-schema,shard,build,verify}``: the ETL stages as one command group.
 
 Before ``shard`` or ``build`` does any work, :func:`etl.paths.check_output` checks its ``--out``
 against its inputs (the logs, ``--events``, ``--schema``) and the file system.
@@ -15,22 +15,24 @@ _Command = Callable[[argparse.Namespace], int]
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``etl`` with its ``validate``, ``shard``, ``build`` and ``verify`` subcommands."""
-    from etl import build, shard, validate_logs, verify
+    """Add ``etl`` with its ``validate``, ``infer-schema``, ``shard``, ``build`` and ``verify``
+    subcommands."""
+    from etl import build, infer_schema, shard, validate_logs, verify
 
     parser = subparsers.add_parser(
         "etl",
-        help="raw logs -> session-clustered zstd Parquet (validate, shard, build, verify)",
+        help="raw logs -> session-clustered zstd Parquet (validate, infer-schema, shard, build, verify)",
         description=(
             "Turn raw inference logs (their format: docs/data-contract.md) into a "
             "session-clustered, zstd-compressed Parquet dataset. `validate` dry-runs the build "
-            "over a sample and suggests schema fixes; `shard` routes feature logs to N zstd shards by session (RecD O1); `build` "
+            "over a sample and suggests schema fixes; `infer-schema` guesses a schema from a sample of the logs; `shard` routes feature logs to N zstd shards by session (RecD O1); `build` "
             "validates, sessionizes, joins labels, clusters by session and writes Parquet (O2); "
             "`verify` checks a built dataset against its manifest (sizes, sha256, page checksums)."
         ),
     )
     stages = parser.add_subparsers(dest="stage", metavar="<stage>", required=True)
     validate_logs.register_cli(stages)
+    infer_schema.register_cli(stages)
     shard.register_cli(stages)
     build.register_cli(stages)
     verify.register_cli(stages)
