@@ -350,3 +350,36 @@ def test_train_and_serve_take_the_fitted_file(command, fitted, tmp_path, tiny_sc
     assert main([*argv, *extra]) == 1  # refused before a step or a client: it reached the readers
     err = capsys.readouterr().err
     assert f"recpipe {command}: error: {theirs}: fitted on another dataset" in err
+
+
+def test_a_built_dataset_fitted_out_of_place_trains(tmp_path, capsys):
+    import shutil
+
+    from recpipe_cli import main
+    from tests.common.data import synthetic_dataset
+
+    root = synthetic_dataset(tmp_path / "built", requests=300, seed=1, files=1)
+    config = tmp_path / "pre.toml"
+    config.write_text(
+        '[[preprocess]]\ntransform = "HashModulo"\nfeatures = ["item_id"]\n'
+        "params = { modulus = 40 }\n"
+        '[[preprocess]]\ntransform = "VocabLookup"\nfeatures = ["item_id"]\nfit = true\n'
+        '[[preprocess]]\ntransform = "Log1p"\nfeatures = ["item_price"]\n'
+        '[[preprocess]]\ntransform = "Normalize"\nfeatures = ["item_price"]\nfit = true\n'
+    )
+    out = tmp_path / "fitted.json"
+    before = _snapshot(root)
+    assert main(["fit", str(root), "--preprocess", str(config), "--out", str(out)]) == 0
+    assert _snapshot(root) == before
+    # the manifest's sha256 identify the dataset: a copy is the same one
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    train = ["--steps", "2", "--batch-size", "16", "--embedding-dim", "4", "--num-embeddings",
+             "50", "--bottom-mlp", "4", "--top-mlp", "4", "--quiet"]  # fmt: skip
+    argv = ["train", str(copy), "--preprocess", str(config), "--fitted", str(out), *train]
+    assert main(argv) == 0, capsys.readouterr().err
+    # --fitted needs the config it was fitted for
+    with pytest.raises(SystemExit) as refused:  # a usage error, before any work
+        main(["train", str(copy), "--fitted", str(out), *train])
+    assert refused.value.code == 2
+    assert "`--fitted`" in capsys.readouterr().err
