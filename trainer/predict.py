@@ -359,7 +359,7 @@ def write_predictions(
 # the command
 
 
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
+def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``recpipe predict`` to the top-level parser."""
     parser = subparsers.add_parser(
         "predict",
@@ -407,8 +407,13 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size is not None and args.batch_size < 1:
         msg = f"`--batch-size` must be a positive integer, got {args.batch_size!r}"
         raise RecpipeError(msg)
-    outputs = (("--out", args.out, "file"), ("--json", args.json, "file"))
-    check_outputs(outputs, inputs=[args.checkpoint, args.dataset])
+    if not Path(args.dataset).exists():
+        msg = f"`DATASET` {str(args.dataset)!r} does not exist"
+        raise DataError(msg)
+    check_outputs(
+        (("--out", args.out, "file"), ("--json", args.json, "file")),
+        inputs=[args.checkpoint, args.dataset],
+    )
 
 
 def _check_same_dataset(state: dict[str, Any], config: TrainConfig, part: str, path: Path) -> None:

@@ -207,6 +207,9 @@ def test_bad_arguments_are_one_line(dataset, trained, tmp_path, capsys):
     code, err = run_cli(["predict", tmp_path, dataset, "--metrics-only"], capsys)
     assert code == 1
     one_error_line(err, "holds no checkpoint.pt")
+    code, err = run_cli(["predict", ck, tmp_path / "nope", "--metrics-only"], capsys)
+    assert code == 1
+    one_error_line(err, "`DATASET`", "does not exist")
 
 
 def test_another_model_setting_rebuilds_from_the_checkpoint(dataset, tmp_path, capsys):
