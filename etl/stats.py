@@ -15,6 +15,12 @@ Per feature ``f`` the report holds:
   (append), ``[x] + p`` (prepend), ``p[1:] + [x]`` (slide left, ``n >= 2``) or
   ``[x] + p[:-1]`` (slide right, ``n >= 2``), ``x`` any id. A partial IKJT stores such rows
   as a window into the previous row's values.
+* **partial DedupeFactor** (sparse only): in the same batches of ``B`` rows in file order,
+  ids in all rows / ids a partial IKJT stores (:func:`recpipe.kernels.partial_dedup`'s rule:
+  a row equal to the row before it in the batch costs 0 ids, one that extends it by one id or
+  slides it by one id costs 1, any other row its whole list), and the **shifted %**: the share
+  of rows stored as such a one-id shift. A list that shifts on every sample (a recent-items
+  history) has ``d(f) = 0`` and an IKJT factor of 1, yet a partial factor near its length.
 * **average length** (ids per sample; 1 for dense) and **byte share**: the feature's logical
   bytes (8 per id for sparse, 4 per value for dense) over all features' logical bytes; the
   compressed Parquet bytes per column are reported too.
@@ -31,7 +37,9 @@ deduplicating (dense features are reported too, but a ``[dedup]`` group holds sp
 only: dense values travel as one small ``[B, F]`` tensor). Among them, features that change on
 the same samples (Jaccard similarity of their change-sample sets >= ``group_jaccard``, 0.9) are
 grouped greedily in schema order, since one IKJT's rows are merged only when all of its lists
-repeat. The result is a schema ``[dedup]`` TOML snippet.
+repeat. Sparse features not proposed that way whose partial factor exceeds ``factor_threshold``
+are proposed for a partial IKJT (``[dedup] partial``). The result is a schema ``[dedup]`` TOML
+snippet.
 
 On a time-ordered dataset ``S`` is close to 1, so the model and the measured factor of the
 session-driven features collapse to ~1 even though ``d(f)`` is unchanged: clustering by session
@@ -169,10 +177,11 @@ def compute_stats(
     if threads is not None:
         config["threads"] = threads
     con = duckdb.connect(config=config)
-    steps = 3 + 2 * len(schema.feature_names) + 1
+    steps = 3 + 2 * len(schema.feature_names) + len(schema.sparse_names) + 1
     bar = tqdm(total=steps, desc="stats", unit="query", file=sys.stderr, disable=not progress)
     sessions, rows, batches, s_batch = _NO_SESSIONS, 0, 0, 0.0
     features, proposed, jaccard, groups = _no_features(schema), [], {}, []
+    partial: list[str] = []
     group_unique: dict[str, int] = {}
     keys = {"session": _ident(schema.session_key), "time": _ident(schema.time_key)}
     try:
@@ -196,6 +205,13 @@ def compute_stats(
             changes = {name: _change_rows(con, keys, name, rows) for name in proposed}
             jaccard = _jaccard_matrix(changes)
             groups = _greedy_groups(proposed, jaccard, group_jaccard)
+            partial = [
+                f.name
+                for f in features
+                if f.kind != "dense"
+                and f.name not in proposed
+                and f.partial_factor > factor_threshold
+            ]
             group_unique = {
                 "+".join(g): _group_unique_values(con, g, batch_size)
                 for g in {*map(tuple, schema.dedup_groups), *groups}
@@ -228,6 +244,7 @@ def compute_stats(
         elapsed_s=time.perf_counter() - start,
         schema=schema,
         group_unique_values=group_unique,
+        proposed_partial=partial,
     )
 
 
@@ -317,7 +334,8 @@ def _feature_stats(
     s_batch: float,
     bar: Any,
 ) -> list[FeatureStats]:
-    """Two queries per feature: duplicates within sessions, distinct rows within batches."""
+    """Two queries per feature (duplicates within sessions, distinct rows within batches) and
+    a third per sparse feature (what a partial IKJT stores)."""
     kinds = {f.name: "dense" for f in schema.dense} | {f.name: f.kind for f in schema.sparse}
     parquet_bytes = {col: int(c) for col, c, _ in _run(con, "column_bytes.sql").fetchall()}
     raw = []
@@ -329,8 +347,14 @@ def _feature_stats(
         bar.update(1)
         uniq = _fetch_one(con, f"{prefix}_batch_unique.sql", q, {"batch_size": batch_size})
         bar.update(1)
+        packed = {"partial_values": 0, "shifted": 0}
+        if kind != "dense":
+            packed = _fetch_one(con, "sparse_partial.sql", q, {"batch_size": batch_size})
+            bar.update(1)
         width = 4 if kind == "dense" else 8  # float32 / int64 bytes per value
-        raw.append({"name": name, "kind": kind, "bytes": width * dups["values"], **dups, **uniq})
+        raw.append(
+            {"name": name, "kind": kind, "bytes": width * dups["values"], **dups, **uniq, **packed}
+        )
 
     total_bytes = sum(r["bytes"] for r in raw) or 1
     features = []
@@ -353,6 +377,8 @@ def _feature_stats(
                 d=d,
                 model_factor=dedupe_factor_model(d, s_batch),
                 measured_factor=r["values"] / r["unique_values"] if r["unique_values"] else 1.0,
+                partial_values=int(r["partial_values"]),
+                shifted_rows=int(r["shifted"]),
             )
         )
     return features

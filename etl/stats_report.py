@@ -56,6 +56,18 @@ class FeatureStats:
     d: float
     model_factor: float
     measured_factor: float
+    partial_values: int = 0
+    shifted_rows: int = 0
+
+    @property
+    def partial_factor(self) -> float:
+        """Partial DedupeFactor: ids in all rows / ids a partial IKJT stores (1.0 for dense)."""
+        return self.values / self.partial_values if self.partial_values else 1.0
+
+    @property
+    def shifted_pct(self) -> float:
+        """Share of the rows a partial IKJT stores as a one-id shift of the row before them."""
+        return 100.0 * self.shifted_rows / self.rows if self.rows else 0.0
 
     @property
     def exact_pct(self) -> float:
@@ -85,6 +97,8 @@ class StatsReport:
         features: one entry per feature, in schema order (dense first, then sparse).
         proposed_features: sparse features whose measured factor exceeds ``factor_threshold``.
         proposed_groups: dedup groups of the proposed features (features changing together).
+        proposed_partial: sparse features proposed for a partial IKJT: not proposed for a
+            group, and their partial factor exceeds ``factor_threshold`` (lists that shift).
         jaccard: pairwise Jaccard similarity of the proposed features' change-sample sets.
         factor_threshold, group_jaccard: the thresholds used for the proposals.
         elapsed_s: wall time of the statistics.
@@ -111,18 +125,25 @@ class StatsReport:
     elapsed_s: float
     schema: DatasetSchema | None = field(default=None, repr=False)
     group_unique_values: dict[str, int] = field(default_factory=dict)
+    proposed_partial: list[str] = field(default_factory=list)
 
     @property
     def schema_groups(self) -> list[tuple[str, ...]]:
         """The dedup groups of the schema the report was computed with."""
         return [] if self.schema is None else [tuple(g) for g in self.schema.dedup_groups]
 
-    def groups_factor(self, groups: Sequence[Sequence[str]]) -> float:
+    @property
+    def schema_partial(self) -> list[str]:
+        """The ``[dedup] partial`` features of the schema the report was computed with."""
+        return [] if self.schema is None else list(self.schema.dedup_partial)
+
+    def groups_factor(self, groups: Sequence[Sequence[str]], partial: Sequence[str] = ()) -> float:
         """Measured DedupeFactor of all sparse features read with these dedup groups.
 
         Sparse ids in all rows / ids the reader stores: a group's ids in its distinct rows per
-        batch (a row is merged only when all of the group's lists repeat), every feature in no
-        group in full. This is the factor ``recpipe train`` reports for the groups.
+        batch (a row is merged only when all of the group's lists repeat), a ``partial``
+        feature's packed ids, every other feature in full. This is the factor ``recpipe
+        train`` reports for the groups.
 
         Raises:
             KeyError: a group of several features the report did not measure.
@@ -130,8 +151,9 @@ class StatsReport:
         if not self.rows:
             return 1.0
         sparse = {f.name: f for f in self.features if f.kind != "dense"}
-        grouped = {n for g in groups for n in g}
+        grouped = {n for g in groups for n in g} | set(partial)
         stored = sum(f.values for n, f in sparse.items() if n not in grouped)
+        stored += sum(sparse[n].partial_values for n in partial)
         for g in groups:
             if len(g) == 1:
                 stored += sparse[g[0]].unique_values
@@ -173,14 +195,15 @@ class StatsReport:
         return sum(f.values for f in sparse) / stored if stored else 1.0
 
     def dedup_toml(self) -> str:
-        """The proposed groups as a schema ``[dedup]`` TOML snippet."""
+        """The proposed groups and partial features as a schema ``[dedup]`` TOML snippet."""
+        groups, partial = tuple(self.proposed_groups), tuple(self.proposed_partial)
         if self.schema is not None:
-            return self.schema.with_dedup(tuple(self.proposed_groups)).dedup_toml()
+            return self.schema.with_dedup(groups, partial).dedup_toml()
         from schemas import DatasetSchema, SparseFeature
 
-        names = [n for g in self.proposed_groups for n in g]
+        names = [*(n for g in groups for n in g), *partial]
         stub = DatasetSchema("stats", (), tuple(SparseFeature(n, "user", 1) for n in names))
-        return stub.with_dedup(tuple(self.proposed_groups)).dedup_toml()
+        return stub.with_dedup(groups, partial).dedup_toml()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary of the whole report."""
@@ -194,6 +217,8 @@ class StatsReport:
             entry = asdict(f)
             entry["exact_pct"] = f.exact_pct
             entry["partial_pct"] = f.partial_pct
+            entry["partial_factor"] = f.partial_factor
+            entry["shifted_pct"] = f.shifted_pct
             features.append(entry)
         return {
             "dataset": str(self.dataset),
@@ -209,9 +234,16 @@ class StatsReport:
             "features": features,
             "proposed_features": list(self.proposed_features),
             "proposed_groups": [list(g) for g in self.proposed_groups],
+            "proposed_partial": list(self.proposed_partial),
+            "proposed_partial_factors": {
+                n: self.feature(n).partial_factor for n in self.proposed_partial
+            },
             "schema_groups": [list(g) for g in self.schema_groups],
-            "schema_groups_factor": self.groups_factor(self.schema_groups),
-            "proposed_groups_factor": self.groups_factor(self.proposed_groups),
+            "schema_partial": self.schema_partial,
+            "schema_groups_factor": self.groups_factor(self.schema_groups, self.schema_partial),
+            "proposed_groups_factor": self.groups_factor(
+                self.proposed_groups, self.proposed_partial
+            ),
             "dedup_toml": self.dedup_toml(),
             "jaccard": self.jaccard,
             "factor_threshold": self.factor_threshold,
@@ -269,6 +301,7 @@ class StatsReport:
             "d(f)",
             "model",
             "measured",
+            "partial",
             "dedup",
         )
         rows = [header]
@@ -284,7 +317,12 @@ class StatsReport:
                     f"{f.d:.3f}",
                     f"{f.model_factor:.2f}x",
                     f"{f.measured_factor:.2f}x",
-                    "yes" if f.name in self.proposed_features else "-",
+                    f"{f.partial_factor:.2f}x" if f.kind != "dense" else "-",
+                    "yes"
+                    if f.name in self.proposed_features
+                    else "partial"
+                    if f.name in self.proposed_partial
+                    else "-",
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -296,7 +334,9 @@ class StatsReport:
         lines.append("")
         lines.append(
             f"DedupeFactor at B={self.batch_size:,}: model = 1 / (1 - (S-1)/S * d(f)), "
-            "measured = ids in batch / ids in its distinct rows"
+            "measured = ids in batch / ids in its distinct rows, partial = ids in batch / ids "
+            "a partial IKJT stores (a row that repeats or shifts by one id the row before it "
+            "costs 0 or 1 id)"
         )
         lines.append(
             f"all sparse features together: measured {self.sparse_factor:.2f}x, "
@@ -310,12 +350,21 @@ class StatsReport:
                 f"features: {self.sparse_factor:.2f}x). Cluster rows by session "
                 "(`recpipe etl build`, order=session)."
             )
-        if self.proposed_groups:
+        if self.proposed_groups or self.proposed_partial:
             lines.append(
                 f"proposed: {len(self.proposed_features)} features with measured factor > "
                 f"{self.factor_threshold:g}x, in {len(self.proposed_groups)} groups "
                 f"(changing together: Jaccard >= {self.group_jaccard:g})"
             )
+            if self.proposed_partial:
+                lines.append(
+                    f"proposed partial: {len(self.proposed_partial)} features in no group with "
+                    f"partial factor > {self.factor_threshold:g}x ("
+                    + ", ".join(
+                        f"{n} {self.feature(n).partial_factor:.2f}x" for n in self.proposed_partial
+                    )
+                    + "): lists that shift, stored as windows (a partial IKJT)"
+                )
             lines.append(self.dedup_toml().rstrip("\n"))
         else:
             lines.append(f"proposed: none (no measured factor > {self.factor_threshold:g}x)")
@@ -329,12 +378,15 @@ class StatsReport:
                 else "none"
             )
 
+        def partial(names: Sequence[str]) -> str:
+            return f" + partial [{', '.join(names)}]" if names else ""
+
         return [
             f"sparse DedupeFactor a reader gets at B={self.batch_size:,} (--batch-size):",
-            f"  schema's groups  {named(self.schema_groups)}: "
-            f"{self.groups_factor(self.schema_groups):.2f}x",
-            f"  proposed groups  {named(self.proposed_groups)}: "
-            f"{self.groups_factor(self.proposed_groups):.2f}x "
+            f"  schema's groups  {named(self.schema_groups)}{partial(self.schema_partial)}: "
+            f"{self.groups_factor(self.schema_groups, self.schema_partial):.2f}x",
+            f"  proposed groups  {named(self.proposed_groups)}{partial(self.proposed_partial)}: "
+            f"{self.groups_factor(self.proposed_groups, self.proposed_partial):.2f}x "
             "(`recpipe train --dedup-groups auto` reads with them, no rebuild)",
             f"  the 'all sparse features together' {self.sparse_factor:.2f}x above counts every "
             "sparse feature deduplicated on its own (each its own group, grouped or not), so it "

@@ -16,6 +16,10 @@ Session lengths are log-normal (mean ``mean_session_len``, long tail). Within a 
 - ``user_liked_items``/``user_liked_sellers`` shift together by one id with probability
   ``like_shift_prob`` per sample (a new id appended, the oldest dropped at ``max_len``), and
   ``user_recent_queries`` shifts on its own with ``query_shift_prob``;
+- ``user_recent_items`` shifts on *every* request: the item of the session's previous request
+  is appended and the oldest id dropped at ``max_len`` (the session's first request shows a
+  history drawn for the session). It is never an exact duplicate of its predecessor, only a
+  partial one: the case of a partial IKJT (RecD §7), not of an IKJT;
 - item features change on every row, context features per row or per session.
 
 Labels come from a hidden logistic model of the features (segment x category affinity, whether
@@ -92,6 +96,7 @@ _CHUNK_ROWS = 32_768  # rows formatted and compressed at a time
 _N_SEGMENTS, _N_COUNTRIES, _N_DEVICES, _N_SURFACES = 64, 40, 8, 6
 _N_ITEMS, _N_SELLERS, _N_CATEGORIES, _N_TAGS = 2_000_000, 50_000, 200, 5_000
 _N_FOLLOWS, _N_QUERIES = 1_000_000, 500_000
+_RECENT_LEN = 20  # user_recent_items' max_len
 # The planted interaction groups (off by default): latent values per group, code dimensions.
 _PLANTED_VALUES, _PLANTED_DIMS = 16, 4
 
@@ -103,6 +108,7 @@ _SPARSE = (
     "user_liked_items",
     "user_liked_sellers",
     "user_recent_queries",
+    "user_recent_items",
     "item_id",
     "item_seller",
     "item_category",
@@ -111,12 +117,13 @@ _SPARSE = (
     "context_surface",
 )
 # One line = _TEMPLATE % (request id, session part 1, ts, session part 2, item price, item ctr,
-# hour, session part 3, liked lists, queries, item id, seller, category, tags, session part 4,
-# surface); the session parts are formatted once per session.
+# hour, session part 3, liked lists, queries, recent items, item id, seller, category, tags,
+# session part 4, surface); the session parts are formatted once per session.
 _TEMPLATE = (
     b'{"request_id":"r-%d",%s"ts":%d,"dense":{%s"item_price":%.2f,"item_ctr":%.4f,'
-    b'"context_hour":%.1f},"sparse":{%s%s"user_recent_queries":%s,"item_id":[%d],'
-    b'"item_seller":[%d],"item_category":[%d],"item_tags":%s,%s"context_surface":[%d]}}'
+    b'"context_hour":%.1f},"sparse":{%s%s"user_recent_queries":%s,"user_recent_items":%s,'
+    b'"item_id":[%d],"item_seller":[%d],"item_category":[%d],"item_tags":%s,%s'
+    b'"context_surface":[%d]}}'
 )
 _SESSION_PARTS = (
     b'"user_id":%d,',
@@ -254,7 +261,11 @@ class SynthResult:
 def _check_schema() -> int:
     """Check the generator still matches synth.toml; return item_tags' max_len."""
     schema = default_schema()
-    if tuple(schema.dense_names) != _DENSE or tuple(schema.sparse_names) != _SPARSE:
+    if (
+        tuple(schema.dense_names) != _DENSE
+        or tuple(schema.sparse_names) != _SPARSE
+        or schema.feature("user_recent_items").max_len != _RECENT_LEN  # type: ignore[union-attr]
+    ):
         raise RecpipeError(
             "schemas/examples/synth.toml and etl/synth.py disagree on the feature list; "
             "update both together"
@@ -558,6 +569,7 @@ class _Generator:
         ]
         if self.planted is not None:
             planted_rows = self.planted.lines(shown[order])
+        recent_json = self._recent_items(sess_key, lengths, srow, pos, item)
         uniq_items, item_inv = np.unique(item, return_inverse=True)
         tags_json = _dump_lists(*self._tags(uniq_items))
         o = order
@@ -570,6 +582,7 @@ class _Generator:
             hour[o],
             rows["like"],
             rows["query"],
+            o,
             item[o],
             seller[o],
             category[o],
@@ -593,6 +606,7 @@ class _Generator:
                     p3[s],
                     liked_part[lk],
                     query_json[q],
+                    recent_json[ri],
                     it,
                     sl,
                     ca,
@@ -600,7 +614,7 @@ class _Generator:
                     p4[s],
                     sf,
                 )
-                for r, s, t, pr, c, h, lk, q, it, sl, ca, ti, sf in cols
+                for r, s, t, pr, c, h, lk, q, ri, it, sl, ca, ti, sf in cols
             ]
             if planted_rows is not None:  # before the closing braces of "sparse" and the line
                 lines = [ln[:-2] + p + b"}}" for ln, p in zip(lines, planted_rows[lo:hi])]
@@ -636,6 +650,29 @@ class _Generator:
         idx, owner = _jagged(np.zeros(len(items), dtype=np.int64), lengths)
         tags = _hash(iu[owner] + idx.astype(np.uint64), 55) % np.uint64(_N_TAGS)
         return tags.astype(np.int64), lengths
+
+    @staticmethod
+    def _recent_items(sess_key, lengths, srow, pos, item) -> list[bytes]:
+        """JSON of ``user_recent_items`` per row (session-major): a shift on every request.
+
+        Session ``s`` reads a sequence of ``h`` history ids (hashed from the session) followed
+        by the items of its requests; row ``pos`` shows the last ``_RECENT_LEN`` ids of its
+        first ``h + pos`` (so it is its predecessor with the previous request's item appended,
+        the oldest id dropped once full).
+        """
+        hist = np.minimum(_RECENT_LEN, 5 + (_hash(sess_key, 23) % np.uint64(40)).astype(np.int64))
+        seq_len = hist + lengths - 1
+        seq_off = np.cumsum(seq_len) - seq_len
+        seq = np.empty(int(seq_len.sum()), dtype=np.int64)
+        j, own = _jagged(np.zeros(len(hist), dtype=np.int64), hist)
+        ids = _hash(_hash(sess_key, 71)[own] + j.astype(np.uint64), 72) % np.uint64(_N_ITEMS)
+        seq[seq_off[own] + j] = ids.astype(np.int64)
+        viewed = pos < lengths[srow] - 1  # every request but the session's last
+        seq[(seq_off[srow] + hist[srow] + pos)[viewed]] = item[viewed]
+        end = hist[srow] + pos  # (n,) ids of the session's sequence seen so far
+        length = np.minimum(end, _RECENT_LEN)
+        idx, _ = _jagged(seq_off[srow] + end - length, length)
+        return _dump_lists(seq[idx], length)
 
     @staticmethod
     def _seller(items: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ feature of the clustered dataset::
     truncate = true      # false: longer lists are quarantined instead of cut
     [dedup]
     groups = [["user_liked_items", "user_liked_sellers"], ["user_segment"]]
+    partial = ["user_recent_items"]   # lists that shift by one id: stored as windows
 
 How the raw logs are laid out (``docs/data-contract.md``): ``[dataset] layout = "nested"`` (the
 default: features inside ``dense`` / ``sparse`` objects) or ``"flat"`` (features at the top level
@@ -90,7 +91,7 @@ _DATASET_KEYS = (
 )
 _DENSE_KEYS = ("name", "fill")
 _SPARSE_KEYS = ("name", "kind", "max_len", "truncate", "ids")
-_DEDUP_KEYS = ("groups",)
+_DEDUP_KEYS = ("groups", "partial")
 # `[[preprocess]]` tables belong to the readers (readers.pipeline.Pipeline); the schema
 # loader accepts them and leaves them alone.
 _TOP_KEYS = ("dataset", "dense", "sparse", "dedup", "keys", "preprocess")
@@ -215,6 +216,9 @@ class DatasetSchema:
         dense: dense features, in column order.
         sparse: sparse features, in column order.
         dedup_groups: groups of sparse features deduplicated together (one IKJT each).
+        dedup_partial: sparse features stored as windows into the previous row's list (one
+            partial IKJT of them all, RecD §7): lists that shift by one id per sample. A
+            feature is in a group or here, not both.
         session_key: raw-log key (and dataset column) of the session.
         time_key: raw-log key of the timestamp (an integer in ``time_unit`` since the epoch),
             and the dataset column holding it in epoch milliseconds.
@@ -237,6 +241,7 @@ class DatasetSchema:
     dense: tuple[DenseFeature, ...]
     sparse: tuple[SparseFeature, ...]
     dedup_groups: tuple[tuple[str, ...], ...] = ()
+    dedup_partial: tuple[str, ...] = ()
     session_key: str = "session_id"
     time_key: str = "ts"
     label_key: str = "label"
@@ -294,6 +299,7 @@ class DatasetSchema:
             by_name[feature.name] = feature
         object.__setattr__(self, "_by_name", by_name)
         object.__setattr__(self, "dedup_groups", self._validated_groups(self.dedup_groups))
+        object.__setattr__(self, "dedup_partial", self._validated_partial(self.dedup_partial))
         if self.layout not in _LAYOUTS:
             hint = _did_you_mean(str(self.layout), _LAYOUTS) or f"one of: {', '.join(_LAYOUTS)}"
             raise _fail(
@@ -412,6 +418,35 @@ class DatasetSchema:
             out.append(group)
         return tuple(out)
 
+    def _validated_partial(self, names: Any) -> tuple[str, ...]:
+        where = "[dedup] partial"
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise _fail(where, f"must be a list of sparse feature names, got {names!r}")
+        names = tuple(names)
+        grouped = {n: i for i, g in enumerate(self.dedup_groups) for n in g}
+        for name in names:
+            if not isinstance(name, str):
+                raise _fail(where, f"feature names must be strings, got {name!r}")
+            feature = self._by_name.get(name)
+            if feature is None:
+                raise _fail(
+                    where, f"unknown feature `{name}`", _did_you_mean(name, self.sparse_names)
+                )
+            if isinstance(feature, DenseFeature):
+                raise _fail(
+                    where, f"`{name}` is a dense feature; only sparse features can be deduplicated"
+                )
+            if names.count(name) > 1:
+                raise _fail(where, f"`{name}` appears twice")
+            if name in grouped:
+                raise _fail(
+                    where,
+                    f"`{name}` is already in groups[{grouped[name]}]; a feature is deduplicated "
+                    "one way",
+                    "keep it in `groups` (exact repeats) or in `partial` (lists that shift)",
+                )
+        return cast("tuple[str, ...]", names)  # each one checked above
+
     @property
     def dense_names(self) -> list[str]:
         """Dense feature names in column order."""
@@ -461,9 +496,13 @@ class DatasetSchema:
         fields = [pa.field(n, pa.string()) for n in (*PASSTHROUGH_COLUMNS, *self.passthrough)]
         return pa.schema([*self.arrow_schema(), *fields])
 
-    def with_dedup(self, groups: Iterable[Iterable[str]]) -> DatasetSchema:
-        """Return a copy with ``dedup_groups`` replaced (validated)."""
-        return replace(self, dedup_groups=tuple(tuple(g) for g in groups))
+    def with_dedup(
+        self, groups: Iterable[Iterable[str]], partial: Iterable[str] = ()
+    ) -> DatasetSchema:
+        """Return a copy whose ``[dedup]`` is ``groups`` and ``partial`` (validated)."""
+        return replace(
+            self, dedup_groups=tuple(tuple(g) for g in groups), dedup_partial=tuple(partial)
+        )
 
     def to_toml(self) -> str:
         """Serialise to TOML text that :func:`parse_schema` reads back to an equal schema."""
@@ -500,7 +539,7 @@ class DatasetSchema:
         if self.raw_keys:
             lines += ["", "[keys]"]
             lines += [f"{_toml_str(n)} = {_toml_str(r)}" for n, r in self.raw_keys]
-        if self.dedup_groups:
+        if self.dedup_groups or self.dedup_partial:
             lines += ["", self.dedup_toml().rstrip("\n")]
         return "\n".join(lines) + "\n"
 
@@ -509,7 +548,10 @@ class DatasetSchema:
         groups = ", ".join(
             "[" + ", ".join(_toml_str(n) for n in g) + "]" for g in self.dedup_groups
         )
-        return f"[dedup]\ngroups = [{groups}]\n"
+        text = f"[dedup]\ngroups = [{groups}]\n"
+        if self.dedup_partial:
+            text += f"partial = [{', '.join(_toml_str(n) for n in self.dedup_partial)}]\n"
+        return text
 
 
 def _toml_str(value: str) -> str:
@@ -573,6 +615,7 @@ def _build(doc: Mapping[str, Any], where: str) -> DatasetSchema:
             dense=tuple(dense),
             sparse=tuple(sparse),
             dedup_groups=dedup.get("groups", ()),
+            dedup_partial=dedup.get("partial", ()),
             raw_keys=tuple(raw_keys.items()),
             **{k: dataset[k] for k in _DATASET_KEYS[1:] if k in dataset},
         )

@@ -121,6 +121,7 @@ def test_recd_like_statistics(tmp_path):
         assert dup[static] == 1.0
     for shifting in ("user_liked_items", "user_liked_sellers", "user_recent_queries"):
         assert 0.6 < dup[shifting] < 0.8
+    assert dup.pop("user_recent_items") == 0.0  # shifts on every request: partial duplicates only
     assert 0.75 < np.mean(list(dup.values())) < 0.9
     assert prof["user_byte_share"] > 0.6
     assert 0.05 < prof["label_rate"] < 0.4
