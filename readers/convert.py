@@ -6,7 +6,8 @@ One table of B rows becomes::
     labels       [B]    float32
     session_ids  [B]    int64
     kjt          the sparse features of no dedup group, schema order
-    ikjts        {group name: IKJT} one per ``[dedup] groups`` entry of the schema
+    ikjts        {group name: IKJT} one per ``[dedup] groups`` entry of the schema, and one
+                 partial IKJT of the ``[dedup] partial`` features (each packed on its own)
     extras       {column: [B] int64} the ``extras`` columns asked for (see :mod:`readers.extras`)
 
 Arrow ``list<int64>`` columns are shared with torch where possible (one flat values buffer and
@@ -16,7 +17,7 @@ rows in Python. With ``dedup=False`` every sparse feature goes into the one KJT 
 baseline path).
 
 A group's name is its keys joined by ``"+"`` (:func:`group_name`), e.g.
-``"user_liked_items+user_liked_sellers"``.
+``"user_liked_items+user_liked_sellers"``; so is the partial group's (``"user_recent_items"``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import pyarrow as pa
 import torch
 
 from readers.extras import extra_column_keys
-from recpipe.batch import Batch
-from recpipe.ikjt import InverseKeyedJaggedTensor
+from recpipe.batch import Batch, DedupFeatures
+from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import KeyedJaggedTensor
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ class BatchConverter:
     The column layout (which keys are plain, which are grouped) is worked out once here.
 
     Args:
-        schema: the dataset schema (its ``[dedup] groups`` define the IKJTs).
+        schema: the dataset schema (its ``[dedup] groups`` define the IKJTs, its
+            ``[dedup] partial`` features the partial IKJT).
         dedup: ``False`` puts every sparse feature into the one KJT.
         extras: columns of the table to put into ``Batch.extras`` as int64 keys
             (:func:`readers.extras.extra_column_keys`); ``ReaderConfig.extras``.
@@ -68,7 +70,8 @@ class BatchConverter:
         self.dedup = dedup
         self.extras: tuple[str, ...] = tuple(extras)
         groups = [tuple(g) for g in schema.dedup_groups] if dedup else []
-        grouped = {k for g in groups for k in g}
+        self.partial: tuple[str, ...] = tuple(schema.dedup_partial) if dedup else ()
+        grouped = {k for g in groups for k in g} | set(self.partial)
         self.groups: dict[str, tuple[str, ...]] = {group_name(g): g for g in groups}
         self.plain: list[str] = [k for k in schema.sparse_names if k not in grouped]
         self.dense: list[str] = list(schema.dense_names)
@@ -91,12 +94,16 @@ class BatchConverter:
                 [], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
                 stride=num_rows, validate=False,
             )  # fmt: skip
-        ikjts = {
+        ikjts: dict[str, DedupFeatures] = {
             name: InverseKeyedJaggedTensor.from_arrow(
                 {k: table.column(k) for k in keys}, validate=False
             )
             for name, keys in self.groups.items()
         }
+        if self.partial:
+            ikjts[group_name(self.partial)] = PartialInverseKeyedJaggedTensor.from_arrow(
+                {k: table.column(k) for k in self.partial}, validate=False
+            )
         return Batch(
             dense=torch.from_numpy(dense),
             labels=_as_tensor(labels),

@@ -5,16 +5,20 @@ which sparse columns the reader packs into one IKJT), so the groups are a reader
 ``make_dataloader(..., dedup_groups=...)``, ``recpipe train --dedup-groups`` and
 ``recpipe serve --dedup-groups`` take
 
-* ``None``: the schema's ``[dedup] groups`` (what the dataset was built with);
-* ``"auto"``: the groups ``recpipe stats`` proposes for the dataset at the reader's batch size
-  (sparse features whose measured DedupeFactor exceeds 1.5, grouped when they change on the
-  same samples);
-* a TOML file holding a ``[dedup]`` table shaped like the schema's::
+* ``None``: the schema's ``[dedup] groups`` and ``partial`` (what the dataset was built with);
+* ``"auto"``: the groups and partial features ``recpipe stats`` proposes for the dataset at the
+  reader's batch size (sparse features whose measured DedupeFactor exceeds 1.5, grouped when
+  they change on the same samples; among the others, those whose partial DedupeFactor exceeds
+  1.5 are read as a partial IKJT);
+* a TOML file holding a ``[dedup]`` table shaped like the schema's (``partial`` optional: none
+  when absent)::
 
       [dedup]
       groups = [["user_items", "user_sellers"], ["user_segment"]]
+      partial = ["user_recent_items"]
 
-* the groups themselves, a list of lists of sparse feature names (``[]``: no group).
+* the groups themselves, a list of lists of sparse feature names (``[]``: no group), and no
+  partial feature.
 
 Changing the groups never changes what a model computes: a feature in no group travels in the
 plain KJT, and dedup on/off train to the same losses.
@@ -34,7 +38,14 @@ from recpipe.errors import DataError, SchemaError
 if TYPE_CHECKING:
     from schemas import DatasetSchema
 
-__all__ = ["AUTO", "DedupGroups", "Groups", "read_groups_file", "resolve_dedup_groups"]
+__all__ = [
+    "AUTO",
+    "DedupGroups",
+    "Groups",
+    "read_dedup_file",
+    "read_groups_file",
+    "resolve_dedup_groups",
+]
 
 AUTO = "auto"
 """The ``dedup_groups`` value that takes ``recpipe stats``' proposal."""
@@ -51,6 +62,15 @@ def read_groups_file(path: str | os.PathLike[str]) -> Groups:
         DataError: the file cannot be read or parsed, or has no ``[dedup]`` table with
             ``groups`` (a list of lists of names).
     """
+    return read_dedup_file(path)[0]
+
+
+def read_dedup_file(path: str | os.PathLike[str]) -> tuple[Groups, tuple[str, ...]]:
+    """The ``[dedup] groups`` and ``partial`` (``()`` when absent) of a TOML file.
+
+    Raises:
+        DataError: as :func:`read_groups_file`, or ``partial`` is not a list of names.
+    """
     where = os.fspath(path)
     try:
         doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -64,9 +84,16 @@ def read_groups_file(path: str | os.PathLike[str]) -> Groups:
             '[dedup]\ngroups = [["user_items", "user_sellers"]]'
         )
         raise DataError(msg)
-    unknown = sorted(set(dedup) - {"groups"})
+    unknown = sorted(set(dedup) - {"groups", "partial"})
     if unknown:
-        msg = f"`dedup_groups` file {where!r}: [dedup] has unknown keys {unknown!r} (only `groups`)"
+        msg = (
+            f"`dedup_groups` file {where!r}: [dedup] has unknown keys {unknown!r} "
+            "(only `groups` and `partial`)"
+        )
+        raise DataError(msg)
+    partial = dedup.get("partial", [])
+    if not (isinstance(partial, list) and all(isinstance(n, str) for n in partial)):
+        msg = f"`dedup_groups` file {where!r}: [dedup] `partial` must be a list of names, got {partial!r}"
         raise DataError(msg)
     groups = dedup["groups"]
     ok = isinstance(groups, list) and all(
@@ -75,7 +102,7 @@ def read_groups_file(path: str | os.PathLike[str]) -> Groups:
     if not ok:
         msg = f"`dedup_groups` file {where!r}: [dedup] `groups` must be a list of lists of names, got {groups!r}"
         raise DataError(msg)
-    return tuple(tuple(g) for g in groups)
+    return tuple(tuple(g) for g in groups), tuple(partial)
 
 
 def _proposed_groups(
@@ -83,14 +110,14 @@ def _proposed_groups(
     *,
     schema: DatasetSchema,
     batch_size: int,
-) -> Groups:
+) -> tuple[Groups, tuple[str, ...]]:
     if dataset is None or not isinstance(dataset, str | os.PathLike) or not Path(dataset).is_dir():
         msg = f"`dedup_groups` 'auto' needs the dataset directory (to run the stats on), got {dataset!r}"
         raise DataError(msg)
     # the proposal is recpipe stats' (DuckDB over the dataset); etl ships with the readers
     stats = optional_import("etl.stats", purpose="`dedup_groups` 'auto'")
     report = stats.compute_stats(dataset, schema=schema, batch_size=batch_size)
-    return tuple(tuple(g) for g in report.proposed_groups)
+    return tuple(tuple(g) for g in report.proposed_groups), tuple(report.proposed_partial)
 
 
 def resolve_dedup_groups(
@@ -109,7 +136,8 @@ def resolve_dedup_groups(
         batch_size: the batch size the reader cuts (``"auto"``'s factors are measured at it).
 
     Returns:
-        The schema to read with (``schema`` itself for ``None``).
+        The schema to read with (``schema`` itself for ``None``): its ``dedup_groups`` and
+        ``dedup_partial`` say what the readers pack.
 
     Raises:
         DataError: ``"auto"`` without a dataset directory, or a bad groups file.
@@ -117,10 +145,11 @@ def resolve_dedup_groups(
     """
     if spec is None:
         return schema
+    partial: tuple[str, ...] = ()
     if isinstance(spec, str) and spec == AUTO:
-        groups = _proposed_groups(dataset, schema=schema, batch_size=batch_size)
+        groups, partial = _proposed_groups(dataset, schema=schema, batch_size=batch_size)
     elif isinstance(spec, str | os.PathLike):
-        groups = read_groups_file(spec)
+        groups, partial = read_dedup_file(spec)
     elif isinstance(spec, Sequence) and all(
         isinstance(g, Sequence) and not isinstance(g, str) for g in spec
     ):
@@ -129,7 +158,7 @@ def resolve_dedup_groups(
         msg = f"`dedup_groups` must be None, 'auto', a TOML file or a list of lists of names, got {spec!r}"
         raise DataError(msg)
     try:
-        return schema.with_dedup(groups)
+        return schema.with_dedup(groups, partial)
     except SchemaError as exc:
         msg = f"`dedup_groups` {spec!r}: {exc}"
         raise SchemaError(msg) from exc

@@ -331,6 +331,8 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         dedup_factor:    10 / 5 = 2.0                           expanded / stored values
 
     TorchRec has no equivalent (its rows cannot overlap); expand with :meth:`to_kjt` first.
+    Embedding modules can look up a key's packed ids once and gather the rows' values from them
+    (:meth:`key_windows`), so a shifted list costs one lookup per new id.
 
     Args:
         keys: feature names.
@@ -412,6 +414,14 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         """Pack per-key flat ``values``/``offsets`` arrays (numpy, torch)."""
         return cls.from_jagged(_features_from_arrays(keys, values, offsets, validate=validate))
 
+    @classmethod
+    def from_arrow(
+        cls, columns: Mapping[str, Any], *, validate: bool = True
+    ) -> PartialInverseKeyedJaggedTensor:
+        """Pack Arrow ``list`` columns, each key on its own (see :func:`arrow_list_arrays`)."""
+        keys, values, offsets = arrow_list_arrays(columns)
+        return cls.from_arrays(keys, values, offsets, validate=validate)
+
     # -- fields --------------------------------------------------------------------------------
     @property
     def keys(self) -> tuple[str, ...]:
@@ -444,16 +454,37 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         return int(self._win_lengths.sum())
 
     # -- operations ----------------------------------------------------------------------------
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def key_windows(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Key ``key``'s packed ids and how its B rows read them.
+
+        Returns:
+            ``(ids [P_k], positions [N_k], offsets [B + 1])``: ``ids[positions]`` are the
+            values of the key's expanded rows, cut by ``offsets``. ``ids`` is the stretch of
+            ``values`` the key's windows cover (its own packed ids when built by
+            :meth:`from_jagged`), so a lookup of ``ids`` touches each stored id once.
+
+        Raises:
+            DataError: ``key`` is not a key of the group.
+        """
+        if key not in self._keys:
+            msg = f"`key` {key!r} is not a key of the partial IKJT {list(self._keys)!r}"
+            raise DataError(msg)
+        k, b = self._keys.index(key), self._stride
+        starts = self._win_offsets[k * b : (k + 1) * b]
+        lengths = self._win_lengths[k * b : (k + 1) * b]
+        positions, offsets = _window_positions(starts, lengths)
+        if positions.numel() == 0:
+            return self._values[:0], positions, offsets
+        lo, hi = int(positions.min()), int(positions.max()) + 1
+        return self._values[lo:hi], positions - lo if lo else positions, offsets
+
     def to_kjt(self) -> KeyedJaggedTensor:
         """Expand every window into the B-row KJT (one vectorised gather)."""
         lengths = self._win_lengths
-        offsets = lengths_to_offsets(lengths)
-        total = int(offsets[-1])
-        # output value j of row r reads values[j + (window_offsets[r] - offsets[r])]
-        shift = torch.repeat_interleave(
-            self._win_offsets - offsets[:-1], lengths, output_size=total
-        )
-        positions = torch.arange(total, device=self.device) + shift  # (total,)
+        positions, offsets = _window_positions(self._win_offsets, lengths)
         return KeyedJaggedTensor(
             self._keys,
             self._values[positions],
@@ -509,6 +540,18 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
             f"window_offsets={quote(self._win_offsets)}, "
             f"window_lengths={quote(self._win_lengths)})"
         )
+
+
+def _window_positions(
+    starts: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each value of the rows ``[starts[r], starts[r] + lengths[r])`` lies in the packed
+    values, and the rows' offsets: ``(positions [sum(lengths)], offsets [R + 1])``."""
+    offsets = lengths_to_offsets(lengths)
+    total = int(offsets[-1])
+    # output value j of row r reads values[j + (starts[r] - offsets[r])]
+    shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=total)
+    return torch.arange(total, device=starts.device) + shift, offsets  # (total,), (R + 1,)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -15,6 +15,11 @@ and gives the same result (to float rounding) for both:
   The backward of the expansion (``index_select``) sums the gradients of the duplicate rows
   into their unique row, which is exactly the gradient of the plain path.
 
+A feature of a :class:`~recpipe.ikjt.PartialInverseKeyedJaggedTensor` (lists that shift by
+one id, stored as windows into packed ids) is looked up once per *packed* id, and its rows'
+embeddings are gathered from those ``[P, D]`` rows (:func:`locate_windows`): the same
+numbers as the expanded lists', with P lookups instead of N.
+
 :class:`PooledEmbeddings` pools each feature into ``[B, D]``;
 :class:`SequenceEmbeddings` keeps a feature's ``[values, D]`` jagged as
 :class:`JaggedEmbeddings` (still over unique rows; ``expand()`` runs the jagged index select,
@@ -56,6 +61,7 @@ from trainer.config import PoolingMode, TableConfig
 __all__ = [
     "FeatureRows",
     "JaggedEmbeddings",
+    "PackedRows",
     "ParameterTable",
     "PooledEmbeddings",
     "PoolingMode",
@@ -69,6 +75,7 @@ __all__ = [
     "checked_lookup",
     "expand_rows",
     "locate_features",
+    "locate_windows",
     "table_seed",
 ]
 
@@ -347,6 +354,50 @@ def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, Fea
     return out
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """A feature of a partial IKJT: its packed ids and where its rows' values read them.
+
+    Attributes:
+        ids: ``[P]`` the packed ids (each stored id once).
+        positions: ``[N]`` the packed id of every value of the B expanded rows.
+        offsets: ``[B + 1]`` the expanded rows' offsets into ``positions``.
+        group: the partial group's name.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    group: str
+
+
+def locate_windows(
+    features: SparseInput, keys: Iterable[str]
+) -> tuple[dict[str, PackedRows], list[str]]:
+    """Split ``keys`` into the features of partial IKJT groups (their :class:`PackedRows`)
+    and the rest (for :func:`locate_features`), in order."""
+    if isinstance(features, Batch):
+        groups = {
+            name: g
+            for name, g in features.ikjts.items()
+            if isinstance(g, PartialInverseKeyedJaggedTensor)
+        }
+    elif isinstance(features, PartialInverseKeyedJaggedTensor):
+        groups = {"+".join(features.keys): features}
+    else:
+        groups = {}
+    group_of = {key: name for name, g in groups.items() for key in g.keys}
+    packed, rest = {}, []
+    for key in keys:
+        name = group_of.get(key)
+        if name is None:
+            rest.append(key)
+        else:
+            ids, positions, offsets = groups[name].key_windows(key)
+            packed[key] = PackedRows(ids, positions, offsets, name)
+    return packed, rest
+
+
 class _ExpandRows(torch.autograd.Function):
     """``pooled[inverse]`` whose backward sums each unique row's gradient over its batch rows
     with one compiled loop, in batch order: the sums torch's ``index_select`` backward makes
@@ -417,14 +468,22 @@ class PooledEmbeddings(nn.Module):
 
     def forward(self, features: SparseInput) -> dict[str, torch.Tensor]:
         """``{feature: [B, D]}`` for every feature of the collection, in table order."""
+        packed, rest = locate_windows(features, self.features)
+        found = locate_features(features, rest)
         out = {}
-        for key, rows in locate_features(features, self.features).items():
+        for key in self.features:
             table = self.tables[self.feature_table[key]]
-            jt = rows.jagged
-            pooled = _lookup(
-                table, key, table.pool, jt.values, jt.offsets, mode=table.config.pooling
-            )  # (R, D)
-            out[key] = expand_rows(pooled, rows.inverse)  # (B, D)
+            mode = table.config.pooling
+            if key in packed:
+                p = packed[key]
+                rows = _lookup(table, key, table.rows, p.ids)  # (P, D)
+                out[key] = F.embedding_bag(
+                    p.positions, rows, p.offsets, mode=mode, include_last_offset=True
+                )  # (B, D): the bags of the expanded rows, gathered from the P packed rows
+                continue
+            jt = found[key].jagged
+            pooled = _lookup(table, key, table.pool, jt.values, jt.offsets, mode=mode)  # (R, D)
+            out[key] = expand_rows(pooled, found[key].inverse)  # (B, D)
         return out
 
 
@@ -502,11 +561,23 @@ class SequenceEmbeddings(nn.Module):
         self.features: tuple[str, ...] = tuple(self.feature_table)
 
     def forward(self, features: SparseInput) -> dict[str, JaggedEmbeddings]:
-        """``{feature: JaggedEmbeddings}`` for every feature of the collection."""
+        """``{feature: JaggedEmbeddings}`` for every feature of the collection.
+
+        A feature of a partial IKJT comes as its B expanded rows, gathered from the embeddings
+        of its P packed ids.
+        """
+        packed, rest = locate_windows(features, self.features)
+        found = locate_features(features, rest)
         out = {}
-        for key, rows in locate_features(features, self.features).items():
+        for key in self.features:
             table = self.tables[self.feature_table[key]]
-            jt = rows.jagged
+            if key in packed:
+                p = packed[key]
+                rows = _lookup(table, key, table.rows, p.ids)  # (P, D)
+                values = rows.index_select(0, p.positions)  # (N, D)
+                out[key] = JaggedEmbeddings(values, p.offsets, None, p.group)
+                continue
+            jt = found[key].jagged
             values = _lookup(table, key, table.rows, jt.values)  # (N, D)
-            out[key] = JaggedEmbeddings(values, jt.offsets, rows.inverse, rows.group)
+            out[key] = JaggedEmbeddings(values, jt.offsets, found[key].inverse, found[key].group)
         return out

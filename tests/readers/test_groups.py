@@ -14,8 +14,8 @@ from tests.common.data import group_name
 
 @pytest.fixture(scope="module")
 def regrouped(tmp_path_factory):
-    """One synthetic log set built twice: with no dedup group, and with the groups
-    ``recpipe stats`` proposes for it at B=256."""
+    """One synthetic log set built twice: with no dedup group, and with the groups and partial
+    features ``recpipe stats`` proposes for it at B=256."""
     from etl.build import BuildConfig, build
     from etl.stats import compute_stats
     from etl.synth import SynthConfig, generate
@@ -26,11 +26,17 @@ def regrouped(tmp_path_factory):
     config = BuildConfig(row_group_size=512)
     bare = default_schema().with_dedup(())
     build(logs.features, root / "bare", events=logs.events, schema=bare, config=config)
-    proposed = compute_stats(root / "bare", batch_size=256).proposed_groups
+    report = compute_stats(root / "bare", batch_size=256)
+    proposed, partial = report.proposed_groups, report.proposed_partial
     assert proposed, "the synthetic data must propose some groups"
-    schema = bare.with_dedup(proposed)
+    assert partial == ["user_recent_items"]  # shifts on every request: partial, not a group
+    schema = bare.with_dedup(proposed, partial)
     build(logs.features, root / "grouped", events=logs.events, schema=schema, config=config)
     return root / "bare", root / "grouped", tuple(tuple(g) for g in proposed)
+
+
+def _toml_list(names) -> str:
+    return repr([list(n) if isinstance(n, tuple) else n for n in names]).replace("'", '"')
 
 
 def test_auto_groups_train_like_a_rebuild(regrouped, tmp_path):
@@ -52,16 +58,22 @@ def test_loader_reads_any_groups_without_a_rebuild(regrouped, tmp_path):
     bare, grouped, proposed = regrouped
     config = ReaderConfig(batch_size=256)
     file = tmp_path / "groups.toml"
-    file.write_text("[dedup]\ngroups = " + repr([list(g) for g in proposed]).replace("'", '"'))
-    for spec in ("auto", file, proposed):
+    file.write_text(f'[dedup]\ngroups = {_toml_list(proposed)}\npartial = ["user_recent_items"]\n')
+    names = sorted([*map(group_name, proposed), "user_recent_items"])
+    for spec in ("auto", file):
         loader = make_dataloader(bare, config=config, dedup_groups=spec)
         assert loader.dataset.schema.dedup_groups == proposed
+        assert loader.dataset.schema.dedup_partial == ("user_recent_items",)
         reference = make_dataloader(grouped, config=config)
         for got, want in zip(loader, reference, strict=True):
-            assert sorted(got.ikjts) == sorted(want.ikjts) == sorted(map(group_name, proposed))
+            assert sorted(got.ikjts) == sorted(want.ikjts) == names
             for name in want.ikjts:
                 assert got.ikjts[name].to_kjt().equals(want.ikjts[name].to_kjt())
             assert got.kjt.keys == want.kjt.keys
+    listed = make_dataloader(bare, config=config, dedup_groups=proposed)  # groups, no partial
+    assert listed.dataset.schema.dedup_groups == proposed
+    assert listed.dataset.schema.dedup_partial == ()
+    assert sorted(next(iter(listed)).ikjts) == sorted(map(group_name, proposed))
     none = make_dataloader(grouped, config=config, dedup_groups=[])
     assert next(iter(none)).ikjts == {}
 
@@ -87,28 +99,42 @@ def test_no_group_dedup_on_is_the_plain_path(regrouped, monkeypatch):
         assert a.kjt.values.equal(b.kjt.values) and a.kjt.lengths.equal(b.kjt.lengths)
 
 
-def test_stats_reports_the_factor_of_the_groups_a_reader_gets(regrouped):
-    """The stats' factor for a grouping equals the reader's ids / ids stored at that B."""
+def test_stats_reports_the_factor_of_the_groups_a_reader_gets(regrouped, tmp_path):
+    """The stats' factor for a grouping (with partial features or not) equals the reader's ids
+    / ids stored at that B."""
     from etl.stats import compute_stats
 
     bare, grouped, proposed = regrouped
     report = compute_stats(grouped, batch_size=256)
-    assert report.schema_groups == list(proposed)
+    partial = ["user_recent_items"]
+    assert report.schema_groups == list(proposed) and report.schema_partial == partial
     merged = [("user_liked_items", "user_liked_sellers", "user_segment")]
     other = compute_stats(grouped, schema=report.schema.with_dedup(merged), batch_size=256)
-    for stats, groups in ((report, list(proposed)), (report, []), (other, merged)):
+    cases = (
+        (report, list(proposed), partial),
+        (report, list(proposed), []),
+        (report, [], []),
+        (report, [], ["user_recent_items", "user_liked_items"]),
+        (other, merged, []),
+    )
+    for i, (stats, groups, part) in enumerate(cases):
+        spec = tmp_path / f"dedup{i}.toml"
+        spec.write_text(f"[dedup]\ngroups = {_toml_list(groups)}\npartial = {_toml_list(part)}\n")
         stored = expanded = 0
         config = ReaderConfig(batch_size=256)
-        for batch in make_dataloader(bare, config=config, dedup_groups=groups):
+        for batch in make_dataloader(bare, config=config, dedup_groups=spec):
             stored += batch.kjt.num_values + sum(g.num_values for g in batch.ikjts.values())
             expanded += batch.kjt.num_values + sum(
                 g.num_expanded_values for g in batch.ikjts.values()
             )
-        assert stats.groups_factor(groups) == pytest.approx(expanded / stored, rel=1e-12)
+        got = stats.groups_factor(groups, part)
+        assert got == pytest.approx(expanded / stored, rel=1e-12), (groups, part)
     assert other.groups_factor(merged) != report.groups_factor(proposed)
+    assert report.groups_factor(proposed, partial) > report.groups_factor(proposed)
     text = report.format_table()
     assert "schema's groups" in text and "proposed groups" in text and "upper bound" in text
-    assert report.to_dict()["schema_groups_factor"] == report.groups_factor(proposed)
+    assert "+ partial [user_recent_items]" in text
+    assert report.to_dict()["schema_groups_factor"] == report.groups_factor(proposed, partial)
 
 
 def test_groups_errors(tmp_path):
