@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from etl.build import BuildConfig, build
 from etl.infer_schema import infer_schema
 from recpipe.errors import SchemaError
 from schemas import load_schema
@@ -46,9 +48,17 @@ def _logs(root: Path, *, flat: bool = False) -> tuple[Path, Path]:
     return f, e
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
-def test_infer_schema_guesses_keys_kinds_units_and_ids(tmp_path, flat):
+@pytest.mark.parametrize(
+    ("flat", "parquet"),
+    [(False, False), (True, False), (True, True)],
+    ids=["nested", "flat", "parquet"],
+)
+def test_infer_schema_guesses_keys_kinds_units_and_ids(tmp_path, flat, parquet):
     logs, _ = _logs(tmp_path, flat=flat)
+    if parquet:
+        rows = [json.loads(line) for line in logs.read_text().splitlines()]
+        logs = tmp_path / "feeds.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), logs)
     schema, text = infer_schema(logs)
     assert schema.name == "feeds" and schema.layout == ("flat" if flat else "nested")
     assert schema.time_unit == "s" and schema.time_key == "ts" and schema.user_key == "user_id"
@@ -61,6 +71,8 @@ def test_infer_schema_guesses_keys_kinds_units_and_ids(tmp_path, flat):
         "device": ("context", 1, "hash"),
     }
     assert text.startswith("# Inferred by `recpipe etl infer-schema`") and "recent: shared" in text
+    manifest = build(logs, tmp_path / "ds", schema=schema, config=BuildConfig(engine="duckdb"))
+    assert manifest["rows_out"] == 120 and manifest["rows_quarantined"] == 0
 
 
 def test_infer_schema_max_len_is_a_quantile_and_int_ids_stay_int(tmp_path):
