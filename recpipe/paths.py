@@ -3,8 +3,8 @@
 Every command that writes calls :func:`check_output` on each of its outputs first: ``recpipe
 synth``, ``etl shard``, ``etl build`` and ``stats`` on their ``--out``; ``recpipe train`` on
 ``--json``, ``--metrics``, ``--checkpoint`` and ``--tensorboard``; ``recpipe towers`` on
-``--out``, ``--plot`` and ``--json``; ``recpipe fit`` on the fitted state it writes into its
-dataset. It refuses, with a :class:`~recpipe.errors.DataError` naming the option, the path and
+``--out``, ``--plot`` and ``--json``; ``recpipe fit`` on the fitted state it writes (into its
+dataset, or to ``--out``); ``recpipe predict`` on ``--out`` and ``--json``. It refuses, with a :class:`~recpipe.errors.DataError` naming the option, the path and
 why:
 
 - an output that **is**, **contains** or **lies inside** an input (paths compared after
