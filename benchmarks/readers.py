@@ -27,6 +27,13 @@ Figures (written to benchmarks/results/readers.json):
                                and loaded from the dataset's fitted state. Target >= 1.8.
   len_matches_delivered        len() of a make_dataloader over the clustered data with the fitted
                                pipeline, and the batches one epoch delivered (must be equal).
+  partial_dedup_factor         the shifted-history feature of the schema's ``[dedup] partial``
+                               (synth: user_recent_items, one id appended per request): ids of
+                               its expanded rows / ids its partial IKJT stores, per batch of the
+                               clustered data (time-ordered beside it).
+  partial_convert_speed        read + convert samples/s with that feature as a partial IKJT /
+                               with it in the plain KJT (the groups unchanged), clustered data,
+                               no preprocessing; with its spread like the other ratios.
 
 `measure_inprocess(...)` is the in-process measurement the service benchmark compares against.
 """
@@ -216,6 +223,15 @@ def _read_bytes(dataset: Path, schema: Any) -> dict[str, float]:
     return {"bytes": size, "rows": source.num_rows, "per_sample": size / max(source.num_rows, 1)}
 
 
+def _partial_factor(dataset: Path, schema: Any, *, batch_size: int, batches: int) -> float:
+    """Expanded / stored ids of the schema's partial group over the first ``batches`` batches."""
+    from readers.convert import group_name
+
+    return _dedup_factors(dataset, schema, batch_size=batch_size, batches=batches)[
+        group_name(schema.dedup_partial)
+    ]
+
+
 def _dedup_factors(
     dataset: Path, schema: Any, *, batch_size: int, batches: int
 ) -> dict[str, float]:
@@ -258,12 +274,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fit_preprocess(dataset, fitted, schema=schema)
     fitted_pipeline = Pipeline.from_config(fitted, schema=schema, dataset=clustered)
 
+    no_partial = schema.with_dedup(schema.dedup_groups)  # the partial feature in the plain KJT
     cases: dict[str, Callable[[], dict]] = {
         "recd": lambda: measure_inprocess(clustered, batch_size=bsz, transforms=pipeline, dedup=True, max_batches=cap, schema=schema),
         "baseline": lambda: measure_inprocess(timed, batch_size=bsz, transforms=pipeline, dedup=False, max_batches=cap, schema=schema),
         "clustered_kjt": lambda: measure_inprocess(clustered, batch_size=bsz, transforms=pipeline, dedup=False, max_batches=cap, schema=schema),
         "convert_ikjt": lambda: _measure_convert(clustered, batch_size=bsz, dedup=True, max_batches=cap),
         "convert_kjt": lambda: _measure_convert(clustered, batch_size=bsz, dedup=False, max_batches=cap),
+        "convert_no_partial": lambda: measure_inprocess(clustered, batch_size=bsz, dedup=True, max_batches=cap, schema=no_partial),
         "recd_fitted": lambda: measure_inprocess(clustered, batch_size=bsz, transforms=fitted_pipeline, dedup=True, max_batches=cap, schema=schema),
         "baseline_fitted": lambda: measure_inprocess(timed, batch_size=bsz, transforms=fitted_pipeline, dedup=False, max_batches=cap, schema=schema),
     }  # fmt: skip
@@ -288,6 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ikjt_vs_kjt_samples_per_s": ratio("recd", "clustered_kjt", per="rate"),
         "convert_overhead": ratio("convert_ikjt", "convert_kjt", per="time"),
         "reader_speedup_fitted": ratio("recd_fitted", "baseline_fitted", per="rate"),
+        "partial_convert_speed": ratio("convert_ikjt", "convert_no_partial", per="rate"),
     }
     results = {
         **{name: spread["cpu"]["median"] for name, spread in spreads.items()},
@@ -304,6 +323,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "time_ordered": _dedup_factors(timed, schema, batch_size=bsz, batches=4),
         },
         "len_matches_delivered": _len_check(clustered, batch_size=bsz, transforms=fitted),
+        "partial_dedup_factor": _partial_factor(clustered, schema, batch_size=bsz, batches=4),
+        "partial_dedup_factor_time_ordered": _partial_factor(
+            timed, schema, batch_size=bsz, batches=4
+        ),
+        "partial_feature": list(schema.dedup_partial),
         "targets": {
             "reader_speedup_vs_baseline": 1.8,
             "convert_overhead": 1.3,
@@ -345,6 +369,8 @@ def format_table(results: dict[str, Any]) -> str:
         f"{'len(loader) / delivered':<34}{results['len_matches_delivered']['len']:>12}  {results['len_matches_delivered']['delivered']} delivered",
         f"{'read_bytes_per_sample clustered':<34}{rb['clustered']:>12.1f}",
         f"{'read_bytes_per_sample time-ordered':<34}{rb['time_ordered']:>12.1f}  {rb['ratio_time_vs_clustered']:.2f}x clustered",
+        f"{'partial_dedup_factor':<34}{results['partial_dedup_factor']:>12.2f}  {'+'.join(results['partial_feature'])}, time-ordered {results['partial_dedup_factor_time_ordered']:.2f}",
+        f"{'partial_convert_speed':<34}{results['partial_convert_speed']:>12.2f}  read + convert, partial IKJT / plain KJT",
         "-" * 78,
     ]  # fmt: skip
     for name in sp:

@@ -38,6 +38,14 @@ Figures (written to benchmarks/results/trainer.json):
                            `EmbeddingBagCollection` on the same rows as plain KJTs; same tables,
                            same weights, forward + backward with dense gradients. Report only;
                            `torchrec_swap_plain` is the swapped module on the plain KJTs (~1).
+  partial_speedup          the shifted-history feature of the schema's ``[dedup] partial`` (synth:
+                           user_recent_items) read as a partial IKJT (its packed ids looked up
+                           once, RecD §7) / the same batches with it expanded into the plain KJT
+                           (every other group unchanged): training samples/s, steps alternated as
+                           for dedup_speedup. `partial_dedup_factor` is its ids expanded /
+                           stored in these batches; `partial_embedding_speedup` times that
+                           feature's pooled embedding alone (forward + backward), partial /
+                           expanded. Report only.
 """
 
 from __future__ import annotations
@@ -207,6 +215,75 @@ def measure_speedup(
         "median_step_s_off": step_s["off"],
         "timed_steps": len(times["on"]),
         "max_loss_rel_diff_on_vs_off": rel,
+    }
+
+
+def _without_partial(batch: Any) -> Any:
+    """``batch`` with its partial IKJT groups expanded into the plain KJT."""
+    from recpipe.ikjt import PartialInverseKeyedJaggedTensor
+    from recpipe.jagged import KeyedJaggedTensor
+
+    partial = [g for g in batch.ikjts.values() if isinstance(g, PartialInverseKeyedJaggedTensor)]
+    ikjts = {
+        n: g for n, g in batch.ikjts.items() if not isinstance(g, PartialInverseKeyedJaggedTensor)
+    }
+    kjt = KeyedJaggedTensor.concat([batch.kjt, *(g.to_kjt() for g in partial)])
+    return dataclasses.replace(batch, kjt=kjt, ikjts=ikjts)
+
+
+def measure_partial(
+    schema: Any, on: list[Any], *, model_config: Any, warmup: int, device: Any
+) -> dict[str, Any]:
+    """Training and the partial feature's embedding step, partial IKJT vs expanded (see the
+    module docstring: ``partial_speedup``); ``{}`` when the schema has no partial feature."""
+    import torch
+
+    from recpipe.ikjt import PartialInverseKeyedJaggedTensor
+    from trainer.modules import PooledEmbeddings, TableConfig
+
+    if not schema.dedup_partial:
+        return {}
+    expanded = [_without_partial(b) for b in on]
+    train = measure_speedup(
+        schema, on, expanded, model_config=model_config, warmup=warmup, device=device
+    )
+    groups = [
+        g for b in on for g in b.ikjts.values() if isinstance(g, PartialInverseKeyedJaggedTensor)
+    ]
+    stored = sum(g.num_values for g in groups)
+    factor = sum(g.num_expanded_values for g in groups) / max(stored, 1)
+    features = tuple(schema.dedup_partial)
+    table = TableConfig("partial", model_config.num_embeddings, model_config.embedding_dim,
+                        features, hash_ids=True, sparse_grad=model_config.sparse_grad)  # fmt: skip
+    ebc = PooledEmbeddings([table], seed=model_config.seed).to(device)
+
+    def step(batch: Any) -> None:
+        ebc.zero_grad(set_to_none=True)
+        sum(v.sum() for v in ebc(batch).values()).backward()
+
+    times: dict[str, list[Timing]] = {"partial": [], "expanded": []}
+    for i, (p, e) in enumerate(zip(on, expanded, strict=True)):
+        pair = {"partial": p.to(device), "expanded": e.to(device)}
+        for mode in _rotated(["partial", "expanded"], i):
+            t = _timed(lambda b=pair[mode]: step(b), device)
+            if i >= warmup:
+                times[mode].append(t)
+    emb = _ratio(times, "partial", "expanded", device)
+    with torch.no_grad():
+        same = all(
+            torch.equal(ebc(p)[f], ebc(e)[f]) for p, e in zip(on, expanded) for f in features
+        )
+    return {
+        "partial_feature": list(features),
+        "partial_dedup_factor": factor,
+        "partial_speedup": train["dedup_speedup"],
+        "partial_speedup_spread": train["dedup_speedup_spread"],
+        "partial_samples_per_s": train["samples_per_s_on"],
+        "partial_expanded_samples_per_s": train["samples_per_s_off"],
+        "partial_max_loss_rel_diff": train["max_loss_rel_diff_on_vs_off"],
+        "partial_embedding_speedup": _headline(emb),
+        "partial_embedding_speedup_spread": emb,
+        "partial_embedding_same_bags": same,
     }
 
 
@@ -551,6 +628,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 schema, on, off, model_config=model_config, budget_mib=args.memory_budget_mib
             )
         )
+        print("partial IKJT vs expanded training steps (alternated):", file=sys.stderr)
+        results.update(
+            measure_partial(
+                schema, on, model_config=model_config, warmup=args.warmup, device=device
+            )
+        )
         if args.end_to_end:
             print("training fed by the readers vs preloaded batches:", file=sys.stderr)
             results.update(
@@ -582,6 +665,9 @@ def _table(results: dict[str, Any]) -> str:
         ("  ours with sparse grads", "", results.get("vs_torchrec_ebc_ours_sparse_grad")),
         ("torchrec_swap_dedup_speedup", "swapped-in ours on IKJTs / TorchRec EBC", results.get("torchrec_swap_dedup_speedup")),
         ("  swapped-in on plain KJTs", "", results.get("torchrec_swap_plain")),
+        ("partial_speedup", "samples/s partial IKJT / expanded", results.get("partial_speedup")),
+        ("  partial dedup factor", "ids expanded / stored, partial feature", results.get("partial_dedup_factor")),
+        ("  embedding step alone", "its pooled embedding fwd+bwd", results.get("partial_embedding_speedup")),
     ]  # fmt: skip
     lines = [f"{'figure':<30} {'what':<45} {'value':>8}"]
     for name, what, value in rows:

@@ -481,6 +481,14 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         lo, hi = int(positions.min()), int(positions.max()) + 1
         return self._values[lo:hi], positions - lo if lo else positions, offsets
 
+    def map_values(
+        self, fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> PartialInverseKeyedJaggedTensor:
+        """Apply an element-wise ``fn`` to the packed values only; the windows are kept."""
+        return PartialInverseKeyedJaggedTensor(
+            self._keys, fn(self._values), self._win_offsets, self._win_lengths, validate=False
+        )
+
     def to_kjt(self) -> KeyedJaggedTensor:
         """Expand every window into the B-row KJT (one vectorised gather)."""
         lengths = self._win_lengths
