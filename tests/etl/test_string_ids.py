@@ -190,3 +190,25 @@ def test_validate_reads_the_declared_unit_and_hashed_ids(tmp_path):
     ms.write_text("".join(_line(f"r{i}", 1_700_000_000_000 + i, [i], []) + "\n" for i in range(30)))
     report = validate_logs(ms, schema=_schema(unit="s"))  # milliseconds read as seconds
     assert 'time_unit = "ms"' in {f.kind: f for f in report.findings}["ts_unit"].fix
+
+
+@pytest.mark.slow  # starts a local Spark
+def test_spark_engine_reads_hashed_ids_and_seconds_as_duckdb_does(tmp_path):
+    pytest.importorskip("pyspark")
+    schema = _schema(unit="s")
+    lines = [
+        _line(f"r{i}", 1_700_000_000 + 60 * i, [f"sku-{i % 3}"], [i, f"q{i}"]) for i in range(20)
+    ]
+    lines.append(_line("bad", 1_700_000_000, [None], []))
+    src = tmp_path / "f.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    rows = {}
+    for engine in ("duckdb", "spark"):
+        cfg = BuildConfig(engine=engine, spark_partitions=2) if engine == "spark" else None
+        m = build(src, tmp_path / engine, schema=schema, config=cfg or BuildConfig(engine=engine))
+        assert m["rows_out"] == 20 and m["quarantine_by_reason"][reasons.WRONG_TYPE] == 1
+        table = pq.ParquetDataset(sorted((tmp_path / engine).rglob("part-*.parquet"))).read()
+        rows[engine] = sorted(
+            table.select(["request_id", "ts", "item", "hist"]).to_pylist(), key=str
+        )
+    assert rows["spark"] == rows["duckdb"]
