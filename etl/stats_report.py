@@ -15,7 +15,26 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from schemas import DatasetSchema
 
-__all__ = ["FeatureStats", "SessionStats", "StatsReport", "dedupe_factor_model"]
+__all__ = ["TABLE_KEYS", "FeatureStats", "SessionStats", "StatsReport", "dedupe_factor_model"]
+
+TABLE_KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("samples", ("rows",), ""),
+    ("S", ("samples_per_batch_session",), ""),
+    ("avg_len", ("features[].avg_len",), ""),
+    ("bytes%", ("features[].byte_share",), "100 * "),
+    ("exact%", ("features[].exact_pct",), ""),
+    ("partial%", ("features[].partial_pct",), ""),
+    ("d(f)", ("features[].d",), ""),
+    ("model", ("features[].model_factor",), ""),
+    ("measured", ("features[].measured_factor",), ""),
+    ("partial", ("features[].partial_factor",), ""),
+    ("dedup", ("proposed_features", "proposed_partial"), ""),
+    ("all sparse features together", ("sparse_factor", "sparse_model_factor"), ""),
+    ("schema's groups", ("schema_groups_factor",), ""),
+    ("proposed groups", ("proposed_groups_factor",), ""),
+)
+"""``(label, stats.json keys, scale)``: what the table calls each figure, and the key (or keys,
+``features[]`` for a per-feature entry) :meth:`StatsReport.to_dict` writes it under."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +356,10 @@ class StatsReport:
             "measured = ids in batch / ids in its distinct rows, partial = ids in batch / ids "
             "a partial IKJT stores (a row that repeats or shifts by one id the row before it "
             "costs 0 or 1 id)"
+        )
+        lines.append(
+            "in stats.json: "
+            + ", ".join(f"{label} = {scale}{' / '.join(keys)}" for label, keys, scale in TABLE_KEYS)
         )
         lines.append(
             f"all sparse features together: measured {self.sparse_factor:.2f}x, "

@@ -24,7 +24,8 @@ def _feature(name: str, factor: float) -> FeatureStats:
     )  # fmt: skip
 
 
-def _report(tmp_path: Path) -> StatsReport:
+def make_report(tmp_path: Path) -> StatsReport:
+    """A hand-made report: 4 features, groups [a, b] and [c] proposed, threshold 1.5."""
     schema = DatasetSchema("feedtest", (), tuple(SparseFeature(n, "user", 4) for n in NAMES))
     return StatsReport(
         dataset=tmp_path / "clustered", order="session", files=1, rows=100, batch_size=64,
@@ -34,18 +35,19 @@ def _report(tmp_path: Path) -> StatsReport:
                   _feature("d", 1.1)],
         proposed_features=["a", "b", "c"], proposed_groups=[("a", "b"), ("c",)],
         jaccard={}, factor_threshold=1.5, group_jaccard=0.9, elapsed_s=0.1, schema=schema,
+        group_unique_values={"a+b": 100},
     )  # fmt: skip
 
 
 def test_each_figure_names_the_dataset(tmp_path):
-    report = _report(tmp_path)
+    report = make_report(tmp_path)
     for fig in (features_figure(report), sessions_figure(report)):
         title = fig.get_suptitle()
         assert "feedtest" in title and str(tmp_path / "clustered") in title, title
 
 
 def test_proposed_groups_are_coloured_and_named_and_the_threshold_is_labelled(tmp_path):
-    fig = features_figure(_report(tmp_path))
+    fig = features_figure(make_report(tmp_path))
     factors = fig.axes[1]
     legend = factors.get_legend()
     entries = {
@@ -71,6 +73,6 @@ def test_proposed_groups_are_coloured_and_named_and_the_threshold_is_labelled(tm
 
 
 def test_plot_report_writes_both_pngs(tmp_path):
-    written = plot_report(_report(tmp_path), tmp_path / "plots")
+    written = plot_report(make_report(tmp_path), tmp_path / "plots")
     assert [p.name for p in written] == ["samples_per_session.png", "features.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
