@@ -24,6 +24,7 @@ building, and change what you know better.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 from collections import defaultdict
@@ -281,15 +282,23 @@ def _header(
 
 def _run_cli(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if out.is_dir():
+        raise DataError(f"`--out`: {str(out)!r} is a directory; name the schema file to write")
     if out.exists() and not args.overwrite:
         raise DataError(
             f"`--out`: {str(out)!r} exists\nhint: pass `--overwrite` to replace it, or choose "
             "another path"
         )
+    if out.exists() and any(out.resolve() == f.path.resolve() for f in list_inputs(args.inputs)):
+        raise DataError(f"`--out`: {str(out)!r} is one of the logs read; choose another path")
     schema, text = infer_schema(args.inputs, name=args.name, sample=args.sample)
-    try:
-        out.write_text(text, encoding="utf-8")
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:  # whole or not at all: an existing --out is replaced only by a complete file
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise DataError(f"`--out`: cannot write {str(out)!r}: {exc.strerror or exc}") from None
     print(
         f"wrote {out}: {len(schema.dense)} dense and {len(schema.sparse)} sparse features, "

@@ -113,6 +113,13 @@ def test_infer_schema_cli_keeps_an_existing_out(tmp_path, capsys):
     code, err = run_cli(["etl", "infer-schema", logs, "--out", out], capsys)
     assert code == 1 and out.read_text() == "mine"
     one_error_line(err, "`--out`")
+    code, err = run_cli(["etl", "infer-schema", logs, "--out", logs, "--overwrite"], capsys)
+    assert code == 1 and "one of the logs read" in err and logs.read_text().startswith("{")
+    code, err = run_cli(["etl", "infer-schema", logs, "--out", tmp_path], capsys)
+    assert code == 1 and "is a directory" in err
+    code, err = run_cli(["etl", "infer-schema", logs, "--out", out, "--overwrite"], capsys)
+    assert code == 0 and load_schema(out).time_unit == "s"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clicks.jsonl", "feeds.jsonl", "s.toml"]
 
 
 @pytest.mark.slow  # trains (imports torch)
