@@ -446,7 +446,7 @@ class _Run:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        from tqdm import tqdm
+        from recpipe.progress import progress_bar
 
         cfg, log = self.config, self.log_
         if cfg.resume and self.restore():
@@ -460,7 +460,7 @@ class _Run:
             self.eval_splits,
             "on" if cfg.dedup else "off",
         )
-        self.bar = bar = tqdm(
+        self.bar = bar = progress_bar(
             total=self._planned_steps(target_steps, target_epochs),
             initial=start_step,
             unit="step",
