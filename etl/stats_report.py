@@ -381,7 +381,8 @@ class StatsReport:
             )
             if self.proposed_partial:
                 lines.append(
-                    f"proposed partial: {len(self.proposed_partial)} features in no group with "
+                    f"proposed partial: {len(self.proposed_partial)} "
+                    f"feature{'s' if len(self.proposed_partial) != 1 else ''} in no group with "
                     f"partial factor > {self.factor_threshold:g}x ("
                     + ", ".join(
                         f"{n} {self.feature(n).partial_factor:.2f}x" for n in self.proposed_partial
@@ -413,8 +414,9 @@ class StatsReport:
             "(`recpipe train --dedup-groups auto` reads with them, no rebuild)",
             f"  the 'all sparse features together' {self.sparse_factor:.2f}x above counts every "
             "sparse feature deduplicated on its own (each its own group, grouped or not), so it "
-            "is an upper bound: a group merges a row only when all its lists repeat, and a "
-            "feature in no group is stored whole",
+            "is an upper bound for groups alone: a group merges a row only when all its lists "
+            "repeat, and a feature in no group is stored whole (a partial feature can beat it: "
+            "a row that shifts by one id costs one id)",
         ]
 
 
