@@ -12,6 +12,7 @@ from etl.build._sql import (
     FLOAT32_MAX,
     PENDING,
     TRAILING_COMMA_RE,
+    id_text,
     ident,
     passthrough_columns,
     passthrough_struct,
@@ -47,8 +48,8 @@ def fast_select(
       followed by ``e`` after the ``"sparse"`` key: the full checks quarantine ``1e5``), dense
       values finite,
       sparse lists free of NULLs (ids outside int64, strings, nulls) and short enough.
-      The ids of an ``ids = "hash"`` feature are read as text and must be plain integers
-      here (a string id adds quotes to the line, which then goes to the full checks).
+      The ids of an ``ids = "hash"`` feature are read as JSON fragments: strings (two more
+      ``"`` each in the count) or plain integers; a string holding ``\\"`` fails the count.
 
     Values are not masked for rows that fail (they are deleted after their second look).
     Every other row is returned with the reason :data:`PENDING` and its raw line, to be
@@ -58,10 +59,9 @@ def fast_select(
     rk, sk, uk, tk = schema_keys(schema)
     ids = (rk, sk, uk, tk)
     dense_s = ", ".join(f'"{f.name}": "DOUBLE"' for f in schema.dense)
-    # ``ids = "hash"``: the ids' texts (an integer's digits; a string id adds quotes, so its
-    # line is left to the full checks)
+    # ``ids = "hash"``: the ids as JSON fragments (a string keeps its quotes, to be counted)
     sparse_s = ", ".join(
-        f'"{f.name}": "{"VARCHAR" if f.ids == "hash" else "BIGINT"}[]"' for f in schema.sparse
+        f'"{f.name}": "{"JSON" if f.ids == "hash" else "BIGINT"}[]"' for f in schema.sparse
     )
     struct = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in ids) + passthrough_struct(schema)
     struct += (', "dense": {' + dense_s + "}") if schema.dense else ""
@@ -73,7 +73,21 @@ def fast_select(
     # each feature's value is a column of its own (``dv{i}`` / ``sv{i}``): referring to it
     # inside the record's struct would cost DuckDB a pass over every feature per reference
     values = [f"j.dense[{sql_str(f.name)}] AS dv{i}" for i, f in enumerate(schema.dense)]
-    values += [f"j.sparse[{sql_str(f.name)}] AS sv{i}" for i, f in enumerate(schema.sparse)]
+    hashed = [i for i, f in enumerate(schema.sparse) if f.ids == "hash"]
+    for i, f in enumerate(schema.sparse):
+        raw = f"j.sparse[{sql_str(f.name)}]"
+        if i not in hashed:
+            values.append(f"{raw} AS sv{i}")
+            continue
+        # the ids' texts (``sv``), how many are strings (``sq``: two `"` each in the line) and
+        # how many are neither a string nor a plain integer (``sb``: left to the full checks)
+        is_str = "starts_with(x::VARCHAR, '\"')"
+        plain_int = "regexp_full_match(x::VARCHAR, '-?(0|[1-9][0-9]{0,17})')"
+        values += [
+            f"list_transform({raw}, lambda x: {id_text('x')}) AS sv{i}",
+            f"len(list_filter({raw}, lambda x: {is_str})) AS sq{i}",
+            f"len(list_filter({raw}, lambda x: NOT ({is_str} OR {plain_int}))) AS sb{i}",
+        ]
     fields += [f"dv{i}" for i in range(len(schema.dense))]
     fields += [f"sv{i}" for i in range(len(schema.sparse))]
     n_keys = sql_sum([f"({f} IS NOT NULL)::INTEGER" for f in fields])
@@ -101,6 +115,7 @@ def fast_select(
             f"coalesce(json_type(j.{ident(k)}) = 'VARCHAR', FALSE)::INTEGER"
             for k in schema.passthrough
         ]
+        + [f"coalesce(sq{i}, 0)" for i in hashed]
     )
 
     def id_ok(key: str) -> str:
@@ -149,11 +164,8 @@ def fast_select(
         v = f"sv{i}"
         too_long = "" if f.truncate else f" AND len({v}) <= {int(f.max_len)}"
         tests.append(f"({v} IS NULL OR (list_count({v}) = len({v}){too_long}))")
-        if f.ids == "hash":  # plain integers only (the full checks read them the same way)
-            tests.append(
-                f"({v} IS NULL OR len(list_filter({v}, "
-                "lambda x: NOT regexp_full_match(x, '-?(0|[1-9][0-9]{0,17})'))) = 0)"
-            )
+        if f.ids == "hash":  # strings and plain integers only
+            tests.append(f"coalesce(sb{i}, 0) = 0")
     if schema.sparse and not facts:
         tail = "substr(line, strpos(line, '\"sparse\"'))"
         # no fraction or exponent among the sparse ids (key names may hold an `e`)

@@ -12,6 +12,7 @@ __all__ = [
     "TS_RANGE",
     "feature_columns",
     "hash_id",
+    "id_text",
     "ident",
     "json_path",
     "passthrough_columns",
@@ -66,6 +67,14 @@ def hash_id(expr: str) -> str:
     In Python: ``int.from_bytes(hashlib.md5(text.encode()).digest()[:8], "little") & (2**63 - 1)``.
     """
     return f"(md5_number_upper({expr}) & 9223372036854775807)::BIGINT"
+
+
+def id_text(expr: str) -> str:
+    """SQL: the text of the JSON fragment ``expr`` holding one id of an ``ids = "hash"`` list,
+    the one :func:`hash_id` hashes: a string's value (unescaped), an integer's digits."""
+    return (
+        f"CASE WHEN starts_with({expr}::VARCHAR, '\"') THEN {expr} ->> '$' ELSE {expr}::VARCHAR END"
+    )
 
 
 def sql_str(text: str) -> str:

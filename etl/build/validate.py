@@ -42,6 +42,7 @@ from etl.build._sql import (
     TRAILING_COMMA_RE,
     TS_RANGE,
     feature_columns,
+    id_text,
     ident,
     json_path,
     passthrough_columns,
@@ -199,10 +200,7 @@ def _ts_text(schema: DatasetSchema) -> str:
 def _id_texts(fragment: str) -> str:
     """SQL: the texts of the ids of the JSON list ``fragment`` (a string's value, an integer's
     digits), for ``ids = "hash"``."""
-    return (
-        f"list_transform(from_json({fragment}, '[\"JSON\"]'), lambda x: "
-        "CASE WHEN json_type(x) = 'VARCHAR' THEN x ->> '$' ELSE x::VARCHAR END)"
-    )
+    return f"list_transform(from_json({fragment}, '[\"JSON\"]'), lambda x: {id_text('x')})"
 
 
 def _parsed(src: str, struct: str) -> str:

@@ -54,9 +54,10 @@ def _line(rid: str, ts: int, item: list, hist: list, **extra) -> str:
     return json.dumps({**rec, **extra})
 
 
-def _tiers(schema, lines: list[str]) -> dict[int, dict]:
+def _tiers(schema, lines: list[str], *, fast: set[int] | None = None) -> dict[int, dict]:
     """Each line's row from the full checks; asserts the compiled tier and the fast path (its
-    SQL and its precomputed-facts forms) give the same row for every line they accept."""
+    SQL and its precomputed-facts forms) give the same row for every line they accept, and
+    that they accept the lines ``fast`` (line numbers) at least."""
     table = _lines_table(lines)
     con = duckdb.connect()
     con.register("lines", table)
@@ -78,6 +79,7 @@ def _tiers(schema, lines: list[str]) -> dict[int, dict]:
     for row in accepted:
         if row["reason"] is None:
             assert _exact(row) == _exact(full[row["line_no"]]), lines[row["line_no"] - 1]
+    assert (fast or set()) <= {r["line_no"] for r in accepted if r["reason"] is None}
     return full
 
 
@@ -92,7 +94,7 @@ def test_string_ids_are_hashed_by_the_documented_hash_in_every_tier():
         _line("g", 11, [True], []),
         _line("h", 12, "sku-1", []),
     ]
-    rows = _tiers(_schema(), lines)
+    rows = _tiers(_schema(), lines, fast={1, 2, 3})  # string ids need no second look
     good = {r["request_id"]: (r["s0"], r["s1"]) for r in rows.values() if r["reason"] is None}
     h = stable_id
     assert good == {
@@ -104,6 +106,31 @@ def test_string_ids_are_hashed_by_the_documented_hash_in_every_tier():
     bad = {rows[n]["reason"] for n in range(5, 9)}
     assert bad == {reasons.WRONG_TYPE}
     assert "expected a list of string or integer ids" in rows[5]["detail"]
+    # text a fast test could misread: every tier still agrees with the full checks
+    tricky = [
+        ["a,]"],
+        ["1e5"],
+        ["true"],
+        ['x"y'],
+        [""],
+        [" "],
+        ["\u0000"],
+        ["-0"],
+        ["007"],
+        ["é"],
+        ['"sparse": {'],
+        [-0],
+        [10**18],
+        [-(2**63)],
+        ["a", None],
+        [[1]],
+        [{"a": 1}],
+    ]
+    more = [_line(f"t{k}", 5, v, v) for k, v in enumerate(tricky)]
+    more += ['{"request_id": "u", "ts": 5, "sparse": {"item": ["a"], "item": ["b"]}}']
+    more += ['{"request_id": "v", "ts": 5, "sparse": {"item": ["a" , 5 ]}}']
+    got = _tiers(_schema(), more)
+    assert got[1]["s0"] == [h("a,]")] and got[8]["s0"] == [h("-0")] and got[12]["s0"] == [h("0")]
     # the same lines under `ids = "int"`: strings are wrong_type, as before
     rows = _tiers(_schema(ids="int"), lines)
     assert rows[1]["reason"] == reasons.WRONG_TYPE and rows[2]["reason"] is None
