@@ -59,6 +59,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "synth": ("out",),
     "etl shard": ("out",),
     "etl build": ("out", "spill_dir"),
+    "etl infer-schema": ("out",),
     "stats": ("out",),
     "fit": ("out|dataset",),
     "train": ("checkpoint", "json", "metrics", "tensorboard"),
