@@ -22,6 +22,11 @@ repeats (`_common.alternate`: the cases' order rotates every repeat; rank 0's wa
   collectives_ms            one all-to-all sending the other rank 64 KiB, 256 KiB, 1 MiB (both
                             ways at once), and a 4-byte all-reduce, shaped and unshaped, beside
                             the time the bytes need one way at the rate
+  service_ikjt_vs_kjt_samples_per_s  3 hosts at `--service-rate-mbit`: the reader service on
+                            host 2, a client rank on hosts 0 and 1 reading its shard of an
+                            epoch (no training):
+                            samples/s delivered with IKJT frames / with KJT frames, with the
+                            bytes per sample and the samples/s the link allows. Target >= 1.3
   link_measured_mbit        a plain TCP transfer between the hosts before the job (the shaping
                             holds: never above the rate)
 
@@ -36,6 +41,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +72,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--embedding-dim", type=int, default=16)
     parser.add_argument("--num-embeddings", type=int, default=100_000, help="rows per table")
     parser.add_argument("--probe-rows", type=int, default=4096, help="largest cost probe")
+    parser.add_argument(
+        "--service",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the reader service (3 hosts)",
+    )
+    parser.add_argument(
+        "--service-rate-mbit", type=float, default=20.0,
+        help="each host's link in the reader-service measurement, Mbit/s",
+    )  # fmt: skip
+    parser.add_argument(
+        "--service-batch-size", type=int, default=512, help="rows per batch the service sends"
+    )
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="the whole job's deadline")
     parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
     parser.add_argument("--seed", type=int, default=0)
@@ -193,6 +212,66 @@ def _collectives_rank(options: dict[str, Any]) -> None:
     destroy()
 
 
+_TOKEN = "cluster-in-a-box"  # the service's shared secret (its hosts are the run's own)
+
+
+def _serve_rank(options: dict[str, Any]) -> None:
+    """The reader service on its host: one server of IKJT frames and one of KJT frames over
+    the same dataset, until killed; writes ``out`` once both listen."""
+    import io
+
+    from readers.service import DatasetProducer, ReaderServer, ServiceConfig
+
+    address = options["address"]
+    servers = {}
+    for name, dedup in (("ikjt", True), ("kjt", False)):
+        producer = DatasetProducer(options["dataset"], batch_size=options["batch_size"],
+                                   dedup=dedup)  # fmt: skip
+        config = ServiceConfig(host=address, port=options["ports"][name], token=_TOKEN,
+                               readers=1, idle_readers=2, report_every_s=0)  # fmt: skip
+        servers[name] = ReaderServer(producer, config=config, log=io.StringIO()).start()
+    Path(options["out"]).write_text(json.dumps({n: list(s.address) for n, s in servers.items()}))
+    while True:
+        time.sleep(3600)
+
+
+def _feed_rank(options: dict[str, Any]) -> None:
+    """A client rank: reads its share of an epoch from each server, alternated; its steady
+    samples/s per repeat (the ranks start each read together)."""
+    import torch
+
+    from benchmarks._common import alternate
+    from benchmarks.service import _timed
+    from readers.service import ServiceClient
+    from trainer.distributed.comm import destroy, init_from_env
+
+    torch.set_num_threads(1)
+    comm = init_from_env(device="cpu", timeout_s=300.0)
+
+    def case(name: str) -> Any:
+        host, port = options["servers"][name]
+
+        def run() -> dict[str, float]:
+            client = ServiceClient(host, port, token=_TOKEN, shard=comm.rank,
+                                   num_shards=comm.world_size, read_timeout_s=120)  # fmt: skip
+            comm.barrier(what="benchmark")
+            t0 = time.monotonic()  # one clock for every namespace: the ranks' windows compare
+            try:
+                figures = _timed(iter(client), None, lambda: client.bytes_received,
+                                 cpu=time.process_time)  # fmt: skip
+            finally:
+                client.close()
+            return {**figures, "first_at": t0 + figures["startup_s"], "end_at": time.monotonic()}
+
+        return run
+
+    runs = alternate({n: case(n) for n in ("ikjt", "kjt")}, repeats=options["repeats"])
+    out = {n: [t.value for t in ts] for n, ts in runs.items()}
+    Path(f"{options['out']}.{comm.rank}").write_text(json.dumps(out))
+    comm.barrier(what="benchmark")
+    destroy()
+
+
 # -- the job ------------------------------------------------------------------------------------
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the cluster's `with`: namespaces removed
@@ -221,6 +300,65 @@ def _collectives(cluster: Any, work: Path, *, name: str) -> dict:
                "repeats": 9, "out": str(raw_path)}  # fmt: skip
     _job(cluster, options, work, timeout_s=300.0)
     return json.loads(raw_path.read_text())
+
+
+def _service(dataset: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """3 hosts at ``--rate-mbit``: the reader service on host 2, a client rank on hosts 0, 1."""
+    from recpipe.testing.cluster import Cluster
+
+    ready = work / "servers.json"
+    with Cluster([args.service_rate_mbit] * 3) as cluster:
+        serve = {"kind": "serve", "dataset": str(dataset), "batch_size": args.service_batch_size,
+                 "address": cluster.hosts[2].address, "ports": {"ikjt": 7001, "kjt": 7002},
+                 "out": str(ready)}  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+        argv = [sys.executable, "-m", "benchmarks.cluster", "--worker", json.dumps(serve)]
+        with (work / "server.log").open("wb") as log:
+            server = cluster.popen(2, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300.0
+        while not ready.exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = (work / "server.log").read_text(errors="replace")[-3000:]
+                msg = f"the reader service did not start (exit {server.poll()})\n{tail}"
+                raise RuntimeError(msg)
+            time.sleep(0.2)
+        feed = {"kind": "feed", "servers": json.loads(ready.read_text()),
+                "repeats": args.repeats, "out": str(work / "feed.json")}  # fmt: skip
+        _job(cluster, feed, work, timeout_s=args.timeout_s)
+        topology = cluster.describe()
+    ranks = [json.loads((work / f"feed.json.{k}").read_text()) for k in (0, 1)]
+    rates = {}  # samples/s delivered to both ranks together, per repeat: from the first
+    for name in ("ikjt", "kjt"):  # rank's first batch to the last rank's last
+        rates[name] = [
+            sum(r[name][i]["samples_after_first"] for r in ranks)
+            / (max(r[name][i]["end_at"] for r in ranks)
+               - min(r[name][i]["first_at"] for r in ranks))
+            for i in range(args.repeats)
+        ]  # fmt: skip
+    per_sample = {n: sum(r[n][0]["bytes_after_first"] for r in ranks)
+                  / sum(r[n][0]["samples_after_first"] for r in ranks) for n in rates}  # fmt: skip
+    ratio = ratio_spread(rates["ikjt"], rates["kjt"])
+    link = args.service_rate_mbit * 1e6 / 8
+    return {
+        "service_ikjt_vs_kjt_samples_per_s": {
+            "median": ratio["median"],
+            "wall": ratio,
+            "target": 1.3,
+            "met": ratio["median"] >= 1.3,
+            "what": "feed only: samples/s the service on its own host delivers to 2 client "
+            "ranks on 2 other hosts (each reads its shard of an epoch), no training",
+        },
+        "service": {
+            "topology": topology,
+            "samples_per_s": {n: spread(v) for n, v in rates.items()},
+            "bytes_per_sample": per_sample,
+            "link_bound_samples_per_s": {n: link / b for n, b in per_sample.items()},
+            # the service host's upload carries both ranks' frames: its use of the link
+            "link_use": {n: spread(v)["median"] * per_sample[n] / link for n, v in rates.items()},
+            "rate_mbit": args.service_rate_mbit,
+            "batch_size": args.service_batch_size,
+        },
+    }
 
 
 def _hypereca(
@@ -368,6 +506,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "topology": topology,
                 "link_measured_mbit": [nbytes * 8 / s / 1e6 for s in link],
                 **_summarise_hypereca(raw, args),
+                **(_service(dataset, args, work) if args.service else {}),
                 "unshaped": _unshaped(_summarise_hypereca(unshaped, args), raw, args),
                 "collectives_ms": {
                     "shaped": {k: v * 1e3 for k, v in calls.items()},
@@ -382,7 +521,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "dmt_sptt_tm_vs_flat",
                     "dmt_auc_delta",
                     "esd_vs_laia_samples_per_s",
-                    "service_ikjt_vs_kjt_samples_per_s",
+                    "service_ikjt_vs_kjt_samples_per_s with training on the ranks",
                     "vs_torchrec_dmp_shaped",
                     "dispatch_vs_saved",
                 ],
@@ -427,6 +566,14 @@ def _table(results: dict[str, Any]) -> str:
     for k in c["shaped"]:
         at = f", at the rate {c['at_rate'][k]:.1f}" if k in c["at_rate"] else ""
         rows.append((k, f"{c['shaped'][k]:.1f} ms shaped, {c['unshaped'][k]:.1f} ms unshaped{at}"))
+    if "service" in results:
+        f, sv = results["service_ikjt_vs_kjt_samples_per_s"], results["service"]
+        rows.append(("service_ikjt_vs_kjt (feed)",
+                     f"{f['median']:.3f} ({f['wall']['min']:.3f}-{f['wall']['max']:.3f}; target "
+                     f"1.3: {'met' if f['met'] else 'missed'}); samples/s " + ", ".join(
+                         f"{n}: {v['median']:,.0f} (link-bound {sv['link_bound_samples_per_s'][n]:,.0f},"
+                         f" {sv['bytes_per_sample'][n]:.0f} B/sample, link use {sv['link_use'][n]:.0%})"
+                         for n, v in sv["samples_per_s"].items())))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -435,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         options = json.loads(args.worker)
-        {"hypereca": _hypereca_rank, "collectives": _collectives_rank}[options["kind"]](options)
+        kinds = {"hypereca": _hypereca_rank, "collectives": _collectives_rank,
+                 "serve": _serve_rank, "feed": _feed_rank}  # fmt: skip
+        kinds[options["kind"]](options)
         sys.stdout.flush()
         sys.stderr.flush()
         # gloo's threads can abort the interpreter's exit ("terminate called without an
