@@ -1109,6 +1109,65 @@ TOWERS = Table(
     ],
 )
 
+
+def _cluster_title(d: Results) -> str:
+    c, t = d["config"], d["topology"]
+    return (
+        f"**Cluster in a box** (`benchmarks/cluster.py`: {t['hosts']} network-namespace hosts "
+        f"x 1 rank on `tbf`-shaped links of {num(c['rate_mbit'])} Mbit/s each (measured "
+        + " / ".join(f"{v:.1f}" for v in d["link_measured_mbit"])
+        + f"), the reader service on its own host over {num(c['service_rate_mbit'])} Mbit/s; "
+        f"{c['repeats']} alternated repeats, wall time of rank 0):"
+    )
+
+
+def _hot_sets(d: Results) -> str:
+    rates = d["hypereca"]["samples_per_s"]
+    return ", ".join(f"R={r}: {num(v)}" for r, v in rates.items()) + " samples/s"
+
+
+CLUSTER = Table(
+    "cluster",
+    _cluster_title,
+    [
+        Row(
+            "`hypereca_best_r_vs_r0` (samples/s at the best hot-set size R / at R = 0)",
+            "hypereca_best_r_vs_r0",
+            lambda d: f"{{v}} ({_hot_sets(d)})",
+            target=Target(">=", 1.5),
+            reference="HypeReca 1.6x-7.8x",
+        ),
+        Row(
+            "`hypereca_chosen_vs_best` (the best R's samples/s / the cost model's R's)",
+            "hypereca_chosen_vs_best",
+            lambda d: "{v}",
+            target=Target("<=", 1.05),
+        ),
+        Row(
+            "`hypereca_best_nonzero_r_vs_r0` (the best R > 0 / R = 0)",
+            "hypereca_best_nonzero_r_vs_r0",
+            lambda d: "{v}",
+            reference="report",
+        ),
+        Row(
+            "`service_ikjt_vs_kjt_samples_per_s` (the service feeding 2 ranks: IKJT / KJT frames)",
+            "service_ikjt_vs_kjt_samples_per_s",
+            lambda d: (
+                "{v} (feed only, no training on the ranks) — "
+                + _range(d["service_ikjt_vs_kjt_samples_per_s"]["wall"], x)
+            ),
+            target=Target(">=", 1.3),
+        ),
+        Row(
+            "not measured yet",
+            None,
+            lambda d: ", ".join(f"`{name}`" for name in d["not_measured"]),
+            reference="report",
+        ),
+    ],
+)
+
+
 TABLES: tuple[Table, ...] = (
     ETL,
     KERNELS,
@@ -1121,6 +1180,7 @@ TABLES: tuple[Table, ...] = (
     DISTRIBUTED,
     DISPATCH,
     TOWERS,
+    CLUSTER,
 )
 
 
