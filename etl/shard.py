@@ -5,6 +5,10 @@ Every line of the input goes to exactly one place:
 - ``shard-NNNNN.jsonl.zst`` (N of them), chosen by a stable hash (BLAKE2b) of the session key:
   ``session_id`` when the record has one, else ``user_id``, so that sessions the build derives
   from the user and an inactivity gap stay in one shard. The line is copied verbatim.
+- an event record among the feature logs (:func:`event_shaped`: the request id and the label,
+  no feature) stops the shard with a :class:`~recpipe.errors.DataError` naming the file and
+  line: routed as a feature line, it would be quarantined by the build as a duplicate of its
+  request (event logs go to ``etl build --events``).
 - ``_unroutable.jsonl.zst``: lines that cannot be routed (not JSON, not an object, no key, or
   longer than ``max_line_bytes``: only its first bytes are kept, with its length), as
   :func:`etl.rawio.unroutable_record` records with their source file and line number, so that
@@ -58,7 +62,7 @@ from etl.rawio import (
     unroutable_record,
 )
 from recpipe.config_cli import Option, add_config_options, add_quiet_option
-from recpipe.errors import CorruptInputError, RecpipeError
+from recpipe.errors import CorruptInputError, DataError, RecpipeError
 from schemas import DatasetSchema, load_schema
 
 __all__ = [
@@ -67,6 +71,8 @@ __all__ = [
     "READ_WIDTH",
     "ShardConfig",
     "ShardSink",
+    "event_line_error",
+    "event_shaped",
     "format_report",
     "make_report",
     "raw_lines",
@@ -254,6 +260,29 @@ def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | Non
     return skey, rkey, used
 
 
+def event_shaped(rec: dict, schema: DatasetSchema) -> bool:
+    """Whether a parsed record is an event record (docs/data-contract.md, "An event line"):
+    a request id and the label key, and no feature: neither ``dense`` nor ``sparse`` nor any
+    of the schema's feature keys at the top level (a flat layout's). ``ts`` may be there or not.
+    """
+    if rec.get(schema.raw_key("request_id")) is None or schema.label_key not in rec:
+        return False
+    if "dense" in rec or "sparse" in rec:
+        return False
+    return not any(schema.raw_key(name) in rec for name in schema.feature_names)
+
+
+def event_line_error(path: Path | str, lineno: int, schema: DatasetSchema) -> DataError:
+    """The error of ``etl shard`` on an event record among the feature logs."""
+    return DataError(
+        f"{path}: line {lineno}: an event record (`{schema.raw_key('request_id')}` and "
+        f"`{schema.label_key}`, no features) among the feature logs; `etl shard` routes feature "
+        "logs only, and the build would quarantine it as a duplicate of its request\n"
+        "hint: leave the event logs out of the shard's inputs and pass them to "
+        "`etl build --events` (`etl validate FEATURES --events EVENTS` checks both)"
+    )
+
+
 def route_line(
     path: Path, lineno: int, line: bytes, size: int, schema: DatasetSchema
 ) -> tuple[str, int, int, str]:
@@ -264,12 +293,15 @@ def route_line(
 
     Raises:
         CorruptInputError: the line is not UTF-8 text.
+        DataError: the line is an event record (:func:`event_shaped`), naming file and line.
     """
     if size > len(line):  # longer than max_line_bytes: its prefix only
         return reasons.LINE_TOO_LONG, 0, 0, ""
     rec = _parse(line, path, lineno)
     if not isinstance(rec, dict):
         return _MALFORMED, 0, 0, ""
+    if event_shaped(rec, schema):
+        raise event_line_error(path, lineno, schema)
     skey, rkey, used = _route_keys(rec, schema)
     if skey is None:
         return _NO_KEY, 0, 0, ""
@@ -389,7 +421,8 @@ def shard(
         the bytes of each routing and ``shard_ratio_session_vs_request``).
 
     Raises:
-        DataError: on missing inputs or an existing ``out_dir`` without ``overwrite``.
+        DataError: on missing inputs or an existing ``out_dir`` without ``overwrite``; on an
+            event record among the inputs (:func:`event_shaped`), naming its file and line.
         CorruptInputError: naming the file, on a broken zstd input or a file that is not
             UTF-8 text (naming the line too).
         RecpipeError: the shards cannot be written (a full disk), naming ``out_dir``; shards
@@ -641,7 +674,8 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
             "shard-NNNNN.jsonl.zst files by a stable hash of the session key (session_id, else "
             "user_id), grouping each shard's lines by session so zstd sees the repeats side by "
             "side. Lines that cannot be routed go to _unroutable.jsonl.zst with their file and "
-            "line number; _shard.json reconciles the counts and reports the compression ratio "
+            "line number; an event record (request id and label, no features) stops it: event logs "
+            "go to `etl build --events`. _shard.json reconciles the counts and reports the compression ratio "
             "against routing by request. --engine spark runs it as a Spark job (--master, on a "
             "cluster) writing the same files byte for byte."
         ),

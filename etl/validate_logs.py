@@ -17,7 +17,15 @@ accepts quietly or refuses with little help:
   as ``wrong_type``; the fix suggests ``ids = "hash"``) and dense numbers in quotes;
 - lists longer than ``max_len`` (``list_too_long``: cut, or quarantined with ``truncate = false``);
 - a session key that never repeats (``session_key``), so every record is its own session;
-- every quarantine reason met (``quarantine``), with the validator's detail.
+- every quarantine reason met (``quarantine``), with the validator's detail;
+- event records among the feature logs (``event_lines``, an error: a request id and the label,
+  no feature; ``etl shard`` refuses them and the build would quarantine them as duplicates of
+  their requests), left out of the other checks so that they raise no false warnings.
+
+With ``events`` (``--events``) the event logs are sampled too and validated as the build
+validates them (``quarantine`` findings on ``events``), and feature records among them are an
+error (``feature_lines``). A file named both as a feature log (under a directory) and as an
+event log is read as an event log only.
 
 Each finding carries an example (``file:line`` and the field) and a suggested fix. Its severity
 is ``error`` when the build would refuse the logs (a feature missing from every record, a
@@ -47,6 +55,7 @@ from etl.build._sql import schema_keys
 from etl.build.inputs import InputFile, check_structure, list_inputs, read_lines
 from etl.build.validate import Validator
 from etl.rawio import DEFAULT_MAX_LINE_BYTES
+from etl.shard import event_shaped
 from recpipe.config_cli import positive_int
 from schemas import DatasetSchema, SparseFeature, default_schema, load_schema
 
@@ -68,7 +77,8 @@ class Finding:
 
     Attributes:
         kind: ``missing_feature``, ``unknown_key``, ``layout``, ``ts_unit``, ``string_ids``,
-            ``list_too_long``, ``session_key`` or ``quarantine``.
+            ``list_too_long``, ``session_key``, ``quarantine``, ``event_lines`` or
+            ``feature_lines``.
         severity: ``"error"`` (the build would refuse the logs or keep none of them) or
             ``"warning"``.
         message: what was found, with counts.
@@ -96,12 +106,18 @@ class LogReport:
         lines: lines sampled.
         quarantined: sampled lines the build would quarantine, by reason.
         findings: the problems, errors first.
+        event_files: the event-log files sampled (``events``).
+        event_lines: event lines sampled.
+        events_quarantined: sampled event lines the build would quarantine, by reason.
     """
 
     files: list[str]
     lines: int
     quarantined: dict[str, int]
     findings: list[Finding] = field(default_factory=list)
+    event_files: list[str] = field(default_factory=list)
+    event_lines: int = 0
+    events_quarantined: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -127,6 +143,7 @@ class _Sample:
     where: list[str]
     records: list[dict | None]
     checked: pa.Table
+    keys: list[tuple[int, int]] = field(default_factory=list)  # (file_id, line_no)
 
 
 def _take(files: list[InputFile], sample: int, max_line_bytes: int) -> pa.Table:
@@ -157,17 +174,23 @@ def _parse(text: str | None) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
-def _sample(files: list[InputFile], schema: DatasetSchema, sample: int, limit: int) -> _Sample:
+def _sample(
+    files: list[InputFile],
+    schema: DatasetSchema,
+    sample: int,
+    limit: int,
+    kind: Literal["features", "events"] = "features",
+) -> _Sample:
     lines = _take(files, sample, limit)
     validator = Validator(schema, max_line_bytes=limit)
     try:
-        checked = validator.features(lines).sort_by(
+        checked = getattr(validator, kind)(lines).sort_by(
             [("file_id", "ascending"), ("line_no", "ascending")]
         )
     finally:
         validator.close()
     lines = lines.sort_by([("file_id", "ascending"), ("line_no", "ascending")])
-    where = []
+    where, keys = [], []
     for fid, n, src, src_line in zip(
         lines.column("file_id").to_pylist(),
         lines.column("line_no").to_pylist(),
@@ -175,11 +198,12 @@ def _sample(files: list[InputFile], schema: DatasetSchema, sample: int, limit: i
         lines.column("source_line").to_pylist(),
     ):
         where.append(f"{src}:{src_line}" if src is not None else f"{files[fid].path}:{n}")
+        keys.append((fid, n))
     records = [
         _parse(t) if size is None else None
         for t, size in zip(lines.column("line").to_pylist(), lines.column("too_long").to_pylist())
     ]
-    return _Sample(where=where, records=records, checked=checked)
+    return _Sample(where=where, records=records, checked=checked, keys=keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +231,11 @@ class _Checks:
     def __init__(self, schema: DatasetSchema, s: _Sample) -> None:
         self.schema = schema
         self.s = s
-        self.records = [(i, r) for i, r in enumerate(s.records) if r is not None]
+        parsed = [(i, r) for i, r in enumerate(s.records) if r is not None]
+        #: event records among the feature logs: reported once, left out of the other checks
+        self.events = [i for i, r in parsed if event_shaped(r, schema)]
+        left_out = set(self.events)
+        self.records = [(i, r) for i, r in parsed if i not in left_out]
         self.findings: list[Finding] = []
         self.unknown: dict[str, tuple[int, int]] = {}  # key as written -> (count, first index)
 
@@ -226,6 +254,7 @@ class _Checks:
         self.findings.append(Finding(kind, severity, message, field, example, fix, count))
 
     def run(self) -> list[Finding]:
+        self.event_lines()
         if not self.records:
             return self.findings
         layout_off = self.layout()
@@ -238,6 +267,30 @@ class _Checks:
         self.too_long()
         self.session_key()
         return self.findings
+
+    # -- the kind of log ----------------------------------------------------------------------
+
+    def event_lines(self) -> None:
+        """Event records among the feature logs: sharded or built as features, each would be
+        quarantined as a duplicate of its request (or for a missing ``ts``)."""
+        if not self.events:
+            return
+        files = sorted({self.s.where[i].rsplit(":", 1)[0] for i in self.events})
+        named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        schema = self.schema
+        self.add(
+            "event_lines",
+            "error",
+            f"{len(self.events):,} of {len(self.s.records):,} sampled lines are event records "
+            f"(`{schema.raw_key('request_id')}` and `{schema.label_key}`, no features), in "
+            f"{named}: `etl shard` refuses them and the build would quarantine them as "
+            "`duplicate_request_id`; the other checks leave them out",
+            field=schema.label_key,
+            at=self.events[0],
+            count=len(self.events),
+            fix="pass event logs with `--events` (`etl validate FEATURES --events EVENTS`, "
+            "`etl build SHARDS --events EVENTS`), not among the feature logs",
+        )
 
     # -- layout, missing and unknown keys -----------------------------------------------------
 
@@ -499,21 +552,26 @@ def _numeric(x: Any) -> bool:
     return True
 
 
-def _quarantine(s: _Sample, report: LogReport) -> list[Finding]:
+def _quarantine(
+    s: _Sample, *, skip: Iterable[int] = (), what: str = "lines"
+) -> tuple[list[Finding], dict[str, int]]:
+    """The ``quarantine`` findings of a sample, and its quarantined lines by reason; the lines
+    at the positions ``skip`` (reported by another finding) are left out."""
     checked = s.checked
+    skipped = {s.keys[i] for i in skip}
     reasons = checked.column("reason").to_pylist()
     details = checked.column("detail").to_pylist()
     fids = checked.column("file_id").to_pylist()
     lines = checked.column("line_no").to_pylist()
-    index = {(f, n): i for i, (f, n) in enumerate(zip(fids, lines))}
+    index = {(f, n): i for i, (f, n) in enumerate(s.keys)}
+    kept = [i for i, key in enumerate(zip(fids, lines)) if key not in skipped]
     first: dict[str, int] = {}
-    for i, r in enumerate(reasons):
-        if r is not None:
-            first.setdefault(r, i)
-    counts = Counter(r for r in reasons if r is not None)
-    report.quarantined = dict(counts)
+    for i in kept:
+        if reasons[i] is not None:
+            first.setdefault(reasons[i], i)
+    counts = Counter(reasons[i] for i in kept if reasons[i] is not None)
     out = []
-    total = len(reasons)
+    total = len(kept)
     for reason, i in first.items():
         detail = details[i] or ""
         fld = detail.split("`")[1] if detail.startswith("field `") else ""
@@ -522,7 +580,7 @@ def _quarantine(s: _Sample, report: LogReport) -> list[Finding]:
             Finding(
                 "quarantine",
                 "error" if every else "warning",
-                f"{counts[reason]:,} of {total:,} sampled lines would be quarantined as "
+                f"{counts[reason]:,} of {total:,} sampled {what} would be quarantined as "
                 f"`{reason}`"
                 + (" (every one: the dataset would be empty)" if every else "")
                 + f": {detail}",
@@ -532,7 +590,32 @@ def _quarantine(s: _Sample, report: LogReport) -> list[Finding]:
                 counts[reason],
             )
         )
-    return out
+    return out, dict(counts)
+
+
+def _feature_lines(s: _Sample, schema: DatasetSchema) -> list[Finding]:
+    """Feature records among the event logs (``dense``/``sparse`` or feature keys, no label)."""
+    raw = {schema.raw_key(name) for name in schema.feature_names} | {"dense", "sparse"}
+    at = [
+        i
+        for i, r in enumerate(s.records)
+        if r is not None and schema.label_key not in r and raw & set(r)
+    ]
+    if not at:
+        return []
+    return [
+        Finding(
+            "feature_lines",
+            "error",
+            f"{len(at):,} of {len(s.records):,} sampled event lines are feature records "
+            f"(features, no `{schema.label_key}`): the build would quarantine them as events "
+            "without a label",
+            schema.label_key,
+            s.where[at[0]],
+            "pass feature logs as the command's inputs (LOGS), not with `--events`",
+            len(at),
+        )
+    ]
 
 
 def validate_logs(
@@ -541,14 +624,19 @@ def validate_logs(
     schema: DatasetSchema | None = None,
     sample: int = 10_000,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    events: str | Path | Iterable[str | Path] | None = None,
 ) -> LogReport:
-    """Dry-run the build over the first ``sample`` lines of the feature logs ``inputs``.
+    """Dry-run the build over the first ``sample`` lines of the feature logs ``inputs`` (and
+    of the event logs ``events``).
 
     Args:
         inputs: ``.jsonl`` / ``.jsonl.zst`` / ``.parquet`` files, directories or globs.
         schema: the dataset schema (default: the bundled one).
-        sample: lines read in all, split evenly over the files (the first of each).
+        sample: lines read in all, split evenly over the files (the first of each); as many
+            again from the event logs.
         max_line_bytes: the build's line limit.
+        events: event-log files, directories or globs, validated as event logs (a file also
+            found under ``inputs`` is read as an event log only); None: none.
 
     Returns:
         the report; ``report.ok`` is False when the build would refuse the logs.
@@ -562,11 +650,24 @@ def validate_logs(
 
         raise DataError(f"`sample` must be a positive integer, got {sample!r}")
     schema = schema or default_schema()
-    files = list_inputs(inputs)
+    event_files = list_inputs(events) if events is not None else []
+    as_events = {f.path.resolve() for f in event_files}
+    files = [f for f in list_inputs(inputs) if f.path.resolve() not in as_events]
+    if not files:
+        from recpipe.errors import DataError
+
+        raise DataError("`inputs`: every feature-log file is also named by `--events`")
     s = _sample(files, schema, sample, max_line_bytes)
     report = LogReport(files=[str(f.path) for f in files], lines=len(s.records), quarantined={})
-    findings = _Checks(schema, s).run()
-    quarantine = _quarantine(s, report)
+    checks = _Checks(schema, s)
+    findings = checks.run()
+    quarantine, report.quarantined = _quarantine(s, skip=checks.events)
+    if event_files:
+        e = _sample(event_files, schema, sample, max_line_bytes, kind="events")
+        report.event_files = [str(f.path) for f in event_files]
+        report.event_lines = len(e.records)
+        found, report.events_quarantined = _quarantine(e, what="event lines")
+        quarantine += [*found, *_feature_lines(e, schema)]
     # a planted mistake already named by a specific finding keeps its quarantine line too
     ordered = sorted([*findings, *quarantine], key=lambda f: (f.severity != "error", f.kind))
     report.findings = ordered
@@ -579,6 +680,11 @@ def format_report(report: LogReport) -> str:
         f"sampled {report.lines:,} lines of {len(report.files)} file(s); "
         f"{sum(report.quarantined.values()):,} would be quarantined"
     )
+    if report.event_files:
+        head += (
+            f"; {report.event_lines:,} event lines of {len(report.event_files)} file(s), "
+            f"{sum(report.events_quarantined.values()):,} would be quarantined"
+        )
     out = [head]
     for f in report.findings:
         out.append(f"{f.severity}: [{f.kind}] {f.message}")
@@ -595,7 +701,7 @@ def format_report(report: LogReport) -> str:
 
 def _run_cli(args: argparse.Namespace) -> int:
     schema = load_schema(args.schema) if args.schema else default_schema()
-    report = validate_logs(args.inputs, schema=schema, sample=args.sample)
+    report = validate_logs(args.inputs, schema=schema, sample=args.sample, events=args.events)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     if not report.ok:
         return 1
@@ -614,11 +720,19 @@ def register_cli(stages: argparse._SubParsersAction) -> None:
             "`etl build` would. Reports features missing from all or most records, keys the "
             "schema does not name, flat records under a nested schema, timestamps in seconds "
             "or microseconds, ids written as strings, lists over max_len, a session key that "
-            "never repeats and every quarantine reason met, each with an example file:line and "
-            "a suggested fix. Exits 1 when the build would refuse the logs."
+            "never repeats, event records among the feature logs and every quarantine reason met, "
+            "each with an example file:line and a suggested fix. --events validates the event "
+            "logs too. Exits 1 when the build would refuse the logs."
         ),
     )
     parser.add_argument("inputs", nargs="+", metavar="LOGS", help="feature-log files/dirs/globs")
+    parser.add_argument(
+        "--events",
+        nargs="+",
+        metavar="EVENTS",
+        help="event-log files/dirs/globs, validated as event logs (labels); event records "
+        "among the feature logs are an error",
+    )
     parser.add_argument("--schema", type=Path, help="schema TOML (default: the bundled one)")
     parser.add_argument(
         "--sample",
