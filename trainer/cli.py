@@ -54,6 +54,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "preprocess": Option(metavar="FILE"),
             "metrics": Option(metavar="FILE"),
             "tensorboard": Option(metavar="DIR"),
+            "threads": Option(metavar="N"),
         },
         exclusive=[("steps", "epochs")],
     )
@@ -77,9 +78,13 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     write ``--json``; the exit code. A torchrun worker of ``--nproc`` enters here too."""
     from trainer.outputs import check_train_outputs
     from trainer.runlog import format_summary, summary_dict
-    from trainer.train import train
+    from trainer.train import resolve_model, set_threads, train
 
     check_train_outputs(config, json=args.json)
+    # the features --attention auto names and the thread count, as the summary shows them; a
+    # torchrun worker of --nproc resolves its own (its share of the node's cores)
+    config = resolve_model(config)
+    set_threads(config)
     summary = None
     if distributed.requested(args):
         with _claim_for_workers(config, args):

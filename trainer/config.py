@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -21,6 +22,7 @@ __all__ = [
     "PoolingMode",
     "TableConfig",
     "TrainConfig",
+    "default_threads",
     "metrics_format",
 ]
 
@@ -205,6 +207,18 @@ class TrainConfig:
             records up to its checkpoint's step.
         tensorboard: also write those metrics as TensorBoard scalars into this directory (needs
             the tensorboard package).
+        threads: torch threads of each process (default: the cores this process may run on,
+            divided among the ranks of a node under ``--nproc``, at least 1; see
+            :func:`default_threads`).
+        shuffle: shuffle the training part's row groups and sessions (seeded; the epoch is
+            mixed in); held-out rows are read in order. With ``service`` the server shuffles
+            as ``recpipe serve`` was told (its default: on).
+        read_ahead: splits each reader decodes ahead in a second thread (0: none); the
+            batches are the same either way.
+        verify: how much of the files' bytes the readers check: ``pages`` (each Parquet
+            page's checksum), ``full`` (also every file's sha256 against the manifest) or
+            ``off``.
+        on_error: a corrupt file or row group: ``raise`` it, or ``skip`` it and count it.
     """
 
     dataset: str
@@ -234,19 +248,24 @@ class TrainConfig:
     log_every: int = 10
     metrics: str | None = None
     tensorboard: str | None = None
+    threads: int | None = None
+    shuffle: bool = True
+    read_ahead: int = 1
+    verify: Literal["off", "pages", "full"] = "pages"
+    on_error: Literal["raise", "skip"] = "raise"
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
             msg = f"give `steps` or `epochs`, not both (got {self.steps!r} and {self.epochs!r})"
             raise RecpipeError(msg)
-        for name in ("steps", "epochs", "batch_size", "log_window", "log_every"):
+        for name in ("steps", "epochs", "batch_size", "log_window", "log_every", "threads"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 msg = f"`{name}` must be a positive integer, got {value!r}"
                 raise RecpipeError(msg)
-        for name in ("eval_every", "checkpoint_every", "workers"):
+        for name in ("eval_every", "checkpoint_every", "workers", "read_ahead"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 msg = f"`{name}` must be a non-negative integer, got {value!r}"
@@ -256,6 +275,12 @@ class TrainConfig:
             raise RecpipeError(msg)
         if not 0.0 <= self.eval_fraction < 1.0:
             msg = f"`eval_fraction` must be in [0, 1), got {self.eval_fraction!r}"
+            raise RecpipeError(msg)
+        if self.verify not in ("off", "pages", "full"):
+            msg = f"`verify` must be 'off', 'pages' or 'full', got {self.verify!r}"
+            raise RecpipeError(msg)
+        if self.on_error not in ("raise", "skip"):
+            msg = f"`on_error` must be 'raise' or 'skip', got {self.on_error!r}"
             raise RecpipeError(msg)
         if self.store not in ("module", "hybrid"):
             msg = f"`store` must be 'module' or 'hybrid', got {self.store!r}"
@@ -283,6 +308,26 @@ class TrainConfig:
         if self.metrics is not None:
             metrics_format(self.metrics)
         _check_device(self.device)
+
+
+def default_threads(environ: Mapping[str, str] | None = None) -> int:
+    """``threads`` when not given: the cores this process may run on (its CPU affinity, which
+    a container or ``taskset`` narrows, not the machine's count), divided among the processes
+    of this node (``LOCAL_WORLD_SIZE``, set by torchrun for ``--nproc``), at least 1.
+
+    >>> default_threads({"LOCAL_WORLD_SIZE": "1000000"})
+    1
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)
 
 
 def metrics_format(path: str | os.PathLike[str]) -> str:

@@ -308,6 +308,8 @@ def summary_dict(config: TrainConfig, result: TrainResult) -> dict[str, Any]:
         "dataset": str(config.dataset) if config.service is None else f"{config.service} (service)",
         "dedup": config.dedup,
         "device": config.device,
+        "threads": config.threads,
+        "attention": _attention(config.model.attention),
         "optimizer": config.optimizer,
         "lr": DEFAULT_LR[config.optimizer] if config.lr is None else config.lr,
         "train_splits": result.train_splits,
@@ -334,6 +336,12 @@ def summary_dict(config: TrainConfig, result: TrainResult) -> dict[str, Any]:
     }
 
 
+def _attention(value: str | tuple[str, ...]) -> str | list[str]:
+    """The summary's ``attention``: the features (a list; empty: none), or the setting as
+    given when it was not resolved (``auto``)."""
+    return value if isinstance(value, str) else list(value)
+
+
 def format_summary(config: TrainConfig, result: TrainResult) -> str:
     """A one-screen summary of a run: one line per key of :func:`summary_dict` (the names
     ``--json`` writes), its value and what it is."""
@@ -350,6 +358,16 @@ def format_summary(config: TrainConfig, result: TrainResult) -> str:
         "dataset": (str(d["dataset"]), ""),
         "dedup": ("on" if d["dedup"] else "off", ""),
         "device": (str(d["device"]), ""),
+        "threads": (
+            "-" if d["threads"] is None else f"{d['threads']}",
+            "torch threads per process",
+        ),
+        "attention": (
+            ",".join(d["attention"]) or "none"
+            if isinstance(d["attention"], list)
+            else str(d["attention"]),
+            "features pooled by attention (a model setting)",
+        ),
         "optimizer": (str(d["optimizer"]), ""),
         "lr": (f"{d['lr']:g}", ""),
         "train_splits": (f"{d['train_splits']}", "row groups with training rows"),

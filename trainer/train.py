@@ -72,7 +72,11 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "make_optimizers",
+    "model_config",
     "read_schema",
+    "reader_options",
+    "resolve_model",
+    "set_threads",
     "train",
 ]
 
@@ -214,10 +218,41 @@ class Trainer:
 # the whole run
 
 
-def _model_config(config: TrainConfig) -> ModelConfig:
+def model_config(config: TrainConfig) -> ModelConfig:
+    """The model a run builds: its ``model`` resolved (:func:`resolve_model`), with its seed."""
     from dataclasses import replace
 
-    return replace(config.model, seed=config.seed)
+    return replace(resolve_model(config).model, seed=config.seed)
+
+
+def resolve_model(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``--attention auto`` resolved to its features, and ``threads`` to its
+    count (:func:`trainer.config.default_threads`).
+
+    ``auto`` is resolved against the dataset's schema as written (its own dedup groups), never
+    against the groups the run reads with (``dedup_groups``): how a run reads its batches does
+    not change the model. The resolved features are what the summary prints and the
+    checkpoint records.
+    """
+    from dataclasses import replace
+
+    from readers.dataset import dataset_schema
+    from trainer.config import default_threads
+    from trainer.models import attention_features
+
+    if config.threads is None:
+        config = replace(config, threads=default_threads())
+    if config.model.attention == "auto":
+        features = attention_features(dataset_schema(config.dataset), config.model)
+        config = replace(config, model=replace(config.model, attention=features))
+    return config
+
+
+def set_threads(config: TrainConfig) -> None:
+    """Use ``config.threads`` torch threads in this process (its default when ``None``)."""
+    from trainer.config import default_threads
+
+    torch.set_num_threads(config.threads or default_threads())
 
 
 def read_schema(config: TrainConfig) -> DatasetSchema:
@@ -230,6 +265,13 @@ def read_schema(config: TrainConfig) -> DatasetSchema:
         config.dedup_groups, schema=dataset_schema(config.dataset), dataset=config.dataset,
         batch_size=config.batch_size,
     )  # fmt: skip
+
+
+def reader_options(config: TrainConfig) -> dict[str, Any]:
+    """The :class:`readers.source.ReaderConfig` fields a run's options set (shuffle and seed
+    aside, which differ between the training part and the held-out part)."""
+    return {"batch_size": config.batch_size, "read_ahead": config.read_ahead,
+            "verify": config.verify, "on_error": config.on_error}  # fmt: skip
 
 
 class _Run:
@@ -249,7 +291,7 @@ class _Run:
         self.stores: list[Any] = []
         if config.store == "hybrid":
             table_factory = self._store_factory()
-        model = DLRM.from_schema(self.schema, _model_config(config), table_factory=table_factory)
+        model = DLRM.from_schema(self.schema, model_config(config), table_factory=table_factory)
         self.trainer = Trainer(model, optimizer=config.optimizer, lr=config.lr, device=self.device)
         self._make_loaders()
         self.log_ = RunLog(config, device=self.device)
@@ -261,8 +303,8 @@ class _Run:
         from readers.source import ReaderConfig
 
         cfg = self.config
-        reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
-        eval_reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=False)
+        reader = ReaderConfig(**reader_options(cfg), shuffle=cfg.shuffle, seed=cfg.seed)
+        eval_reader = ReaderConfig(**reader_options(cfg), shuffle=False)
         common = {"schema": self.schema, "transforms": cfg.preprocess, "fitted": cfg.fitted,
                   "dedup": cfg.dedup}  # fmt: skip
         self.eval_ds = ParquetBatchDataset(cfg.dataset, config=eval_reader, **common)
@@ -573,5 +615,7 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
     Returns:
         The run's :class:`TrainResult`; :func:`trainer.runlog.format_summary` renders it.
     """
+    config = resolve_model(config)
+    set_threads(config)
     with claim_checkpoint(config.checkpoint, resume=config.resume, overwrite=config.overwrite):
         return _Run(config, progress=progress, log=log or sys.stderr).run()

@@ -44,7 +44,10 @@ def test_auto_groups_train_like_a_rebuild(regrouped, tmp_path):
     from trainer.train import TrainConfig, train
 
     bare, grouped, _ = regrouped
-    small = ModelConfig(embedding_dim=8, num_embeddings=500, bottom_mlp=(8,), top_mlp=(8,))
+    # the attention features named: `auto` resolves from each dataset's schema as written
+    # (bare has no user group), as the groups read with never change the model
+    small = ModelConfig(embedding_dim=8, num_embeddings=500, bottom_mlp=(8,), top_mlp=(8,),
+                        attention=("user_liked_items", "user_liked_sellers"))  # fmt: skip
     common = {"batch_size": 256, "steps": 6, "eval_fraction": 0.1, "model": small}
     auto = train(TrainConfig(str(bare), dedup_groups="auto", **common), progress=False)
     rebuilt = train(TrainConfig(str(grouped), **common), progress=False)

@@ -21,7 +21,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,7 +41,7 @@ from trainer.distributed.settings import check_same_settings, job_settings
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.metrics import peak_memory_bytes
 from trainer.runlog import RunLog, TrainResult, divergence_hint, run_targets
-from trainer.train import read_schema
+from trainer.train import model_config, read_schema, reader_options
 
 __all__ = ["DistributedConfig", "DistributedSummary", "check_config", "train_rank"]
 
@@ -187,8 +187,7 @@ class _RankRun:
 
         cfg = self.config
         factory = sharded_table_factory(optimizer=cfg.optimizer, device=self.device)
-        model = DLRM.from_schema(self.schema, replace(cfg.model, seed=cfg.seed),
-                                 table_factory=factory)  # fmt: skip
+        model = DLRM.from_schema(self.schema, model_config(cfg), table_factory=factory)
         return DistributedTrainer(
             model,
             comm=self.comm,
@@ -242,7 +241,7 @@ class _RankRun:
         )
         common = {"schema": self.schema, "transforms": transforms, "dedup": cfg.dedup,
                   "rank": self.comm.rank, "world_size": self.comm.world_size}  # fmt: skip
-        reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
+        reader = ReaderConfig(**reader_options(cfg), shuffle=cfg.shuffle, seed=cfg.seed)
         opts = self.options
         caches = {"cache_rows": (opts.cache_rows,)} if opts.cache_rows else {}
         cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha,
@@ -254,7 +253,7 @@ class _RankRun:
         in_process = opts.cache_rows and cfg.workers == 0 and hasattr(cut, "recent")
         self.shadow_cut = cut if in_process else None
         self.eval_ds = RankBatchDataset(
-            cfg.dataset, config=ReaderConfig(batch_size=cfg.batch_size), splits=held, **common
+            cfg.dataset, config=ReaderConfig(**reader_options(cfg)), splits=held, **common
         )
         self.loader = RankLoader(self.train_ds, num_workers=cfg.workers)
 
