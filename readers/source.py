@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from schemas import DatasetSchema
 
 __all__ = [
+    "COMMAND_READER_DEFAULTS",
+    "COMMAND_READER_OPTIONS",
     "DatasetSource",
     "ReaderConfig",
     "SkippedInput",
@@ -144,6 +146,16 @@ class ReaderConfig:
             msg = f"`verify` must be 'off', 'pages' or 'full', got {self.verify!r}"
             raise DataError(msg)
         self.extras = _checked_extras(self.extras)
+
+
+# The ReaderConfig fields every command that reads batches exposes as options (`recpipe serve`
+# from ReaderConfig itself, `recpipe train` from TrainConfig's fields of the same names), and the
+# defaults of the commands where they differ from the dataclass's: a command reads to train, so
+# it shuffles (--no-shuffle turns it off).
+COMMAND_READER_OPTIONS: tuple[str, ...] = (
+    "batch_size", "shuffle", "seed", "read_ahead", "verify", "on_error",
+)  # fmt: skip
+COMMAND_READER_DEFAULTS: dict[str, Any] = {"shuffle": True}
 
 
 def _checked_extras(extras: object) -> tuple[str, ...]:

@@ -93,6 +93,9 @@ _SECTION = re.compile(r"^(\s*)(Attributes|Args|Arguments|Parameters):\s*$")
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w, ]*?)(?:\s*\([^)]*\))?:\s*(.*)$")
 
 
+_KEEP: Any = type("_Keep", (), {"__repr__": lambda self: "<the field's default>"})()
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """How one field differs from the generated option (every attribute is optional).
@@ -103,6 +106,8 @@ class Option:
         help: the help text (default: the field's docstring entry).
         choices: the accepted strings, mapped to the field's values (e.g. ``{"on": True}``).
         type: converts the string to the field's value (default: from the annotation).
+        default: the option's default, when a command's differs from the field's (e.g. a
+            ``bool`` field off by default that a command turns on: ``--name/--no-name``).
     """
 
     flag: str | None = None
@@ -110,6 +115,7 @@ class Option:
     help: str | None = None
     choices: Mapping[str, Any] | None = None
     type: Callable[[str], Any] | None = None
+    default: Any = _KEEP
 
 
 def docstring_attributes(cls: type, *, raw: bool = False) -> dict[str, str]:
@@ -420,7 +426,7 @@ def _add_field(
     parser: Any, f: dataclasses.Field, hint: Any, doc: str, override: Option | None, prefix: str
 ) -> None:
     override = override or Option()
-    default = _default_of(f)
+    default = _default_of(f) if override.default is _KEEP else override.default
     dest = prefix + f.name
     base, _ = _split_optional(hint)
     help_text = override.help if override.help is not None else doc

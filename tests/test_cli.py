@@ -144,13 +144,14 @@ def test_etl_build_refuses_a_bad_value_as_a_usage_error(capsys):
 
 
 # `recpipe serve`'s options before the server's were generated from ServiceConfig.
+# (--shuffle is on by default, as `recpipe train` shuffles; --no-shuffle turns it off)
 SERVE_OPTIONS_BEFORE = {
     "--host": "127.0.0.1", "--port": 0, "--token": None, "--token-file": None,
     "--insecure": False, "--max-clients": 64, "--max-readers": None, "--max-pending": 32,
     "--handshake-timeout": 10.0, "--readers": 2, "--idle-readers": None,
     "--warmup-batches": 20, "--read-ahead": 1, "--batch-size": 4096, "--queue-depth": 8,
     "--dedup": "on", "--dedup-groups": None, "--extras": "", "--preprocess": None,
-    "--schema": None, "--shuffle": False, "--seed": 0, "--dispatch": "contiguous",
+    "--schema": None, "--shuffle": True, "--seed": 0, "--dispatch": "contiguous",
     "--alpha": 1.0, "--report-every": 10.0, "--synthetic": None,
 }  # fmt: skip
 

@@ -54,9 +54,26 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         },
     )
     _add_token_options(parser)
+    reader = _add_reader_config_options(parser)
     _add_reader_options(parser)
     add_quiet_option(parser)
-    parser.set_defaults(func=lambda args: _cli_serve(args, options))
+    parser.set_defaults(func=lambda args: _cli_serve(args, options, reader))
+
+
+def _add_reader_config_options(parser: argparse.ArgumentParser) -> ConfigOptions:
+    """The :class:`~readers.source.ReaderConfig` options every command that reads batches
+    exposes (:data:`~readers.source.COMMAND_READER_OPTIONS`), with the commands' defaults
+    (shuffle on: ``--no-shuffle`` turns it off)."""
+    from readers.source import COMMAND_READER_DEFAULTS, COMMAND_READER_OPTIONS, ReaderConfig
+
+    overrides = {name: Option(default=value) for name, value in COMMAND_READER_DEFAULTS.items()}
+    return add_config_options(
+        parser.add_argument_group("reader"),
+        ReaderConfig,
+        include=COMMAND_READER_OPTIONS,
+        overrides=overrides,
+        owner=parser,
+    )
 
 
 def _flag(name: str) -> str:
@@ -120,16 +137,6 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
         "client, so that kernel loading is not paid while a trainer waits (default 20; 0: off)",
     )
     parser.add_argument(
-        "--read-ahead",
-        type=int,
-        default=1,
-        help="row groups each reader process decodes ahead in a second thread (default 1; "
-        "0: one thread per reader process)",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=4096, help="rows per batch (default 4096)"
-    )
-    parser.add_argument(
         "--dedup",
         choices=["on", "off"],
         default="on",
@@ -168,10 +175,6 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schema", default=None, help="schema TOML (default: the dataset's manifest)"
     )
-    parser.add_argument(
-        "--shuffle", action="store_true", help="shuffle row groups and sessions (seeded)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (the epoch is mixed in)")
     parser.add_argument(
         "--dispatch",
         choices=["contiguous", "esd", "laia", "random", "round-robin"],
@@ -267,12 +270,15 @@ def read_token(*, token: str | None, token_file: Path | None) -> str | None:
     return token if token is not None else os.environ.get(TOKEN_ENV) or None
 
 
-def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
+def _cli_serve(
+    args: argparse.Namespace, options: ConfigOptions, reader_options: ConfigOptions
+) -> int:
     from readers.service.producers import BatchProducer, DatasetProducer, SyntheticProducer
     from readers.service.server import serve
 
     config = _server_config(args, options, read_token(token=args.token, token_file=args.token_file))
     _check_reader_options(args)
+    reader_options.build(args)  # a value ReaderConfig refuses: one line naming its flag
     if args.quiet:  # no progress lines; the summary at the end stays
         config = dataclasses.replace(config, report_every_s=0.0)
     dedup = args.dedup == "on"
@@ -303,6 +309,8 @@ def _cli_serve(args: argparse.Namespace, options: ConfigOptions) -> int:
             seed=args.seed,
             warmup_batches=args.warmup_batches,
             read_ahead=args.read_ahead,
+            verify=args.verify,
+            on_error=args.on_error,
             extras=tuple(name.strip() for name in args.extras.split(",") if name.strip()),
         )
         # a dataset, schema, preprocessing config or extras column the readers cannot use

@@ -121,6 +121,8 @@ class DatasetProducer:
             schema's). ``recpipe serve`` resolves ``"auto"`` once, before the readers start.
         extras: dataset columns every batch carries in ``Batch.extras``
             (:class:`readers.source.ReaderConfig`, :mod:`readers.extras`); ``()``: none.
+        verify, on_error: how much of the files' bytes the readers check, and what a corrupt
+            file does (:class:`readers.source.ReaderConfig`).
     """
 
     dataset: str
@@ -136,6 +138,8 @@ class DatasetProducer:
     cut: Any = None
     dedup_groups: Any = None
     extras: tuple[str, ...] = ()
+    verify: str = "pages"
+    on_error: str = "raise"
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_batches, bool) or not (
@@ -146,7 +150,8 @@ class DatasetProducer:
         from readers.source import ReaderConfig
 
         # checks them here, not in a reader process
-        ReaderConfig(read_ahead=self.read_ahead, extras=self.extras)
+        ReaderConfig(read_ahead=self.read_ahead, extras=self.extras, verify=self.verify,
+                     on_error=self.on_error)  # fmt: skip
 
     def warm_up(self) -> None:
         """Run the first ``warmup_batches`` batches of the epoch through the pipeline and drop
@@ -187,6 +192,8 @@ class DatasetProducer:
             shuffle=self.shuffle,
             seed=self.seed,
             read_ahead=self.read_ahead,
+            verify=self.verify,
+            on_error=self.on_error,
             extras=self.extras,
         )
 
