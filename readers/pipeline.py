@@ -26,7 +26,7 @@ from readers.transforms import (
 )
 from recpipe.batch import Batch
 from recpipe.errors import DataError, SchemaError
-from recpipe.ikjt import InverseKeyedJaggedTensor
+from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 
 if TYPE_CHECKING:
@@ -285,6 +285,31 @@ class Pipeline:
             features[key] = JaggedTensor(values, offsets, validate=False)
         return KeyedJaggedTensor.from_jagged_dict(features, stride=kjt.stride)
 
+    def _apply_partial(
+        self, name: str, group: PartialInverseKeyedJaggedTensor
+    ) -> PartialInverseKeyedJaggedTensor:
+        """Run each key's steps once on the packed ids its windows read (element-wise steps only:
+        a step that changes lengths cannot run on ids shared by several rows)."""
+        for key in group.keys:
+            steps = self._sparse.get(key, ())
+            for step in steps:
+                if not step.elementwise:
+                    msg = (
+                        f"`ikjts[{name!r}]` stores {key!r} as a partial IKJT (windows into ids "
+                        f"shared by several rows); {type(step).__name__} changes lengths, so it "
+                        "cannot run on shared ids\nhint: only element-wise steps (HashModulo, "
+                        f"VocabLookup, Clamp, Bucketize) run there; leave {key!r} out of "
+                        "`[dedup] partial` to preprocess it as a plain list"
+                    )
+                    raise DataError(msg)
+            if steps:
+                group = group.map_key_values(key, lambda ids, k=key: self._apply_ids(k, ids))
+        return group
+
+    def _apply_ids(self, key: str, ids: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([0, ids.numel()], dtype=torch.int64, device=ids.device)
+        return self.apply_jagged(key, ids, offsets)[0]
+
     def __call__(self, batch: Batch) -> Batch:
         """Preprocess one batch; IKJT groups are rewritten on their unique rows only."""
         if not self.transforms:
@@ -293,6 +318,9 @@ class Pipeline:
         for name, group in batch.ikjts.items():
             if not any(k in self._sparse for k in group.keys):
                 ikjts[name] = group
+                continue
+            if isinstance(group, PartialInverseKeyedJaggedTensor):
+                ikjts[name] = self._apply_partial(name, group)
                 continue
             if not isinstance(group, InverseKeyedJaggedTensor):
                 msg = f"preprocessing supports IKJT groups, `ikjts[{name!r}]` is {type(group).__name__}"

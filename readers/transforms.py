@@ -124,9 +124,15 @@ class Transform:
 
 @dataclass
 class SparseTransform(Transform):
-    """A row-wise rewrite of jagged id lists. Implement :meth:`apply_jagged`."""
+    """A row-wise rewrite of jagged id lists. Implement :meth:`apply_jagged`.
+
+    ``elementwise`` (default ``False``): the rewrite maps each id on its own and keeps every
+    row's length, so it may run once on ids shared by several rows (a partial IKJT's packed
+    ids, RecD §7). Set it ``True`` only where that holds.
+    """
 
     applies_to: ClassVar[frozenset[str]] = frozenset({"sparse"})
+    elementwise: ClassVar[bool] = False
 
     def apply_jagged(
         self, values: torch.Tensor, offsets: torch.Tensor
@@ -165,6 +171,8 @@ class HashModulo(SparseTransform):
         salt: seeds the hash, so two features can hash differently.
         hash: ``False`` gives the plain ``id mod modulus`` (non-negative).
     """
+
+    elementwise: ClassVar[bool] = True
 
     modulus: int = 1 << 20
     salt: int = 0
@@ -227,6 +235,8 @@ class VocabLookup(SparseTransform):
         vocab: inline vocabulary (instead of ``path``).
         num_oov_buckets: buckets for out-of-vocabulary ids (>= 1).
     """
+
+    elementwise: ClassVar[bool] = True
 
     path: str | None = None
     vocab: Sequence[int] | None = None
@@ -294,6 +304,8 @@ class VocabLookup(SparseTransform):
 @dataclass
 class _Elementwise(SparseTransform, DenseTransform):
     """A value-by-value rewrite; applies to sparse ids and to dense columns alike."""
+
+    elementwise: ClassVar[bool] = True
 
     applies_to: ClassVar[frozenset[str]] = frozenset({"sparse", "dense"})
 

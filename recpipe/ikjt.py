@@ -472,14 +472,52 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         if key not in self._keys:
             msg = f"`key` {key!r} is not a key of the partial IKJT {list(self._keys)!r}"
             raise DataError(msg)
-        k, b = self._keys.index(key), self._stride
-        starts = self._win_offsets[k * b : (k + 1) * b]
-        lengths = self._win_lengths[k * b : (k + 1) * b]
-        positions, offsets = _window_positions(starts, lengths)
+        positions, offsets = self._key_positions(key)
         if positions.numel() == 0:
             return self._values[:0], positions, offsets
         lo, hi = int(positions.min()), int(positions.max()) + 1
         return self._values[lo:hi], positions - lo if lo else positions, offsets
+
+    def _key_positions(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions [N_k], offsets [B + 1])`` of key ``key``'s expanded values in ``values``."""
+        k, b = self._keys.index(key), self._stride
+        starts = self._win_offsets[k * b : (k + 1) * b]
+        lengths = self._win_lengths[k * b : (k + 1) * b]
+        return _window_positions(starts, lengths)
+
+    def map_key_values(
+        self, key: str, fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> PartialInverseKeyedJaggedTensor:
+        """Apply an element-wise ``fn`` to the packed ids key ``key``'s windows read.
+
+        ``fn`` maps each id on its own (``fn(ids)[i]`` depends on ``ids[i]`` only) and keeps the
+        count, so every row of ``key`` reads what applying ``fn`` to its expanded list gives.
+
+        Raises:
+            DataError: ``key`` is not a key of the group, or another key's windows read some of
+                the same packed ids (``fn`` would rewrite them too).
+        """
+        ids, _, _ = self.key_windows(key)
+        if ids.numel() == 0:
+            return self
+        positions, _ = self._key_positions(key)
+        lo, hi = int(positions.min()), int(positions.max()) + 1
+        for other in self._keys:
+            if other == key:
+                continue
+            theirs, _ = self._key_positions(other)
+            if theirs.numel() and bool(((theirs >= lo) & (theirs < hi)).any()):
+                msg = f"keys {key!r} and {other!r} of the partial IKJT read the same packed ids"
+                raise DataError(msg)
+        mapped = fn(ids)
+        if mapped.shape != ids.shape:
+            msg = f"`fn` must keep the {ids.numel()} ids of key {key!r}, got {tuple(mapped.shape)}"
+            raise DataError(msg)
+        values = self._values.to(mapped.dtype, copy=True)
+        values[lo:hi] = mapped
+        return PartialInverseKeyedJaggedTensor(
+            self._keys, values, self._win_offsets, self._win_lengths, validate=False
+        )
 
     def map_values(
         self, fn: Callable[[torch.Tensor], torch.Tensor]
