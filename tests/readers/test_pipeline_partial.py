@@ -48,5 +48,7 @@ def test_elementwise_steps_on_packed_ids_equal_the_expanded_lists(tiny_schema):
 def test_a_step_that_changes_lengths_is_refused_on_a_partial_group(tiny_schema):
     pipe = Pipeline([Truncate(features=("user_items",), max_len=1)], schema=tiny_schema)
     partial, _ = _batches()
-    with pytest.raises(DataError, match="'user_items' as a partial IKJT.*Truncate changes lengths"):
+    with pytest.raises(
+        DataError, match=r"'user_items' as a partial IKJT.*Truncate changes lengths"
+    ):
         pipe(partial)
