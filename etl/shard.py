@@ -80,6 +80,7 @@ __all__ = [
     "register_cli",
     "route_line",
     "shard",
+    "shard_origins",
     "shard_path",
     "sink_specs",
     "unroutable_line",
@@ -249,14 +250,27 @@ class ShardSink:
                 raise OSError(exc.errno, exc.strerror, str(self.paths[i])) from None
 
 
-def _route_keys(rec: dict, schema: DatasetSchema) -> tuple[int | None, int | None, str]:
+@dataclass(frozen=True)
+class _Keys:
+    """The record keys routing reads: session, user, request id (the logs' spellings)."""
+
+    session: str
+    user: str
+    request: str
+
+    @classmethod
+    def of(cls, schema: DatasetSchema) -> _Keys:
+        return cls(schema.session_key, schema.user_key, schema.raw_key("request_id"))
+
+
+def _route_keys(rec: dict, keys: _Keys) -> tuple[int | None, int | None, str]:
     """(session-routing hash, request-routing hash, key used) of a parsed record."""
-    session = rec.get(schema.session_key)
+    session = rec.get(keys.session)
     if session is not None:
-        skey, used = _key_hash(b"s", session), schema.session_key
+        skey, used = _key_hash(b"s", session), keys.session
     else:
-        skey, used = _key_hash(b"u", rec.get(schema.user_key)), schema.user_key
-    rkey = _key_hash(b"r", rec.get(schema.raw_key("request_id")))
+        skey, used = _key_hash(b"u", rec.get(keys.user)), keys.user
+    rkey = _key_hash(b"r", rec.get(keys.request))
     return skey, rkey, used
 
 
@@ -295,14 +309,28 @@ def route_line(
         CorruptInputError: the line is not UTF-8 text.
         DataError: the line is an event record (:func:`event_shaped`), naming file and line.
     """
+    return _route(path, lineno, line, size, _Keys.of(schema), refuse_events=schema)
+
+
+def _route(
+    path: Path,
+    lineno: int,
+    line: bytes,
+    size: int,
+    keys: _Keys,
+    *,
+    refuse_events: DatasetSchema | None,
+) -> tuple[str, int, int, str]:
+    """:func:`route_line` given the routing keys; event records raise only with
+    ``refuse_events`` (the schema naming the label and feature keys)."""
     if size > len(line):  # longer than max_line_bytes: its prefix only
         return reasons.LINE_TOO_LONG, 0, 0, ""
     rec = _parse(line, path, lineno)
     if not isinstance(rec, dict):
         return _MALFORMED, 0, 0, ""
-    if event_shaped(rec, schema):
-        raise event_line_error(path, lineno, schema)
-    skey, rkey, used = _route_keys(rec, schema)
+    if refuse_events is not None and event_shaped(rec, refuse_events):
+        raise event_line_error(path, lineno, refuse_events)
+    skey, rkey, used = _route_keys(rec, keys)
     if skey is None:
         return _NO_KEY, 0, 0, ""
     if rkey is None:  # no usable request_id: any stable spread will do
@@ -531,6 +559,85 @@ def _run(files: list[Path], tmp: Path, schema: DatasetSchema, cfg: ShardConfig, 
     )
 
 
+def shard_origins(
+    shard_dir: str | Path, wanted: Iterable[tuple[int, int]]
+) -> dict[tuple[int, int], tuple[str, int]] | None:
+    """Where lines of the shards in ``shard_dir`` came from, found by replaying the shard.
+
+    A shard holds its lines verbatim, regrouped by session: the file and line each came from
+    is not written. This reads the inputs listed in ``_shard.json`` again and routes, buffers
+    and groups their lines as :func:`shard` did (the Spark engine writes the same files), up
+    to the last line wanted; nothing is compressed or written.
+
+    Args:
+        shard_dir: a directory written by :func:`shard`.
+        wanted: ``(shard index, line number)`` pairs (line numbers from 1).
+
+    Returns:
+        ``{(shard index, line): (input file, line)}`` for the wanted lines found, or None when
+        ``_shard.json`` cannot be read or an input is gone or no longer of the size it had.
+    """
+    try:
+        report = orjson.loads((Path(shard_dir) / "_shard.json").read_bytes())
+        cfg = report["config"]
+        files = [Path(i["path"]) for i in report["inputs"]]
+        if any(
+            not p.is_file() or p.stat().st_size != i["bytes"]
+            for p, i in zip(files, report["inputs"])
+        ):
+            return None
+        keys = _Keys(
+            report["session_key"], report["user_key"], report.get("request_key", "request_id")
+        )
+        n, limit, by = int(cfg["num_shards"]), int(cfg["buffer_mb"]) << 20, cfg["by"]
+        group, max_line_bytes = bool(cfg["group"]), int(cfg["max_line_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    todo: dict[int, set[int]] = {}
+    for i, line_no in wanted:
+        todo.setdefault(i, set()).add(line_no)
+    left = sum(len(v) for v in todo.values())
+    found: dict[tuple[int, int], tuple[str, int]] = {}
+    buffers: list[list[tuple[int, str, int]]] = [[] for _ in range(n)]
+    written = [0] * n
+
+    def flush() -> None:
+        nonlocal left
+        for i, buf in enumerate(buffers):
+            if not buf:
+                continue
+            if group:  # as ShardSink.flush: sessions in first-seen order
+                groups: dict[int, list[tuple[str, int]]] = {}
+                for key, src, line_no in buf:
+                    groups.setdefault(key, []).append((src, line_no))
+                order = [o for g in groups.values() for o in g]
+            else:
+                order = [(src, line_no) for _, src, line_no in buf]
+            mine = todo.get(i, ())
+            for origin in order:
+                written[i] += 1
+                if written[i] in mine:
+                    found[(i, written[i])] = origin
+                    left -= 1
+            buffers[i] = []
+
+    buffered = 0
+    for path, lineno, line, size in _interleave(files, max_line_bytes):
+        if not left:
+            break
+        reason, skey, rkey, _ = _route(path, lineno, line, size, keys, refuse_events=None)
+        if reason:
+            continue
+        key = skey if by == "session" else rkey
+        buffers[key % n].append((key, str(path), lineno))
+        buffered += len(line)
+        if buffered >= limit:
+            flush()
+            buffered = 0
+    flush()
+    return found
+
+
 def sink_specs(cfg: ShardConfig) -> list[tuple[RouteBy, bool]]:
     """``(routing, grouped)`` of the shards written, then of each comparison (bytes only)."""
     specs: list[tuple[RouteBy, bool]] = [(cfg.by, cfg.group)]
@@ -570,6 +677,7 @@ def make_report(
         "config": asdict(cfg),
         "session_key": schema.session_key,
         "user_key": schema.user_key,
+        "request_key": schema.raw_key("request_id"),
         "lines_in": lines_in,
         "lines_routed": sum(lines_per_shard),
         "lines_unroutable": n_bad,

@@ -8,9 +8,11 @@ order of the phases and their timing, the check of missing features, and the sha
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -19,6 +21,9 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from etl.build.config import BuildConfig
 from etl.build.engine import BuildJob, Engine, engine_class
@@ -205,6 +210,63 @@ def _write_quarantine(engine: Engine, job: BuildJob) -> None:
     qdir.mkdir()
     for kind in ("features", "events"):
         write_quarantine(engine.quarantined(kind), job.files(kind), qdir / f"{kind}.parquet")
+    trace_shard_lines(qdir / "features.parquet")
+
+
+_SHARD_NAME = re.compile(r"shard-(\d+)\.jsonl\.zst")
+_SEEN_AT = re.compile(r"(.* already seen at )(.+):(\d+)$", re.DOTALL)
+#: the shard's replay, imported when a quarantine names shard lines (``etl.shard`` reads
+#: Parquet inputs with this package's reader: a static import would be a cycle)
+_SHARD_ORIGINS = "etl.shard:shard_origins"
+
+
+def trace_shard_lines(path: Path) -> int:
+    """Point the feature quarantine ``path``'s lines that came through ``etl shard`` at the
+    file and line they came from, and the first record a ``duplicate_request_id`` detail names
+    (``already seen at FILE:LINE``) too (:func:`etl.shard.shard_origins`, replaying the shard
+    over its inputs). Lines of a shard whose inputs are gone or changed keep the shard's name
+    and line, with a warning. Returns how many places were rewritten.
+    """
+    table = pq.read_table(path)
+    sources, lines = table.column("source").to_pylist(), table.column("line").to_pylist()
+    details = table.column("detail").to_pylist()
+    seen = [_SEEN_AT.match(d or "") for d in details]
+    places = {*zip(sources, lines), *((m[2], int(m[3])) for m in seen if m)}
+    wanted: dict[Path, dict[tuple[int, int], tuple[str, int]]] = {}
+    for src, line in places:
+        p = Path(src)
+        hit = _SHARD_NAME.fullmatch(p.name)
+        if hit and (p.parent / "_shard.json").is_file():
+            wanted.setdefault(p.parent, {})[(int(hit[1]), line)] = (src, line)
+    if not wanted:
+        return 0
+    module, _, name = _SHARD_ORIGINS.partition(":")
+    shard_origins = getattr(importlib.import_module(module), name)
+    origin: dict[tuple[str, int], tuple[str, int]] = {}
+    for folder, where in wanted.items():
+        found = shard_origins(folder, where)
+        if found is None:
+            _log.warning(
+                "%s: quarantined lines keep the shard's file and line: the inputs listed in its "
+                "_shard.json are gone or changed",
+                folder,
+            )
+            continue
+        origin |= {where[k]: v for k, v in found.items()}
+    if not origin:
+        return 0
+    for i, (src, line) in enumerate(zip(sources, lines)):
+        sources[i], lines[i] = origin.get((src, line), (src, line))
+        m = seen[i]
+        if m and (m[2], int(m[3])) in origin:
+            first, first_line = origin[(m[2], int(m[3]))]
+            details[i] = f"{m[1]}{first}:{first_line}"
+    columns = {"source": pa.array(sources, pa.string()), "line": pa.array(lines, pa.int64())}
+    columns["detail"] = pa.array(details, pa.string())
+    for name, values in columns.items():
+        table = table.set_column(table.schema.get_field_index(name), name, values)
+    pq.write_table(table, path, compression="zstd", write_page_checksum=True)
+    return len(origin)
 
 
 def check_missing_features(counts: BuildCounts, config: BuildConfig) -> None:

@@ -164,3 +164,72 @@ def test_shard_refuses_event_lines_naming_file_line_and_flag(logs, schema, tmp_p
         logs / "features", out, schema=schema, config=ShardConfig(num_shards=2, compare=False)
     )
     assert report["lines_in"] == 40 and report["lines_unroutable"] == 0
+
+
+# -- the build's quarantine through shards names the original file and line ----------------
+
+
+@pytest.fixture
+def sharded(tmp_path, schema):
+    """Features in two files, sessions interleaved (the shards regroup them); part-1 repeats
+    two request ids of part-0 and holds a line that is not JSON."""
+    feats = tmp_path / "feats"
+    _write(feats / "part-0.jsonl", [_feature(i) for i in range(40)])
+    again = [{**_feature(i), "ts": T0 + 99_000 + i} for i in (3, 10)]
+    p1 = _write(feats / "part-1.jsonl", [_feature(40 + i) for i in range(9)] + again)
+    with p1.open("a") as fh:
+        fh.write("oops\n")
+    out = tmp_path / "shards"
+    shard(feats, out, schema=schema, config=ShardConfig(num_shards=2, compare=False))
+    return feats, out
+
+
+def test_shard_origins_replay_finds_every_line(sharded):
+    from etl.rawio import iter_lines
+    from etl.shard import shard_origins, shard_path
+
+    _, out = sharded
+    lines = {i: list(iter_lines(shard_path(out, i))) for i in range(2)}
+    wanted = [(i, n) for i, got in lines.items() for n, _ in got]
+    origins = shard_origins(out, wanted)
+    assert len(origins) == len(wanted) == 51  # 40 + 11 routed; "oops" is unroutable
+    for i, got in lines.items():
+        for n, text in got:
+            src, line = origins[(i, n)]
+            assert dict(iter_lines(src))[line] == text
+    assert any(
+        origins[(i, n)][0] != origins[(i, n + 1)][0] for i, n in wanted if (i, n + 1) in origins
+    )
+
+
+def test_build_quarantine_through_shards_names_original_file_and_line(sharded, schema, tmp_path):
+    import pyarrow.parquet as pq
+
+    from etl.build import BuildConfig, build
+
+    feats, shards = sharded
+    out = tmp_path / "ds"
+    build(shards, out, schema=schema, config=BuildConfig())
+    rows = pq.read_table(out / "_quarantine" / "features.parquet").to_pylist()
+    p0, p1 = str(feats / "part-0.jsonl"), str(feats / "part-1.jsonl")
+    got = sorted((r["reason"], r["source"], r["line"], r["detail"]) for r in rows)
+    assert got == [
+        ("duplicate_request_id", p1, 10, f'field `request_id`: "r-3" already seen at {p0}:4'),
+        ("duplicate_request_id", p1, 11, f'field `request_id`: "r-10" already seen at {p0}:11'),
+        ("malformed_json", p1, 12, got[2][3]),
+    ]
+
+
+def test_build_through_changed_shard_inputs_keeps_the_shard_names(sharded, schema, tmp_path):
+    import pyarrow.parquet as pq
+
+    from etl.build import BuildConfig, build
+
+    feats, shards = sharded
+    with (feats / "part-1.jsonl").open("a") as fh:  # the shard's inputs are no longer its own
+        fh.write("{}\n")
+    out = tmp_path / "ds"
+    build(shards, out, schema=schema, config=BuildConfig())
+    rows = pq.read_table(out / "_quarantine" / "features.parquet").to_pylist()
+    dups = [r for r in rows if r["reason"] == "duplicate_request_id"]
+    assert len(dups) == 2 and all(r["source"].startswith(str(shards)) for r in dups)
