@@ -74,7 +74,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from recpipe.errors import RecpipeError
 
@@ -88,6 +88,8 @@ __all__ = [
     "non_negative_int",
     "positive_int",
 ]
+
+_T = TypeVar("_T")
 
 _SECTION = re.compile(r"^(\s*)(Attributes|Args|Arguments|Parameters):\s*$")
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w, ]*?)(?:\s*\([^)]*\))?:\s*(.*)$")
@@ -260,11 +262,11 @@ def _float(text: str, *, finite: bool = False) -> float:
     return value
 
 
-def _parse(text: str, kind: type) -> Any:
+def _parse(text: str, kind: Callable[[str], _T]) -> _T:
     try:
         return kind(text)
     except ValueError:
-        msg = f"invalid {kind.__name__} value: {text!r}"
+        msg = f"invalid {getattr(kind, '__name__', 'number')} value: {text!r}"
         raise argparse.ArgumentTypeError(msg) from None
 
 
@@ -414,7 +416,7 @@ def add_config_options(
     return ConfigOptions(main_parser, cls, names, prefix=prefix, flags=flags)
 
 
-def _default_of(f: dataclasses.Field) -> Any:
+def _default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -423,7 +425,12 @@ def _default_of(f: dataclasses.Field) -> Any:
 
 
 def _add_field(
-    parser: Any, f: dataclasses.Field, hint: Any, doc: str, override: Option | None, prefix: str
+    parser: Any,
+    f: dataclasses.Field[Any],
+    hint: Any,
+    doc: str,
+    override: Option | None,
+    prefix: str,
 ) -> None:
     override = override or Option()
     default = _default_of(f) if override.default is _KEEP else override.default
@@ -459,8 +466,12 @@ def _add_field(
             kwargs["action"] = "store_true"
         parser.add_argument(flag, help=help_text, **kwargs)
         return
-    convert, choices, metavar = _converter(base) if override.type is None else (None, None, None)
-    kwargs["type"] = override.type or convert
+    if override.type is None:
+        convert, choices, metavar = _converter(base)
+        kwargs["type"] = convert
+    else:
+        choices, metavar = None, None
+        kwargs["type"] = override.type
     kwargs["metavar"] = override.metavar or (
         "{" + ",".join(choices) + "}" if choices else metavar or f.name.upper()
     )

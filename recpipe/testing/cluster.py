@@ -184,7 +184,7 @@ def unavailable() -> str | None:
     return None
 
 
-def wait_all(procs: Sequence[subprocess.Popen], *, timeout_s: float) -> list[int | None]:
+def wait_all(procs: Sequence[subprocess.Popen[Any]], *, timeout_s: float) -> list[int | None]:
     """Exit codes of ``procs`` after waiting at most ``timeout_s`` for all of them; a process
     still running then is killed (its whole process group) and reported as ``None``."""
     deadline = time.monotonic() + timeout_s
@@ -198,7 +198,7 @@ def wait_all(procs: Sequence[subprocess.Popen], *, timeout_s: float) -> list[int
     return codes
 
 
-def _kill_group(p: subprocess.Popen) -> None:
+def _kill_group(p: subprocess.Popen[Any]) -> None:
     if p.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
@@ -269,7 +269,7 @@ class Cluster:
         self.prefix = ""
         self.hosts: list[Host] = []
         self._namespaces: list[str] = []
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen[Any]] = []
 
     # -- building ---------------------------------------------------------------------------
     def burst_for(self, rate_mbit: float) -> int:
@@ -352,7 +352,7 @@ class Cluster:
         *,
         env: Mapping[str, str] | None = None,
         **kwargs: Any,
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen[Any]:
         """Start ``argv`` inside host ``host`` (its own process group; killed by :meth:`close`
         if still running)."""
         if not self.hosts:
@@ -402,7 +402,7 @@ class Cluster:
         env: Mapping[str, str] | None = None,
         logs: str | os.PathLike[str] | None = None,
         port: int = MASTER_PORT,
-    ) -> list[subprocess.Popen]:
+    ) -> list[subprocess.Popen[Any]]:
         """Start a job of ``len(placement)`` ranks, rank k running ``argv`` on host
         ``placement[k]``; each rank's output goes to ``logs/rank-<k>.log`` (or is inherited)."""
         if not placement or any(not 0 <= h < len(self.hosts) for h in placement):
@@ -434,6 +434,9 @@ class Cluster:
         )  # fmt: skip
         send = None
         try:
+            if recv.stdout is None:  # popen was given stdout=PIPE above
+                msg = f"the receiver on host {dst} has no output pipe"
+                raise ClusterError(msg)
             port = recv.stdout.readline().strip()
             if not port:
                 msg = f"the receiver on host {dst} did not start (exit {recv.wait(5)})"
