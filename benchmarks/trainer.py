@@ -46,6 +46,13 @@ Figures (written to benchmarks/results/trainer.json):
                            stored in these batches; `partial_embedding_speedup` times that
                            feature's pooled embedding alone (forward + backward), partial /
                            expanded. Report only.
+  default_threads_vs_one   training samples/s (wall time) with `recpipe train`'s default
+                           `--threads` (`trainer.config.default_threads`: the cores free for the
+                           process, which on a loaded box is 1) / with 1 thread (as
+                           `OMP_NUM_THREADS=1`): one model, the
+                           thread count switched before each step, the order rotating each step,
+                           dedup-on batches. Target >= 0.95 (the default must not be slower
+                           than one thread on a shared box). `--threads-only` measures it alone.
 """
 
 from __future__ import annotations
@@ -105,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dense embedding gradients (ModelConfig.sparse_grad=False): on a GPU the sparse "
         "optimizer step reads sizes back from the device several times per table",
     )  # fmt: skip
+    parser.add_argument(
+        "--threads-only", action="store_true",
+        help="measure default_threads_vs_one alone (and --threads-steps of it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads-steps", type=int, default=20, help="timed steps per side, default_threads_vs_one"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     return parser.parse_args(argv)
 
@@ -215,6 +229,50 @@ def measure_speedup(
         "median_step_s_off": step_s["off"],
         "timed_steps": len(times["on"]),
         "max_loss_rel_diff_on_vs_off": rel,
+    }
+
+
+def measure_threads(
+    schema: Any, batches: list[Any], *, model_config: Any, steps: int, warmup: int, device: Any
+) -> dict[str, Any]:
+    """Training steps with the default ``--threads`` / with one thread, alternated.
+
+    One model trains on ``batches`` in turn (they are reused when there are fewer than the
+    steps); before each step the thread count is set to the side's, the side that goes first
+    rotating from step to step. Wall time: threads trade CPU time for wall time.
+    """
+    import torch
+
+    from trainer.config import default_threads
+    from trainer.models import DLRM
+    from trainer.train import Trainer
+
+    sides = {"default": default_threads(), "one": 1}
+    before = torch.get_num_threads()
+    trainer = Trainer(DLRM.from_schema(schema, model_config), device=device)
+    times: dict[str, list[Timing]] = {"default": [], "one": []}
+    try:
+        for i in range(warmup + steps):
+            for side in _rotated(list(sides), i):
+                torch.set_num_threads(sides[side])
+                batch = batches[(2 * i + (side == "one")) % len(batches)].to(device)
+                t = _timed(lambda b=batch: trainer.train_step(b), device)
+                if i >= warmup:
+                    times[side].append(t)
+                print(f"  step {i} threads {sides[side]:2d} {t.wall_s * 1000:9.1f} ms wall",
+                      file=sys.stderr)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    ratio = timing_ratio(times, "default", "one", per="rate")
+    rows = batches[0].batch_size
+    wall = {m: statistics.median(t.wall_s for t in times[m]) for m in times}
+    return {
+        "default_threads_vs_one": ratio["wall"]["median"],
+        "default_threads_vs_one_spread": ratio,
+        "default_threads": sides["default"],
+        "samples_per_s_default_threads": rows / wall["default"],
+        "samples_per_s_one_thread": rows / wall["one"],
+        "threads_timed_steps": steps,
     }
 
 
@@ -604,6 +662,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             embedding_dim=args.embedding_dim, num_embeddings=args.num_embeddings, seed=args.seed,
             sparse_grad=not args.dense_grads,
         )  # fmt: skip
+        if args.threads_only:
+            print("default --threads vs 1 thread, training steps (alternated):", file=sys.stderr)
+            return measure_threads(
+                schema, on, model_config=model_config, steps=args.threads_steps,
+                warmup=args.warmup, device=device,
+            )  # fmt: skip
         print("dedup on/off training steps (alternated):", file=sys.stderr)
         results: dict[str, Any] = {
             "device": str(device),
@@ -648,6 +712,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     num_embeddings=args.num_embeddings,
                 )
             )  # fmt: skip
+        print("default --threads vs 1 thread, training steps (alternated):", file=sys.stderr)
+        results.update(
+            measure_threads(
+                schema, on, model_config=model_config, steps=args.threads_steps,
+                warmup=args.warmup, device=device,
+            )
+        )  # fmt: skip
+        torch.set_num_threads(args.threads)
         if synth is not None:
             results["hidden_model_auc"] = synth.get("hidden_model_auc")
     return results
@@ -666,6 +738,7 @@ def _table(results: dict[str, Any]) -> str:
         ("torchrec_swap_dedup_speedup", "swapped-in ours on IKJTs / TorchRec EBC", results.get("torchrec_swap_dedup_speedup")),
         ("  swapped-in on plain KJTs", "", results.get("torchrec_swap_plain")),
         ("partial_speedup", "samples/s partial IKJT / expanded", results.get("partial_speedup")),
+        ("default_threads_vs_one", "samples/s default --threads / 1 (>= 0.95)", results.get("default_threads_vs_one")),
         ("  partial dedup factor", "ids expanded / stored, partial feature", results.get("partial_dedup_factor")),
         ("  embedding step alone", "its pooled embedding fwd+bwd", results.get("partial_embedding_speedup")),
     ]  # fmt: skip
@@ -693,6 +766,12 @@ def main(argv: list[str] | None = None) -> int:
         "NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache")
     )
     results = run(args)
+    if args.threads_only:
+        spread = results["default_threads_vs_one_spread"]["wall"]
+        print(json.dumps(results, indent=2, default=float))
+        print(f"default_threads_vs_one {results['default_threads_vs_one']:.3f} "
+              f"(spread {spread}; {results['default_threads']} default threads)")  # fmt: skip
+        return 0  # a partial run: no results file
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=float) + "\n")
     print(_table(results))

@@ -99,7 +99,9 @@ class ModelConfig:
         bottom_mlp: hidden widths of the bottom MLP (its output width is ``embedding_dim``).
         top_mlp: hidden widths of the top MLP (its output is one logit).
         attention: the sequence features pooled by attention: ``auto`` (the user dedup group
-            with the longest lists), ``none``, or a comma-separated list of features.
+            with the longest lists, among the groups of the dataset's schema as written: the
+            groups a run reads with never change the model), ``none``, or a comma-separated
+            list of features. A run shows and records the features ``auto`` resolved to.
         attention_heads: heads of the attention layers.
         attention_layers: encoder layers of the attention pooling.
         sparse_grad: tables produce sparse gradients (only the rows looked up).
@@ -170,8 +172,9 @@ class TrainConfig:
             same model to the same losses.
         dedup_groups: the dedup groups to read with, whatever the dataset was built with:
             ``auto`` (the groups ``recpipe stats`` proposes at ``batch_size``) or a TOML file
-            with a ``[dedup]`` table like the schema's (default: the schema's groups). The
-            model is built for the groups chosen; a ``service`` must serve the same ones.
+            with a ``[dedup]`` table like the schema's (default: the schema's groups). They
+            change how batches are read, never the model (``attention`` ``auto`` is resolved
+            from the schema's own groups); a ``service`` must serve the same ones.
         steps: total optimizer steps, a resumed run's earlier steps included (default: one
             epoch).
         epochs: passes over the training data (instead of ``steps``).
@@ -207,9 +210,9 @@ class TrainConfig:
             records up to its checkpoint's step.
         tensorboard: also write those metrics as TensorBoard scalars into this directory (needs
             the tensorboard package).
-        threads: torch threads of each process (default: the cores this process may run on,
-            divided among the ranks of a node under ``--nproc``, at least 1; see
-            :func:`default_threads`).
+        threads: torch threads of each process (default: the cores free for it: those it may
+            run on, divided among the ranks of a node under ``--nproc``, less the machine's
+            load; at least 1; see :func:`default_threads`).
         shuffle: shuffle the training part's row groups and sessions (seeded; the epoch is
             mixed in); held-out rows are read in order. With ``service`` the server shuffles
             as ``recpipe serve`` was told (its default: on).
@@ -310,12 +313,17 @@ class TrainConfig:
         _check_device(self.device)
 
 
-def default_threads(environ: Mapping[str, str] | None = None) -> int:
-    """``threads`` when not given: the cores this process may run on (its CPU affinity, which
-    a container or ``taskset`` narrows, not the machine's count), divided among the processes
-    of this node (``LOCAL_WORLD_SIZE``, set by torchrun for ``--nproc``), at least 1.
+def default_threads(environ: Mapping[str, str] | None = None, *, load: float | None = None) -> int:
+    """``threads`` when not given: the cores free for this process, at least 1.
 
-    >>> default_threads({"LOCAL_WORLD_SIZE": "1000000"})
+    The cores it may run on (its CPU affinity, which a container or ``taskset`` narrows),
+    divided among the processes of this node (``LOCAL_WORLD_SIZE``, set by torchrun for
+    ``--nproc``), less their share of the machine's load (the 1-minute load average, ``load``,
+    over ``os.cpu_count()`` CPUs): on a shared box whose cores are busy, torch's own default
+    (a thread per core) ran several times slower than one thread, as threads wait for cores
+    other processes hold; on an idle machine every core is used.
+
+    >>> default_threads({"LOCAL_WORLD_SIZE": "1000000"}, load=0.0)
     1
     """
     environ = os.environ if environ is None else environ
@@ -327,7 +335,13 @@ def default_threads(environ: Mapping[str, str] | None = None) -> int:
         local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    return max(1, cores // local)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = 0.0
+    busy = min(1.0, max(0.0, load / (os.cpu_count() or cores)))
+    return max(1, min(cores // local, math.floor(cores * (1.0 - busy))))
 
 
 def metrics_format(path: str | os.PathLike[str]) -> str:

@@ -42,7 +42,9 @@ def attention_features(schema: DatasetSchema, config: ModelConfig) -> tuple[str,
 
     ``"auto"`` picks, among the schema's dedup groups whose features are all ``user``
     features, the one with the largest total ``max_len``, and takes its features with
-    ``max_len > 1`` (a user history such as liked items + liked sellers).
+    ``max_len > 1`` (a user history such as liked items + liked sellers). A training run
+    resolves it against the dataset's schema as written (:func:`trainer.train.resolve_model`),
+    not the groups it reads with.
     """
     if config.attention == "none":
         return ()

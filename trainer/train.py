@@ -267,6 +267,18 @@ def read_schema(config: TrainConfig) -> DatasetSchema:
     )  # fmt: skip
 
 
+def _saved_attention_resolved(state: dict[str, Any], schema: DatasetSchema) -> None:
+    """A checkpoint written before ``auto`` was resolved records ``"attention": "auto"``:
+    resolved here as that run resolved it (against the groups it read with), so that it
+    resumes when its features are this run's and is refused, naming ``--attention``, when not."""
+    from trainer.models import attention_features
+
+    saved = state.get("model_config")
+    if isinstance(saved, dict) and saved.get("attention") == "auto":
+        features = attention_features(schema, ModelConfig())  # its attention: auto
+        state["model_config"] = {**saved, "attention": features}
+
+
 def reader_options(config: TrainConfig) -> dict[str, Any]:
     """The :class:`readers.source.ReaderConfig` fields a run's options set (shuffle and seed
     aside, which differ between the training part and the held-out part)."""
@@ -286,6 +298,7 @@ class _Run:
         # of the dense checkpoint
         self.resume_state = self._read_checkpoint() if config.resume else None
         if self.resume_state is not None:
+            _saved_attention_resolved(self.resume_state, self.schema)
             check_resume(self.resume_state, config, path=self.checkpoint_path)
         table_factory = None
         self.stores: list[Any] = []

@@ -33,8 +33,9 @@ from trainer.distributed.comm import Comm, DistributedError
 
 __all__ = ["LOCAL", "check_same_settings", "job_settings"]
 
-#: Options each rank may set for itself: local resources and rank 0's own outputs.
-LOCAL: tuple[str, ...] = ("workers", "metrics", "tensorboard")
+#: Options each rank may set for itself: local resources (its threads, its readers' read-ahead
+#: and checks, which change no batch) and rank 0's own outputs.
+LOCAL: tuple[str, ...] = ("workers", "metrics", "tensorboard", "threads", "read_ahead", "verify")
 
 _FLAGS = {"dataset": "DATASET", "timeout_s": "--dist-timeout", "towers": "--towers"}
 _MAX_LISTED = 4  # settings named in one message
