@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,11 +100,16 @@ def test_importing_the_numpy_form_does_not_import_torch():
 
 
 # sha256 of the decompressed synthetic logs of two configs, written before etl.synth's hash
-# moved to recpipe.kernels.splitmix: the generator's output must not change by a byte.
+# moved to recpipe.kernels.splitmix: the generator's output must not change by a byte. Since synth
+# gained `user_recent_items` the digests are of the logs with that feature cut out of each line
+# (RECENT), which gives the earlier logs byte for byte, except that 4 planted bad lines of the
+# first config are cut short at another byte (a share of the longer line): its digest was
+# rewritten then, the second config's is the original one.
+RECENT = re.compile(rb',?"user_recent_items":\[[^\]]*\]')
 SYNTH_DIGESTS = [
     (
         {"num_requests": 3000, "seed": 5, "bad_fraction": 0.02, "files": 2},
-        "7374634a9577e8f122b48acbe814fedd0e1f8984ce9d26706737036114eb3980",
+        "bf6bcc42af40081e8759d24153f60440ea3eade50f311591416e8b3dd34eb8b7",
     ),
     (
         {"num_requests": 2000, "seed": 11, "with_session_id": False, "files": 1},
@@ -121,5 +127,5 @@ def test_synthetic_logs_are_unchanged_by_a_byte(tmp_path, config, digest):
     for path in sorted(Path(tmp_path).rglob("part-*.jsonl.zst")):
         h.update(path.relative_to(tmp_path).as_posix().encode())
         with path.open("rb") as fh:
-            h.update(zstandard.ZstdDecompressor().stream_reader(fh).read())
+            h.update(RECENT.sub(b"", zstandard.ZstdDecompressor().stream_reader(fh).read()))
     assert h.hexdigest() == digest
