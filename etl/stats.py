@@ -151,7 +151,7 @@ def compute_stats(
         SchemaError: the manifest's schema is invalid.
     """
     import duckdb
-    from tqdm import tqdm
+    from recpipe.progress import progress_bar
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         msg = f"`batch_size` must be a positive integer, got {batch_size!r}"
@@ -178,7 +178,9 @@ def compute_stats(
         config["threads"] = threads
     con = duckdb.connect(config=config)
     steps = 3 + 2 * len(schema.feature_names) + len(schema.sparse_names) + 1
-    bar = tqdm(total=steps, desc="stats", unit="query", file=sys.stderr, disable=not progress)
+    bar = progress_bar(
+        total=steps, desc="stats", unit="query", file=sys.stderr, disable=not progress
+    )
     sessions, rows, batches, s_batch = _NO_SESSIONS, 0, 0, 0.0
     features, proposed, jaccard, groups = _no_features(schema), [], {}, []
     partial: list[str] = []

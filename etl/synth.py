@@ -846,9 +846,9 @@ def generate(
     n_events = n_pos = batch_sessions = batch_count = 0
     bar = None
     if progress:
-        from tqdm import tqdm
+        from recpipe.progress import progress_bar
 
-        bar = tqdm(total=cfg.num_requests, unit="req", desc="synth", file=sys.stderr)
+        bar = progress_bar(total=cfg.num_requests, unit="req", desc="synth", file=sys.stderr)
     try:
         first_session = first_row = 0
         for b, lengths in enumerate(blocks):
