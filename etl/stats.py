@@ -151,6 +151,7 @@ def compute_stats(
         SchemaError: the manifest's schema is invalid.
     """
     import duckdb
+
     from recpipe.progress import progress_bar
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
