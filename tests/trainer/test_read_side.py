@@ -74,3 +74,15 @@ def test_summary_and_json_show_the_resolved_attention(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["attention"] == ["user_liked_items", "user_liked_sellers"]
     assert doc["threads"] == 1
+
+
+def test_a_checkpoint_recording_auto_resolves_as_its_run_did(bare):
+    from readers.dataset import dataset_schema
+    from trainer.train import _saved_attention_resolved
+
+    state = {"model_config": {"attention": "auto", "embedding_dim": 8}}
+    _saved_attention_resolved(state, dataset_schema(bare))  # no dedup group: no attention
+    assert state["model_config"] == {"attention": (), "embedding_dim": 8}
+    named = {"model_config": {"attention": ("user_follows",)}}
+    _saved_attention_resolved(named, dataset_schema(bare))
+    assert named["model_config"]["attention"] == ("user_follows",)
