@@ -233,3 +233,25 @@ def test_build_through_changed_shard_inputs_keeps_the_shard_names(sharded, schem
     rows = pq.read_table(out / "_quarantine" / "features.parquet").to_pylist()
     dups = [r for r in rows if r["reason"] == "duplicate_request_id"]
     assert len(dups) == 2 and all(r["source"].startswith(str(shards)) for r in dups)
+
+
+def test_build_of_shards_holding_events_names_the_event_files(logs, schema, tmp_path, monkeypatch):
+    """Shards made before `etl shard` refused event records (the issue's 55,375 lines): the
+    build still quarantines the events as duplicates, now under their own file and line."""
+    import pyarrow.parquet as pq
+
+    import etl.shard
+    from etl.build import BuildConfig, build
+
+    monkeypatch.setattr(etl.shard, "event_shaped", lambda rec, schema: False, raising=False)
+    shards = tmp_path / "shards"
+    shard(logs, shards, schema=schema, config=ShardConfig(num_shards=2, compare=False))
+    monkeypatch.undo()
+    build(shards, tmp_path / "ds", schema=schema, config=BuildConfig(allow_missing_features=True))
+    rows = pq.read_table(tmp_path / "ds" / "_quarantine" / "features.parquet").to_pylist()
+    assert len(rows) == 20
+    names = {str(logs / "features" / "part-0.jsonl"), str(logs / "events" / "part-0.jsonl")}
+    for r in rows:
+        assert r["reason"] == "duplicate_request_id" and r["source"] in names
+        first = r["detail"].rsplit(" already seen at ", 1)[1].rsplit(":", 1)[0]
+        assert first in names and first != r["source"]
