@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import orjson
 import zstandard
@@ -100,6 +100,7 @@ READ_STEP = 4096
 #: input files read side by side
 READ_WIDTH = 16
 _MALFORMED = "malformed_json"
+T = TypeVar("T")
 _NO_KEY = "missing_session_key"
 
 
@@ -191,6 +192,18 @@ def _key_hash(kind: bytes, value: Any) -> int | None:
     return int.from_bytes(digest, "little")
 
 
+def _flush_order(buf: list[tuple[int, T]], *, group: bool) -> list[T]:
+    """The items of one shard's buffer ``(session key, item)`` in the order a flush writes
+    them: with ``group``, a session's together, sessions in first-seen order, stable within a
+    session; else as buffered."""
+    if not group:
+        return [item for _, item in buf]
+    groups: dict[int, list[T]] = {}
+    for key, item in buf:
+        groups.setdefault(key, []).append(item)
+    return [item for g in groups.values() for item in g]
+
+
 class ShardSink:
     """N compressed streams: to files, or to byte counters (for comparisons).
 
@@ -225,13 +238,7 @@ class ShardSink:
         for i, buf in enumerate(self.buffers):
             if not buf:
                 continue
-            if self.group:  # sessions contiguous, first-seen order, stable within a session
-                groups: dict[int, list[bytes]] = {}
-                for key, line in buf:
-                    groups.setdefault(key, []).append(line)
-                text = b"\n".join(b"\n".join(g) for g in groups.values()) + b"\n"
-            else:
-                text = b"\n".join(line for _, line in buf) + b"\n"
+            text = b"\n".join(_flush_order(buf, group=self.group)) + b"\n"
             self._emit(i, self.objs[i].compress(text))
             self.buffers[i] = []
 
@@ -598,7 +605,7 @@ def shard_origins(
         todo.setdefault(i, set()).add(line_no)
     left = sum(len(v) for v in todo.values())
     found: dict[tuple[int, int], tuple[str, int]] = {}
-    buffers: list[list[tuple[int, str, int]]] = [[] for _ in range(n)]
+    buffers: list[list[tuple[int, tuple[str, int]]]] = [[] for _ in range(n)]
     written = [0] * n
 
     def flush() -> None:
@@ -606,15 +613,8 @@ def shard_origins(
         for i, buf in enumerate(buffers):
             if not buf:
                 continue
-            if group:  # as ShardSink.flush: sessions in first-seen order
-                groups: dict[int, list[tuple[str, int]]] = {}
-                for key, src, line_no in buf:
-                    groups.setdefault(key, []).append((src, line_no))
-                order = [o for g in groups.values() for o in g]
-            else:
-                order = [(src, line_no) for _, src, line_no in buf]
             mine = todo.get(i, ())
-            for origin in order:
+            for origin in _flush_order(buf, group=group):
                 written[i] += 1
                 if written[i] in mine:
                     found[(i, written[i])] = origin
@@ -629,7 +629,7 @@ def shard_origins(
         if reason:
             continue
         key = skey if by == "session" else rkey
-        buffers[key % n].append((key, str(path), lineno))
+        buffers[key % n].append((key, (str(path), lineno)))
         buffered += len(line)
         if buffered >= limit:
             flush()
