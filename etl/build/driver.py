@@ -364,9 +364,9 @@ class _Phases:
         self._cpu = time.process_time()
 
     def bar(self, desc: str, total: float | None = None, unit: str = "it", **kw: Any):
-        from tqdm.auto import tqdm
+        from recpipe.progress import progress_bar
 
-        return tqdm(
+        return progress_bar(
             total=total,
             desc=desc,
             unit=unit,
