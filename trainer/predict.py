@@ -262,16 +262,15 @@ def predict(
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from tqdm import tqdm
 
+    from recpipe.progress import progress_bar
     from trainer.metrics import auc
 
     logits: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
     keys: dict[str, list[torch.Tensor]] = {name: [] for name in EXTRAS}
-    bar = tqdm(total=ds.num_batches(num_workers=0), unit="batch", desc="predict",
-               file=sys.stderr, disable=None if progress else True, dynamic_ncols=True)  # fmt: skip
-    # disable=None: tqdm stays off when stderr is not a terminal (no \r frames in a log)
+    bar = progress_bar(total=ds.num_batches(num_workers=0), unit="batch", desc="predict",
+                       file=sys.stderr, disable=not progress, dynamic_ncols=True)  # fmt: skip
     model.eval()
     ds.set_epoch(0)
     with bar, torch.no_grad():
