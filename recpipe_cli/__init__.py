@@ -50,6 +50,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("fit", "readers.fit", "fit preprocessing (vocabularies, mean/std, buckets) on training rows"),
     ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
     ("train", "trainer.cli", "train a DLRM with or without dedup"),
+    ("predict", "trainer.predict", "score or evaluate a dataset with a trained model"),
     ("store", "trainer.store.cli", "inspect a hybrid embedding store"),
     ("towers", "trainer.towers.cli", "partition features into towers; train a towered DLRM (SPTT)"),
 )

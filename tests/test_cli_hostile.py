@@ -353,6 +353,8 @@ NONSENSE = [
     ("serve-batch-size-zero", ["serve", "{ds}", "--batch-size", "0"], "--batch-size"),
     ("serve-port-huge", ["serve", "{ds}", "--port", "70000"], "--port"),
     ("train-batch-size-zero", ["train", "{ds}", *TRAIN, "--batch-size", "0"], "--batch-size"),
+    ("predict-batch-size-zero", ["predict", "{ds}", "{ds}", "--metrics-only", "--batch-size",
+                                 "0"], "--batch-size"),
     ("train-steps-negative", ["train", "{ds}", *TRAIN, "--steps", "-1"], "--steps"),
     ("train-embedding-dim-zero", ["train", "{ds}", *TRAIN, "--embedding-dim", "0"],
      "--embedding-dim"),
@@ -417,6 +419,7 @@ NONSENSE = [
     ("stats-out-proc", ["stats", "{ds}", "--out", PROC + "/s"], PROC),
     ("serve-dataset-proc", ["serve", PROC], PROC),
     ("train-checkpoint-proc", ["train", "{ds}", *TRAIN, "--checkpoint", PROC + "/ck"], PROC),
+    ("predict-out-proc", ["predict", "{ds}", "{ds}", "--out", PROC + "/p.parquet"], PROC),
     ("store-proc", ["store", PROC], PROC),
     ("towers-plan-proc", ["towers", "train", "{ds}", "--towers", PROC, *TRAIN], PROC),
 ]  # fmt: skip
