@@ -248,6 +248,7 @@ WRITERS = [
     ("fit", ["fit", "{seeded}", "--preprocess", "{prep}"], "ds"),  # writes into its dataset
     ("fit-out", ["fit", "{ds}", "--preprocess", "{prep}", "--out", "{out}/fitted.json"], None),
     ("train-checkpoint", ["train", "{ds}", *TRAIN, "--checkpoint", "{out}/ck"], None),
+    ("predict", ["predict", "{checkpoint}", "{ds}", "--out", "{out}/p.parquet"], None),
     ("towers-partition", [*PARTITION, "--out", "{out}/plan.toml"], None),
     ("towers-train", ["towers", "train", "{ds}", "--towers", "{plan}", *TRAIN,
                       "--json", "{out}/s.json"], None),
@@ -275,11 +276,22 @@ def _slow_unless(fast: bool):
     ("argv", "seed"),
     [pytest.param(a, s, id=c, marks=_slow_unless(c in FAST)) for c, a, s in WRITERS],
 )
-def test_an_output_that_cannot_be_written_is_one_line(data, places, kind, argv, seed):
+def test_an_output_that_cannot_be_written_is_one_line(data, places, request, kind, argv, seed):
     place = places.make(kind, seed=data[seed] if seed else None)
-    seeded = place / data[seed].name if seed else None
-    done = recpipe(_argv(argv, out=place, seeded=seeded, **data), no_dac=kind == "unwritable")
+    paths = dict(data, out=place, seeded=place / data[seed].name if seed else None)
+    if "{checkpoint}" in argv:
+        paths["checkpoint"] = request.getfixturevalue("checkpoint")
+    done = recpipe(_argv(argv, **paths), no_dac=kind == "unwritable")
     assert_refused(done, place)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(data, tmp_path_factory) -> Path:
+    """The checkpoint of a one-step ``recpipe train`` run on the dataset (for ``predict``)."""
+    path = tmp_path_factory.mktemp("hostile_checkpoint") / "ck"
+    done = recpipe(["train", data["ds"], *TRAIN, "--checkpoint", path])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
 
 
 @pytest.fixture(scope="module")
