@@ -30,6 +30,7 @@ __all__ = [
     "alternate",
     "environment",
     "int_list",
+    "partial_schema",
     "ratio_spread",
     "spread",
     "timed",
@@ -78,6 +79,16 @@ def int_list(text: str, *, minimum: int = 0, example: str = "4,8") -> tuple[int,
         msg = f"expected integers >= {minimum} separated by commas, such as {example}, got {text!r}"
         raise argparse.ArgumentTypeError(msg)
     return values
+
+
+def partial_schema() -> Any:
+    """The bundled synth schema with its shifting history (``user_recent_items``) read as a
+    partial IKJT, as ``recpipe stats`` proposes: the schema the readers' and the trainer's
+    benchmarks build with (the bundled schema leaves partial dedup opt-in)."""
+    from schemas import default_schema
+
+    schema = default_schema()
+    return schema.with_dedup(schema.dedup_groups, partial=("user_recent_items",))
 
 
 def ratio_spread(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, Any]:

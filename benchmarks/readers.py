@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import alternate, timing_ratio
+from benchmarks._common import alternate, partial_schema, timing_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "readers.json"
 
@@ -82,13 +82,12 @@ def build_datasets(work: Path, *, requests: int, seed: int) -> dict[str, Any]:
     """Synthetic logs -> a clustered and a time-ordered dataset (same writer settings)."""
     from etl.build import BuildConfig, build
     from etl.synth import SynthConfig, generate
-    from schemas import default_schema
 
     logs = generate(work / "raw", SynthConfig(num_requests=requests, seed=seed), progress=True)
     out = {"logs": logs}
     for order, name in (("session", "clustered"), ("time", "time_ordered")):
         manifest = build(
-            logs.features, work / name, events=logs.events, schema=default_schema(),
+            logs.features, work / name, events=logs.events, schema=partial_schema(),
             config=BuildConfig(order=order), overwrite=True, progress=True,
         )  # fmt: skip
         out[name] = {"path": work / name, "manifest": manifest}

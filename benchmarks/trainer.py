@@ -70,7 +70,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Timing, int_list, ratio_spread, timed, timing_ratio
+from benchmarks._common import (
+    Timing,
+    int_list,
+    partial_schema,
+    ratio_spread,
+    timed,
+    timing_ratio,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "trainer.json"
 
@@ -128,12 +135,11 @@ def build_dataset(work: Path, *, requests: int, seed: int) -> tuple[Path, dict[s
     """Synthetic logs -> the clustered dataset; returns its path and the generator summary."""
     from etl.build import BuildConfig, build
     from etl.synth import SynthConfig, generate
-    from schemas import default_schema
 
     logs = generate(work / "raw", SynthConfig(num_requests=requests, seed=seed), progress=True)
     out = work / "clustered"
     build(
-        logs.features, out, events=logs.events, schema=default_schema(),
+        logs.features, out, events=logs.events, schema=partial_schema(),
         config=BuildConfig(), overwrite=True, progress=True,
     )  # fmt: skip
     synth = json.loads((work / "raw" / "_synth.json").read_text())

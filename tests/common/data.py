@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -167,8 +168,10 @@ def synthetic_dataset(
     files: int = 4,
     row_group_size: int | None = None,
     bad_fraction: float = 0.0,
+    schema: Any = None,
 ) -> Path:
-    """Synthetic logs (``etl.synth``) built into a clustered dataset at ``root / "dataset"``."""
+    """Synthetic logs (``etl.synth``) built into a clustered dataset at ``root / "dataset"``
+    (with ``schema``, default the bundled one: a schema of fewer features leaves the others out)."""
     from etl.build import BuildConfig, build
     from etl.synth import SynthConfig, generate
     from schemas import default_schema
@@ -179,5 +182,6 @@ def synthetic_dataset(
     )
     config = BuildConfig() if row_group_size is None else BuildConfig(row_group_size=row_group_size)
     out = root / "dataset"
-    build(logs.features, out, events=logs.events, schema=default_schema(), config=config)
+    schema = default_schema() if schema is None else schema
+    build(logs.features, out, events=logs.events, schema=schema, config=config)
     return out

@@ -40,7 +40,12 @@ def test_recent_items_append_the_previous_request_item(sessions):
     assert all(5 <= len(f) <= max_len for f in firsts)  # a history drawn for the session
 
 
-def test_schema_declares_it_partial():
+def test_the_bundled_schema_leaves_partial_dedup_opt_in():
+    """`recpipe stats` proposes it (`--dedup-groups auto` reads it so); the bundled schema does not
+    turn it on, because its gradients then sum in another order than the plain lists'."""
     schema = default_schema()
-    assert schema.dedup_partial == ("user_recent_items",)
+    assert schema.dedup_partial == ()
     assert schema.feature("user_recent_items").kind == "user"
+    assert schema.with_dedup(schema.dedup_groups, partial=("user_recent_items",)).dedup_partial == (
+        "user_recent_items",
+    )

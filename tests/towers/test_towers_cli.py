@@ -28,7 +28,7 @@ def _recpipe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def plan_file(towers_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
-    done = _recpipe("towers", "partition", str(towers_dataset), "--towers", "2", "--balance", "1.17",
+    done = _recpipe("towers", "partition", str(towers_dataset), "--towers", "2", "--balance", "1",
                     "--steps", "4", "--batch-size", "64", "--affinity-batches", "2", "--out",
                     str(out / "towers.toml"), "--plot", str(out / "towers.png"), "--quiet",
                     *MODEL)  # fmt: skip
@@ -41,10 +41,9 @@ def plan_file(towers_dataset, tmp_path_factory):
 @pytest.mark.slow
 def test_partition_writes_a_balanced_plan_deterministically(towers_dataset, plan_file, tmp_path):
     plan = load_plan(plan_file)
-    # the 13 sparse features of the synth schema, the most even split (balance 7/6)
-    assert sorted(plan.sizes) == [6, 7]
+    assert plan.sizes == (6, 6)  # the 12 sparse features of the synth schema, balance 1
     assert plan.strategy == "coherent" and plan.seed == 0
-    again = _recpipe("towers", "partition", str(towers_dataset), "--towers", "2", "--balance", "1.17",
+    again = _recpipe("towers", "partition", str(towers_dataset), "--towers", "2", "--balance", "1",
                      "--steps", "4", "--batch-size", "64", "--affinity-batches", "2", "--out",
                      str(tmp_path / "again.toml"), "--quiet", *MODEL)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
@@ -56,7 +55,7 @@ def test_partition_refuses_an_impossible_balance(towers_dataset, tmp_path):
     done = _recpipe("towers", "partition", str(towers_dataset), "--towers", "5", "--balance", "1",
                     "--steps", "1", "--out", str(tmp_path / "t.toml"), "--quiet")  # fmt: skip
     assert done.returncode != 0
-    assert "`balance` 1 cannot split 13 features into 5 towers" in done.stderr
+    assert "`--balance` 1 cannot split 12 features into 5 towers" in done.stderr
     assert not (tmp_path / "t.toml").exists()
 
 

@@ -2,7 +2,7 @@
 hold every sparse feature of the dataset exactly once.
 
 Regressions: `towers partition DS --out DS/_manifest.json` replaced the dataset's manifest with
-a plan, and a plan naming 1 of the 13 sparse features trained on that one feature, exit 0.
+a plan, and a plan naming 1 of the 12 sparse features trained on that one feature, exit 0.
 """
 
 from __future__ import annotations
@@ -63,16 +63,16 @@ def test_train_json_is_not_its_plan(towers_dataset, tmp_path, capsys):
 
 def test_a_plan_of_some_features_is_refused(towers_dataset, tmp_path, capsys):
     names = sparse_names(towers_dataset)
-    assert len(names) == 13
+    assert len(names) == 12
     plan = write_plan(tmp_path / "one.toml", [[names[0]]])
     code, err = run_cli(["towers", "train", towers_dataset, "--towers", plan, *TRAIN], capsys)
     assert code == 1
-    one_error_line(err, f"{plan}: 12 of the 13 sparse features of the dataset", repr(names[1:]))
+    one_error_line(err, f"{plan}: 11 of the 12 sparse features of the dataset", repr(names[1:]))
     assert "hint: `recpipe towers partition" in err
     with_nproc = [*TRAIN, "--nproc", "2", "--ranks-per-host", "1"]  # refused before any worker
     code, err = run_cli(["towers", "train", towers_dataset, "--towers", plan, *with_nproc], capsys)
     assert code == 1
-    one_error_line(err, "12 of the 13 sparse features")
+    one_error_line(err, "11 of the 12 sparse features")
 
 
 def test_a_plan_with_unknown_features_is_refused(towers_dataset, tmp_path, capsys):
