@@ -126,7 +126,9 @@ def test_unauthenticated_churn_leaves_nothing_behind(make_dataset, tiny_schema, 
     dataset = make_dataset(num_sessions=40, files=2, row_group_rows=30)
     schema_path = tmp_path / "tiny.toml"
     schema_path.write_text(tiny_schema.to_toml())
-    args = [str(dataset), "--schema", str(schema_path), "--readers", "1", "--batch-size", "16"]
+    # --no-shuffle: the batches are compared with an unshuffled read below (serve shuffles by default)
+    args = [str(dataset), "--schema", str(schema_path), "--readers", "1", "--batch-size", "16",
+            "--no-shuffle"]  # fmt: skip
     server = _ServerProcess(tmp_path / "serve.log", *args, env={"RECPIPE_TOKEN": "s3cret"})
     try:
         for _ in range(100):  # warm up: thread stacks, allocator arenas
