@@ -76,13 +76,16 @@ _LEADING_NAME = re.compile(r"`([A-Za-z_]\w*)`")
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    command: str | None = None, *, summaries_only: bool = False
+) -> argparse.ArgumentParser:
     """Build the top-level parser.
 
     Args:
         command: when given, only that subcommand's module is imported (so ``recpipe etl ...``
-            never imports torch through the reader service); otherwise all of them, for
-            ``--help``.
+            never imports torch through the reader service); otherwise all of them.
+        summaries_only: import no subcommand module: each command is only its name and summary
+            (what ``recpipe --help`` and a bare ``recpipe`` show, without importing torch).
     """
     parser = argparse.ArgumentParser(
         prog="recpipe",
@@ -102,7 +105,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, module_name, summary in SUBCOMMANDS:
-        if command is not None and name != command:
+        if summaries_only or (command is not None and name != command):
             sub.add_parser(name, help=summary, add_help=False)
             continue
         importlib.import_module(module_name).register_cli(sub)
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     known = {name for name, _, _ in SUBCOMMANDS}
     first = next((a for a in argv if not a.startswith("-")), None)  # global options take no value
     command = first if first in known else None
-    parser = build_parser(command)
+    parser = build_parser(command, summaries_only=command is None)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recpipe_cli import build_parser, main
+from recpipe_cli import SUBCOMMANDS, build_parser, main
 
 COMMANDS = ["synth", "etl", "stats", "fit", "serve", "train", "store", "towers"]
 
@@ -296,3 +296,23 @@ def test_a_refusal_names_the_flag_the_user_gave(monkeypatch, capsys):
     )
     assert main(["synth", "--out", "O"]) == 1  # not given: the message is the library's own
     assert capsys.readouterr().err.endswith("error: `seed` must be small, got 3; see `seed` in X\n")
+
+
+def test_top_level_help_imports_no_command_module():
+    """`recpipe --help` and a bare `recpipe` list the commands from their names and summaries:
+    no subcommand module, so neither torch nor numba, is imported (it took 2 s of CPU)."""
+    code = (
+        "import sys, recpipe_cli\n"
+        "for argv in (['--help'], []):\n"
+        "    try:\n"
+        "        recpipe_cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = [m for m in ('torch', 'numba', 'trainer', 'readers', 'etl') if m in sys.modules]\n"
+        "sys.exit(f'imported {heavy}' if heavy else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = " ".join(done.stdout.split())
+    for name, _, summary in SUBCOMMANDS:
+        assert f"{name} {summary.split()[0]}" in listed, name
