@@ -1,25 +1,26 @@
 """CUDA forms of the kernels: ``numba.cuda`` kernels over torch's CUDA tensors, without copies.
 
-Tensors reach the kernels through :func:`as_device_array` (``numba.cuda.as_cuda_array``, no
-stream synchronisation) and every launch goes on torch's current stream (:func:`torch_stream`),
-so kernels and the torch ops around them stay ordered without a host sync. The only host syncs
-are the sizes of data-dependent outputs (number of unique rows, a select's values); the
-backward of a select (:func:`jagged_index_add`) knows every size and reads nothing back.
+Every kernel starts through :func:`launch`, on torch's current stream, so kernels and the torch
+ops around them stay ordered without a host sync. On a GPU :func:`launch` calls the compiled
+kernel directly with the parameters Numba would build (its dispatcher's own launch costs several
+times the work of a training step's small kernels; ``docs/gpu.md`` has the measurements). The
+only host syncs are the sizes of data-dependent outputs (number of unique rows, a select's
+values); the backward of a select (:func:`jagged_index_add`) knows every size and reads nothing
+back.
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``, used by CI without a GPU) the same code runs
-on CPU tensors: :func:`as_device_array` hands the kernels numpy views and the torch glue runs on
-the CPU. The row hash, list comparison, partial-dedup rule and running max are the bodies of
-:mod:`recpipe.kernels.bodies`, shared with the CPU forms; a hash match is always verified.
+on CPU tensors: :func:`launch` goes through the dispatcher with numpy views
+(:func:`as_device_array`) and the torch glue runs on the CPU. The row hash, list comparison,
+partial-dedup rule and running max are the bodies of :mod:`recpipe.kernels.bodies`, shared with
+the CPU forms; a hash match is always verified.
 
 Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
 so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
 equal on every key; ``partial_dedup`` classifies each row against the previous one in parallel
-and places windows with a prefix sum; the segment reductions give one thread to each (row,
-column). The jagged select and add are no Numba kernels: each is one torch gather
-(``index_select``) or scatter-add (``index_add_``) of whole ``[D]`` rows through a map of source
-positions built by a few torch ops, all on torch's stream. A Numba launch costs more host time
-than the whole copy at the batch sizes a trainer uses (``docs/gpu.md`` has the measurements), and
-torch's row gather runs near a device copy's bandwidth.
+and places windows with a prefix sum; the jagged select gives one warp to each output row,
+moving 8-byte words where a row is a whole number of them; its backward (the jagged add) gives
+one block to each row and adds with atomics (not bitwise from run to run); the segment
+reductions give one thread to each (row, column).
 """
 
 from __future__ import annotations
