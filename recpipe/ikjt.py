@@ -485,6 +485,20 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         lengths = self._win_lengths[k * b : (k + 1) * b]
         return _window_positions(starts, lengths)
 
+    def _key_span(self, key: str) -> tuple[int, int] | None:
+        """``[lo, hi)`` of the packed ids key ``key``'s windows read (``None``: all empty), from
+        the window starts and lengths alone (no per-value positions)."""
+        if key not in self._keys:
+            msg = f"`key` {key!r} is not a key of the partial IKJT {list(self._keys)!r}"
+            raise DataError(msg)
+        k, b = self._keys.index(key), self._stride
+        starts = self._win_offsets[k * b : (k + 1) * b]
+        lengths = self._win_lengths[k * b : (k + 1) * b]
+        used = lengths > 0
+        if not bool(used.any()):
+            return None
+        return int(starts[used].min()), int((starts + lengths)[used].max())
+
     def map_key_values(
         self, key: str, fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> PartialInverseKeyedJaggedTensor:
@@ -494,21 +508,19 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         count, so every row of ``key`` reads what applying ``fn`` to its expanded list gives.
 
         Raises:
-            DataError: ``key`` is not a key of the group, or another key's windows read some of
-                the same packed ids (``fn`` would rewrite them too).
+            DataError: ``key`` is not a key of the group, or another key's windows reach into
+                the stretch of packed ids ``key``'s windows read (``fn`` would rewrite them too).
         """
-        ids, _, _ = self.key_windows(key)
-        if ids.numel() == 0:
+        span = self._key_span(key)
+        if span is None:
             return self
-        positions, _ = self._key_positions(key)
-        lo, hi = int(positions.min()), int(positions.max()) + 1
+        lo, hi = span
         for other in self._keys:
-            if other == key:
-                continue
-            theirs, _ = self._key_positions(other)
-            if theirs.numel() and bool(((theirs >= lo) & (theirs < hi)).any()):
+            theirs = None if other == key else self._key_span(other)
+            if theirs is not None and theirs[0] < hi and lo < theirs[1]:
                 msg = f"keys {key!r} and {other!r} of the partial IKJT read the same packed ids"
                 raise DataError(msg)
+        ids = self._values[lo:hi]
         mapped = fn(ids)
         if mapped.shape != ids.shape:
             msg = f"`fn` must keep the {ids.numel()} ids of key {key!r}, got {tuple(mapped.shape)}"

@@ -52,3 +52,12 @@ def test_a_step_that_changes_lengths_is_refused_on_a_partial_group(tiny_schema):
         DataError, match=r"'user_items' as a partial IKJT.*Truncate changes lengths"
     ):
         pipe(partial)
+
+
+def test_keys_reading_the_same_packed_ids_are_refused():
+    """`b`'s window lies inside `a`'s: an element-wise step on `a` would rewrite `b`'s ids too."""
+    group = PartialInverseKeyedJaggedTensor(
+        ("a", "b"), torch.tensor([1, 2, 3]), torch.tensor([0, 1]), torch.tensor([3, 1])
+    )
+    with pytest.raises(DataError, match="keys 'a' and 'b' of the partial IKJT read the same"):
+        group.map_key_values("a", lambda ids: ids + 1)
