@@ -38,6 +38,7 @@ from etl.build.output import (
 )
 from etl.build.validate import Validator
 from etl.paths import check_output
+from recpipe._process import pid_alive
 from recpipe.errors import DataError
 from schemas import DatasetSchema, default_schema
 
@@ -324,23 +325,13 @@ def _commit(tmp: Path, out_dir: Path) -> None:
         os.replace(tmp, out_dir)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _clean_stale(out_dir: Path) -> list[str]:
     """Remove temporary/old directories of crashed builds of ``out_dir``."""
     removed = []
     for prefix in (_TMP_PREFIX, _OLD_PREFIX):
         for p in out_dir.parent.glob(f".{_glob_escape(out_dir.name)}{prefix}*"):
             pid = p.name[len(out_dir.name) + 1 + len(prefix) :].split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
                 continue
             shutil.rmtree(p, ignore_errors=True)
             removed.append(str(p))

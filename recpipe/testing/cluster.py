@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from recpipe._process import pid_alive
 from recpipe.errors import RecpipeError
 
 __all__ = [
@@ -115,16 +116,6 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _namespace_pids(name: str) -> list[int]:
     try:
         out = _run(["ip", "netns", "pids", name])
@@ -154,7 +145,7 @@ def sweep_stale() -> list[str]:
     removed = []
     for name in list_namespaces():
         m = _NAME.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _delete_namespace(name)
             removed.append(name)
     return removed
