@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,6 +83,10 @@ _META = pa.schema(
         ("continuations", pa.int64()),
         ("split", pa.int64()),
     ]
+)
+#: the dictionary task's answer: the shared writer's measurement, a row per column
+_MEASURED = pa.schema(
+    [("column", pa.string()), ("dict", pa.int64()), ("plain", pa.int64()), ("use", pa.bool_())]
 )
 
 
@@ -500,25 +505,38 @@ class SparkEngine(Engine):
     ) -> list[str]:
         """The dictionary-encoded columns: ``config.dictionary``'s, or with ``"auto"`` those
         the shared writer measures on the dataset's first row group (as every engine does):
-        the first ``row group + 1`` rows (a bounded sample) run through the shared writer on
-        the driver, into a scratch folder."""
+        one task takes the first ``row group + 1`` rows (a bounded sample), runs them through
+        the shared writer and returns only the per-column measurement (two byte counts and a
+        yes or no per column): no row reaches the driver."""
         config, schema = self.job.config, self.job.schema
         if config.dictionary != "auto":
             return list(schema.dataset_arrow_schema().names) if config.dictionary == "all" else []
-        from pyspark.sql import functions as F
-
-        writer = dataset_writer(self.scratch / "dictionary", schema, config, rows=rows)
         if final is None:
             return []
-        want = min(rows, writer.row_group_size + 1)
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        want = min(rows, config.row_group_rows(rows) + 1)
         last = next(b for b in range(len(per_bucket)) if sum(per_bucket[: b + 1]) >= want)
-        head = final.where(F.col("_b") <= last).orderBy(*keys).limit(want)
         names = [c for c in final.columns if not c.startswith("_k") and c not in _GROUP_COLUMNS]
-        sample = _action(head.select(*names).toArrow)
-        write_rows(writer, sample.to_batches(), config=config)
-        self.dictionary_measured = writer.dictionary_measured
-        shutil.rmtree(self.scratch / "dictionary", ignore_errors=True)
-        return list(writer.dictionary or [])
+        head = (
+            final.where(F.col("_b") <= last)
+            .orderBy(*keys)
+            .limit(want)
+            .select(*keys, *names)
+            .coalesce(1)  # the sample is one task's
+        )
+
+        def measure(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            return _measure_dictionary(batches, schema, config, rows, list(keys), names)
+
+        found = _action(head.mapInArrow(measure, from_arrow_schema(_MEASURED)).toArrow)
+        measured = {
+            r["column"]: {"dict": r["dict"], "plain": r["plain"], "use": r["use"]}
+            for r in found.to_pylist()
+        }
+        self.dictionary_measured = measured or None
+        return [c for c, m in measured.items() if m["use"]]
 
     def _sorted(
         self, df: Any, order: list[str], columns: list[str], name: str
@@ -690,6 +708,39 @@ def _write_groups(
         )
         shutil.rmtree(attempt, ignore_errors=True)
         yield pa.RecordBatch.from_pydict(out, schema=_META)
+
+
+def _measure_dictionary(
+    batches: Iterator[pa.RecordBatch],
+    schema: DatasetSchema,
+    config: BuildConfig,
+    rows: int,
+    keys: list[str],
+    names: list[str],
+) -> Iterator[pa.RecordBatch]:
+    """One task: the dataset's first rows (``row group + 1`` at most, in ``keys`` order)
+    written by the shared writer into a scratch folder of the executor; yields the writer's
+    per-column dictionary measurement (a row per column), not the rows."""
+    held = [b for b in batches if b.num_rows]
+    if not held:
+        return
+    head = pa.Table.from_batches(held).sort_by([(k, "ascending") for k in keys])
+    folder = Path(tempfile.mkdtemp(prefix="recpipe-dictionary-"))
+    try:
+        writer = dataset_writer(folder, schema, config, rows=rows)
+        write_rows(writer, head.select(names).to_batches(), config=config)
+        measured = writer.dictionary_measured or {}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    yield pa.RecordBatch.from_pydict(
+        {
+            "column": list(measured),
+            "dict": [m["dict"] for m in measured.values()],
+            "plain": [m["plain"] for m in measured.values()],
+            "use": [m["use"] for m in measured.values()],
+        },
+        schema=_MEASURED,
+    )
 
 
 def _group_rows(

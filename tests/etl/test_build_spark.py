@@ -180,6 +180,34 @@ def test_spark_matches_duckdb_on_synthetic_logs_for_any_partition_count(spark, t
 
 
 @pytest.mark.slow
+def test_no_dataset_row_reaches_the_driver(spark, tmp_path, monkeypatch):
+    """Every answer a Spark action hands the driver (counts, metadata, the per-column
+    dictionary measurement) is free of the dataset's columns: the dictionary choice too is
+    made by a task (it was a sample of the first row group collected to the driver), and it
+    is the DuckDB engine's."""
+    from etl.build import engine_spark
+    from etl.synth import SynthConfig, generate
+
+    answers: list[set[str]] = []
+    action = engine_spark._action
+
+    def record(fn, *args, **kwargs):
+        got = action(fn, *args, **kwargs)
+        if hasattr(got, "column_names"):  # an Arrow table
+            answers.append(set(got.column_names))
+        elif isinstance(got, list) and got and hasattr(got[0], "asDict"):  # Rows
+            answers.append(set(got[0].asDict()))
+        return got
+
+    monkeypatch.setattr(engine_spark, "_action", record)
+    logs = generate(tmp_path / "raw", SynthConfig(num_requests=600, seed=5, bad_fraction=0.02))
+    m = _parity(tmp_path, logs.features, events=logs.events, row_group_size=64)
+    assert m["parquet"]["dictionary_measured"] and m["rows_out"] > 64
+    columns = set(pq.read_schema(tmp_path / "duckdb" / m["files"][0]["path"]).names)
+    assert answers and all(not (seen & columns) for seen in answers), answers
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [
