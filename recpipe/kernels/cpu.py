@@ -239,26 +239,57 @@ def _check_indices(bad: int, indices: torch.Tensor, num_rows: int) -> None:
 
 
 def jagged_index_select(
-    values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    out_offsets: torch.Tensor | None = None,
+    num_out_values: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU form of :func:`recpipe.kernels.jagged_index_select` (no autograd)."""
+    """CPU form of :func:`recpipe.kernels.jagged_index_select` (no autograd).
+
+    A caller's ``out_offsets`` and ``num_out_values`` are checked against the selected rows
+    (O(M) here, where nothing waits on a device).
+    """
     num_rows = offsets.shape[0] - 1
     offsets_np = as_numpy(offsets)
     indices_np = as_numpy(indices)
-    out_offsets = torch.empty(indices.shape[0] + 1, dtype=torch.int64)
-    _check_indices(_select_offsets(offsets_np, indices_np, out_offsets.numpy()), indices, num_rows)
-    total = int(out_offsets[-1])
+    computed = torch.empty(indices.shape[0] + 1, dtype=torch.int64)
+    _check_indices(_select_offsets(offsets_np, indices_np, computed.numpy()), indices, num_rows)
+    total = int(computed[-1])
+    _check_known_layout(out_offsets, num_out_values, computed)
     out = torch.empty((total, *values.shape[1:]), dtype=values.dtype)
     width = row_width(values)
     _select_copy(
         as_numpy(as_bits(values)).reshape(-1),
         offsets_np,
         indices_np,
-        out_offsets.numpy(),
+        computed.numpy(),
         width,
         as_bits(out).numpy().reshape(-1),
     )
-    return out, out_offsets
+    return out, computed if out_offsets is None else out_offsets
+
+
+def _check_known_layout(
+    out_offsets: torch.Tensor | None, num_out_values: int | None, computed: torch.Tensor
+) -> None:
+    """Refuse a caller's output layout that is not the selected rows' one."""
+    total = int(computed[-1])
+    if num_out_values is not None and num_out_values != total:
+        msg = (
+            f"`num_out_values` = {num_out_values} but the selected rows hold {total} values\n"
+            "hint: pass the sum of the selected rows' lengths, or leave it out"
+        )
+        raise DataError(msg)
+    if out_offsets is not None and not torch.equal(out_offsets, computed):
+        m = int(torch.nonzero(out_offsets != computed)[0, 0])
+        msg = (
+            f"`out_offsets`[{m}] = {int(out_offsets[m])} but the selected rows put "
+            f"{int(computed[m])} there\n"
+            "hint: pass the cumulative sum of the selected rows' lengths, or leave it out"
+        )
+        raise DataError(msg)
 
 
 def jagged_index_add(

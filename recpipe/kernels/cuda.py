@@ -5,8 +5,8 @@ ops around them stay ordered without a host sync. On a GPU :func:`launch` calls 
 kernel directly with the parameters Numba would build (its dispatcher's own launch costs several
 times the work of a training step's small kernels; ``docs/gpu.md`` has the measurements). The
 only host syncs are the sizes of data-dependent outputs (number of unique rows, a select's
-values); the backward of a select (:func:`jagged_index_add`) knows every size and reads nothing
-back.
+values unless its caller passes ``num_out_values``); the backward of a select
+(:func:`jagged_index_add`) knows every size and reads nothing back.
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``, used by CI without a GPU) the same code runs
 on CPU tensors: :func:`launch` goes through the dispatcher with numpy views
@@ -17,10 +17,11 @@ the CPU forms; a hash match is always verified.
 Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
 so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
 equal on every key; ``partial_dedup`` classifies each row against the previous one in parallel
-and places windows with a prefix sum; the jagged select gives one warp to each output row,
-moving 8-byte words where a row is a whole number of them; its backward (the jagged add) gives
-one block to each row and adds with atomics (not bitwise from run to run); the segment
-reductions give one thread to each (row, column).
+and places windows with a prefix sum; the jagged select gives one thread to each output word
+(8 bytes where a row is a whole number of them), which finds its row by a binary search of the
+output offsets; its backward (the jagged add) gives one thread to each gradient element and adds
+with atomics (not bitwise from run to run); :data:`SELECT_LAYOUT` switches both back to a warp
+(a block) per row. The segment reductions give one thread to each (row, column).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ except ImportError:
     _core = None
 
 __all__ = [
+    "SELECT_LAYOUT",
+    "add_into",
     "as_device_array",
     "dedup_rows",
     "is_simulator",
@@ -52,6 +55,7 @@ __all__ = [
     "partial_dedup",
     "segment_reduce",
     "segment_reduce_backward",
+    "select_into",
     "torch_stream",
 ]
 
@@ -285,9 +289,46 @@ def partial_dedup(
 
 _WARP = 32
 
+SELECT_LAYOUT = "word"
+"""How :func:`jagged_index_select` and :func:`jagged_index_add` spread their work over threads.
+
+``"word"``: one thread per output word (8 bytes for the select where rows allow, one element
+for the add), its row found by a binary search of ``out_offsets``, so consecutive threads read
+and write consecutive words whatever the rows' lengths. ``"row"``: the earlier form, a warp
+(select) or a block (add) per output row, whose lanes idle on short rows. ``benchmarks/kernels.py``
+times both kernels (``select_kernel_<layout>_ms``, ``add_kernel_<layout>_ms``).
+"""
+
+
+@cuda.jit(device=True)
+def _row_of(out_offsets: Array, v: int) -> int:
+    """The row ``m`` with ``out_offsets[m] <= v < out_offsets[m + 1]`` (``0 <= v <
+    out_offsets[-1]``): binary search, so empty rows are stepped over."""
+    lo = 0
+    hi = out_offsets.shape[0] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if out_offsets[mid] <= v:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
 
 @cuda.jit(cache=True)
-def _select_copy(
+def _select_words(
+    values: Array, offsets: Array, indices: Array, out_offsets: Array, width: int, out: Array
+) -> None:
+    """One thread per output word (grid-stride): ``out[w]`` from its row's source."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for w in range(start, out.shape[0], stride):
+        v = w // width
+        m = _row_of(out_offsets, v)
+        out[w] = values[(offsets[indices[m]] + v - out_offsets[m]) * width + w - v * width]
+
+
+@cuda.jit(cache=True)
+def _select_rows(
     values: Array, offsets: Array, indices: Array, out_offsets: Array, width: int, out: Array
 ) -> None:
     """One warp per output row (grid-stride), its lanes over the row's words."""
@@ -300,9 +341,23 @@ def _select_copy(
 
 
 @cuda.jit(cache=True)
-def _index_add(
+def _add_words(
     grad: Array, out_offsets: Array, src_offsets: Array, indices: Array, width: int, out: Array
 ) -> None:
+    """One thread per gradient element (grid-stride), added atomically to its source element."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for e in range(start, grad.shape[0], stride):
+        v = e // width
+        m = _row_of(out_offsets, v)
+        dst = (src_offsets[indices[m]] + v - out_offsets[m]) * width + e - v * width
+        cuda.atomic.add(out, dst, grad[e])
+
+
+@cuda.jit(cache=True)
+def _add_rows(
+    grad: Array, out_offsets: Array, src_offsets: Array, indices: Array, width: int, out: Array
+) -> None:
+    """One block per output row (grid-stride), its threads over the row's elements."""
     for m in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
         src = out_offsets[m] * width
         dst = src_offsets[indices[m]] * width
@@ -310,6 +365,64 @@ def _index_add(
             cuda.threadIdx.x, (out_offsets[m + 1] - out_offsets[m]) * width, cuda.blockDim.x
         ):
             cuda.atomic.add(out, dst + k, grad[src + k])
+
+
+_GRID_CAP = 1 << 20  # blocks; beyond, the grid-stride loops take over
+
+
+def select_into(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    out_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    layout: str | None = None,
+) -> None:
+    """Copy the selected rows of ``values`` into ``out`` (``[out_offsets[-1], ...]``, not empty).
+
+    The launch alone, no allocation: what the select costs beyond its output offsets.
+    ``layout``: ``"word"`` or ``"row"`` (default :data:`SELECT_LAYOUT`).
+    """
+    layout = layout or SELECT_LAYOUT
+    src_words, width = _words(values.detach())
+    out_words, _ = _words(out)
+    threads = _threads()
+    if layout == "word":
+        blocks, kernel = _blocks(out_words.shape[0], threads, _GRID_CAP), _select_words
+    else:
+        blocks, kernel = _blocks(indices.shape[0] * _WARP, threads), _select_rows  # warp per row
+    launch(
+        kernel, blocks, threads, out.device, src_words, offsets, indices, out_offsets, width,
+        out_words,
+    )  # fmt: skip
+
+
+def add_into(
+    grad: torch.Tensor,
+    out_offsets: torch.Tensor,
+    src_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    layout: str | None = None,
+) -> None:
+    """Add ``grad`` (``[out_offsets[-1], ...]``, not empty) into ``out`` (``[N, ...]``, the same
+    dtype, one of the atomic adds' float32 or float64) by the select's rows; ``layout`` as
+    :func:`select_into`'s."""
+    layout = layout or SELECT_LAYOUT
+    flat = grad.detach().reshape(-1)
+    width = row_width(grad)
+    if layout == "word":
+        threads = _threads()
+        blocks, kernel = _blocks(flat.shape[0], threads, _GRID_CAP), _add_words
+    else:
+        threads = _threads(128)
+        blocks, kernel = min(indices.shape[0], 65535), _add_rows  # a block per row
+    launch(
+        kernel, blocks, threads, out.device, flat, out_offsets, src_offsets, indices, width,
+        out.reshape(-1),
+    )  # fmt: skip
 
 
 def _out_offsets(offsets: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -334,26 +447,27 @@ def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def jagged_index_select(
-    values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    out_offsets: torch.Tensor | None = None,
+    num_out_values: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CUDA form of :func:`recpipe.kernels.jagged_index_select` (indices are not range-checked).
 
-    The output's size is the one value read back from the device.
+    ``out_offsets`` and ``num_out_values``, when the caller knows them, are trusted (not checked
+    against the selected rows: that would read them back). Without ``num_out_values`` the
+    output's size is the one value read back from the device (``out_offsets[-1]``, one sync).
     """
     device = values.device
-    out_offsets = _out_offsets(offsets, indices)
-    total = int(out_offsets[-1])
+    if out_offsets is None:
+        out_offsets = _out_offsets(offsets, indices)
+    total = int(out_offsets[-1]) if num_out_values is None else num_out_values
     out = torch.empty((total, *values.shape[1:]), dtype=values.dtype, device=device)
     if total == 0:
         return out, out_offsets
-    src_words, width = _words(values.detach())
-    out_words, _ = _words(out)
-    threads = _threads()
-    blocks = _blocks(indices.shape[0] * _WARP, threads)  # a warp per row
-    launch(
-        _select_copy, blocks, threads, device, src_words, offsets, indices, out_offsets, width,
-        out_words,
-    )  # fmt: skip
+    select_into(values, offsets, indices, out_offsets, out)
     return out, out_offsets
 
 
@@ -372,20 +486,7 @@ def jagged_index_add(
     acc_dtype = compute_dtype(grad_values.dtype)
     out = torch.zeros((num_src_values, *grad_values.shape[1:]), dtype=acc_dtype, device=device)
     if grad_values.numel() and indices.shape[0]:
-        grad = grad_values.detach().to(acc_dtype).reshape(-1)
-        blocks = min(indices.shape[0], 65535)
-        launch(
-            _index_add,
-            blocks,
-            _threads(128),
-            device,
-            grad,
-            out_offsets,
-            src_offsets,
-            indices,
-            row_width(grad_values),
-            out.reshape(-1),
-        )
+        add_into(grad_values.to(acc_dtype), out_offsets, src_offsets, indices, out)
     return out.to(grad_values.dtype)
 
 

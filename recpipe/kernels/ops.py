@@ -195,10 +195,14 @@ def partial_dedup(
 class _JaggedIndexSelect(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+        ctx: Any,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        indices: torch.Tensor,
+        known: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, out_offsets = get_kernel("jagged_index_select", values.device)(
-            values, offsets, indices
+            values, offsets, indices, **known
         )
         ctx.save_for_backward(offsets, indices, out_offsets)
         ctx.num_src_values = values.shape[0]
@@ -207,31 +211,74 @@ class _JaggedIndexSelect(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor, _grad_offsets: Any) -> tuple[Any, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, _grad_offsets: Any
+    ) -> tuple[Any, None, None, None]:
         offsets, indices, out_offsets = ctx.saved_tensors
         grad = get_kernel("jagged_index_add", grad_out.device)(
             grad_out.contiguous(), out_offsets, offsets, indices, ctx.num_src_values
         )
-        return grad, None, None
+        return grad, None, None, None
+
+
+def _check_known_layout(
+    out_offsets: torch.Tensor | None, num_out_values: int | None, indices: torch.Tensor
+) -> dict[str, Any]:
+    """The caller's output layout as keyword arguments for the kernel forms (O(1) checks)."""
+    known: dict[str, Any] = {}
+    if out_offsets is not None:
+        _check_offsets(out_offsets, "out_offsets")
+        if out_offsets.shape[0] != indices.shape[0] + 1 or out_offsets.device != indices.device:
+            msg = (
+                f"`out_offsets` must hold M + 1 = {indices.shape[0] + 1} offsets on "
+                f"{indices.device}, got {out_offsets.shape[0]} on {out_offsets.device}"
+            )
+            raise DataError(msg)
+        known["out_offsets"] = out_offsets
+    if num_out_values is not None:
+        if isinstance(num_out_values, bool) or not isinstance(num_out_values, int):
+            msg = f"`num_out_values` must be an int, got {num_out_values!r}"
+            raise DataError(msg)
+        if num_out_values < 0:
+            msg = f"`num_out_values` must be >= 0, got {num_out_values!r}"
+            raise DataError(msg)
+        known["num_out_values"] = num_out_values
+    return known
 
 
 def jagged_index_select(
-    values: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    out_offsets: torch.Tensor | None = None,
+    num_out_values: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select rows of a jagged tensor (repeats allowed): RecD's jagged index select (O6).
 
     Differentiable w.r.t. floating-point ``values``; the backward is :func:`jagged_index_add`.
 
+    The output's layout follows from ``offsets`` and ``indices``; a caller that already knows
+    it passes it, and on a GPU the call then reads nothing back from the device:
+    ``num_out_values`` (the output's rows, e.g. a deduplicated batch's expanded values, counted
+    on the host before the batch was copied) saves the one sync for the output's size, and
+    ``out_offsets`` (e.g. the batch's own offsets) the kernels that compute them. On the CPU
+    both are checked against the selected rows; on a GPU they are trusted (checking them would
+    read them back), so wrong ones give a wrong result there, or an out-of-range access.
+
     Args:
         values: ``[N]`` or ``[N, D]`` of any dtype (float16, int32, int64, ...).
         offsets: ``[B + 1]`` int64.
         indices: ``[M]`` int64 row numbers in ``0 .. B - 1``.
+        out_offsets: ``[M + 1]`` int64, the output's offsets, when known.
+        num_out_values: the output's length (``out_offsets[-1]``), when known on the host.
 
     Returns:
         ``(out_values [sum of the selected lengths(, D)], out_offsets [M + 1] int64)``.
 
     Raises:
-        DataError: bad shapes or dtypes, or (on CPU) an index out of range.
+        DataError: bad shapes or dtypes, or (on CPU) an index out of range or a known layout
+            that is not the selected rows'.
 
     Example:
         >>> import torch
@@ -239,12 +286,18 @@ def jagged_index_select(
         ...                                torch.tensor([1, 0, 1]))
         >>> out.tolist(), off.tolist()
         ([3, 1, 2, 3], [0, 1, 3, 4])
+        >>> jagged_index_select(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]),
+        ...                     torch.tensor([1, 0, 1]), num_out_values=4)[0].tolist()
+        [3, 1, 2, 3]
     """
     _check_jagged(values, offsets, "values", "offsets")
     indices = _check_indices(indices, values.device)
+    known = _check_known_layout(out_offsets, num_out_values, indices)
     if values.requires_grad and values.dtype.is_floating_point and torch.is_grad_enabled():
-        return cast(Pair, _JaggedIndexSelect.apply(values, offsets, indices))  # type: ignore[no-untyped-call]
-    return cast(Pair, get_kernel("jagged_index_select", values.device)(values, offsets, indices))
+        return cast(Pair, _JaggedIndexSelect.apply(values, offsets, indices, known))  # type: ignore[no-untyped-call]
+    return cast(
+        Pair, get_kernel("jagged_index_select", values.device)(values, offsets, indices, **known)
+    )
 
 
 def jagged_index_add(

@@ -228,6 +228,45 @@ def test_jagged_index_add_matches_reference(case):
     np.testing.assert_allclose(as_ref(got), want, rtol=tol, atol=tol)
 
 
+@SETTINGS
+@given(select_cases(), st.sampled_from(["offsets", "total", "both"]))
+def test_jagged_index_select_with_the_known_layout_matches_reference(case, known):
+    """A caller that knows the output's offsets or size passes them: same result, and the
+    gradient still reaches the source rows."""
+    values, offsets, indices = case
+    ref_out, ref_offsets = ref_jagged_index_select(as_ref(values), offsets.numpy(), indices.numpy())
+    layout = {
+        "out_offsets": torch.from_numpy(ref_offsets) if known != "total" else None,
+        "num_out_values": int(ref_offsets[-1]) if known != "offsets" else None,
+    }
+    out, out_offsets = jagged_index_select(values, offsets, indices, **layout)
+    np.testing.assert_array_equal(as_ref(out), ref_out)
+    np.testing.assert_array_equal(out_offsets.numpy(), ref_offsets)
+    if values.dtype == torch.float64:
+        leaf = values.clone().requires_grad_(True)
+        out, _ = jagged_index_select(leaf, offsets, indices, **layout)
+        out.sum().backward()
+        want = ref_jagged_index_add(
+            np.ones(ref_out.shape), ref_offsets, offsets.numpy(), indices.numpy(), len(values)
+        )
+        np.testing.assert_array_equal(leaf.grad.numpy(), want)
+
+
+def test_jagged_index_select_refuses_a_known_layout_that_is_wrong():
+    values, offsets = jagged([[1, 2], [3]])
+    indices = torch.tensor([1, 0])  # out_offsets [0, 1, 3]
+    with pytest.raises(DataError, match=r"`num_out_values` = 4 but the selected rows hold 3"):
+        jagged_index_select(values, offsets, indices, num_out_values=4)
+    with pytest.raises(DataError, match=r"`out_offsets`\[1\] = 2 but the selected rows put 1"):
+        jagged_index_select(values, offsets, indices, out_offsets=torch.tensor([0, 2, 3]))
+    with pytest.raises(DataError, match=r"`out_offsets` must hold M \+ 1 = 3 offsets"):
+        jagged_index_select(values, offsets, indices, out_offsets=torch.tensor([0, 3]))
+    with pytest.raises(DataError, match=r"`num_out_values` must be >= 0, got -1"):
+        jagged_index_select(values, offsets, indices, num_out_values=-1)
+    with pytest.raises(DataError, match=r"`num_out_values` must be an int, got 3.0"):
+        jagged_index_select(values, offsets, indices, num_out_values=3.0)
+
+
 def test_jagged_index_select_rejects_bad_indices():
     values, offsets = jagged([[1, 2], [3]])
     with pytest.raises(

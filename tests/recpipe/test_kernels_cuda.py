@@ -25,6 +25,7 @@ from recpipe.kernels import (
 )
 from tests.recpipe.kernel_reference import (
     ref_dedup_rows,
+    ref_jagged_index_add,
     ref_jagged_index_select,
     ref_partial_dedup,
     ref_segment_reduce,
@@ -124,13 +125,23 @@ def _small(case):
 
 
 @SIM_SETTINGS
-@given(select_cases())
-def test_jagged_index_select_and_add_cuda(device, case):
+@given(select_cases(), st.sampled_from(["word", "row"]), st.booleans())
+def test_jagged_index_select_and_add_cuda(device, monkeypatch, case, layout, known):
+    """Both layouts of the select and add kernels, with and without the caller's known output
+    layout (which the CUDA form trusts), against the CPU forms and the NumPy reference."""
+    from recpipe.kernels import cuda as kc
+
+    monkeypatch.setattr(kc, "SELECT_LAYOUT", layout)
     values, offsets, indices = _small(case)
-    out, out_offsets = jagged_index_select(
-        values.to(device), offsets.to(device), indices.to(device)
-    )
     want, want_offsets = cpu.jagged_index_select(values, offsets, indices)
+    layout_args = (
+        {"out_offsets": want_offsets.to(device), "num_out_values": int(want_offsets[-1])}
+        if known
+        else {}
+    )
+    out, out_offsets = jagged_index_select(
+        values.to(device), offsets.to(device), indices.to(device), **layout_args
+    )
     assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
     ref_values = values.double().numpy() if values.dtype == torch.bfloat16 else values.numpy()
     ref_out, _ = ref_jagged_index_select(ref_values, offsets.numpy(), indices.numpy())
@@ -143,6 +154,31 @@ def test_jagged_index_select_and_add_cuda(device, case):
         expect = cpu.jagged_index_add(grad, want_offsets, offsets, indices, values.shape[0])
         tol = 1e-2 if values.dtype in (torch.float16, torch.bfloat16) else 1e-6
         torch.testing.assert_close(got.cpu(), expect, rtol=tol, atol=tol)
+        ref_grad = ref_jagged_index_add(
+            grad.double().numpy(), want_offsets.numpy(), offsets.numpy(), indices.numpy(),
+            values.shape[0],
+        )  # fmt: skip
+        np.testing.assert_allclose(got.cpu().double().numpy(), ref_grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", ["word", "row"])
+def test_select_and_add_kernels_with_empty_rows_and_repeats(device, monkeypatch, layout):
+    """Empty rows between, before and after full ones: the word layout's binary search steps
+    over them (the case a search gets wrong first)."""
+    from recpipe.kernels import cuda as kc
+
+    monkeypatch.setattr(kc, "SELECT_LAYOUT", layout)
+    values = torch.arange(24, dtype=torch.float32).reshape(8, 3).to(device)
+    offsets = torch.tensor([0, 0, 3, 3, 3, 8, 8], device=device)
+    indices = torch.tensor([0, 1, 3, 4, 1, 5, 0, 4, 4], device=device)
+    out, out_offsets = jagged_index_select(values, offsets, indices)
+    want, want_offsets = cpu.jagged_index_select(values.cpu(), offsets.cpu(), indices.cpu())
+    assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
+    got = jagged_index_add(out, out_offsets, offsets, indices, 8)
+    expect = ref_jagged_index_add(
+        want.double().numpy(), want_offsets.numpy(), offsets.numpy(), indices.numpy(), 8
+    )
+    np.testing.assert_array_equal(got.cpu().double().numpy(), expect)  # small integers: exact
 
 
 @SIM_SETTINGS
@@ -198,4 +234,4 @@ def test_kernels_launch_without_numbas_dispatcher_on_a_gpu():
     want, want_offsets = cpu.jagged_index_select(values.cpu(), offsets.cpu(), indices.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
     compiled = {key[0]: kernel for key, kernel in kc._DIRECT.items()}
-    assert compiled.get(kc._select_copy) is not None
+    assert compiled.get(kc._select_words) is not None
