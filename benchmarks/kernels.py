@@ -36,6 +36,11 @@ the repeats, with the CPU-time ratio beside the wall-time one):
   bus width, from Numba) and against a ``torch`` device-to-device copy of the select's output size.
   ``gpu_sweep`` (``--gpu-rows 4096,16384,...``): the same section again at each batch size, to
   tell a kernel's fixed cost per call (launch, argument conversion, host sync) from its bandwidth.
+  The select is timed three ways (``known_layout_note`` in the JSON): as a caller that passes
+  nothing makes it (``jagged_index_select``: output offsets on the device and one sync for the
+  size), passing the size the host counted (``_known_size``) and passing the batch's offsets as
+  well (``_known_layout``); and each select and add kernel alone in both thread layouts of
+  ``recpipe.kernels.cuda`` (``select_kernel_word``, ``select_kernel_row``, ``add_kernel_*``).
 
 Run: ``python -m benchmarks.kernels [--rows 4096] [--batches 20] [--dim 64]``; writes
 ``benchmarks/results/kernels.json`` (``--out``) and prints a table.
@@ -421,6 +426,7 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
     sizes only, to check this code path without a GPU (its rates mean nothing).
     """
     from recpipe.kernels import cuda as kc
+    from recpipe.kernels.cpu import jagged_index_add as cpu_index_add
 
     if simulate:
         if not kc.is_simulator():
@@ -442,23 +448,75 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
     out, out_offsets = kc.jagged_index_select(emb, offsets_u, inverse)
     want = dense_index_select(emb.cpu(), offsets_u.cpu(), inverse.cpu())
     _require(torch.equal(out.cpu(), want), "the CUDA jagged_index_select")
+    # what a caller holding the deduplicated batch knows without the device: the expanded rows
+    # are the batch's rows, so their offsets are the batch's (copied with it) and their number
+    # of values was counted on the host before the copy
+    known = {"out_offsets": offsets_b, "num_out_values": int(offsets_np[-1])}
+    got = kc.jagged_index_select(emb, offsets_u, inverse, **known)[0]
+    _require(torch.equal(got.cpu(), want), "the CUDA jagged_index_select given the batch's offsets")
     grad = torch.randn(out.shape, generator=gen, device=device)
+    want_grad = cpu_index_add(
+        grad.cpu(), out_offsets.cpu(), offsets_u.cpu(), inverse.cpu(), len(emb)
+    )
+    for layout in ("word", "row"):
+        got = torch.full_like(out, float("nan"))
+        kc.select_into(emb, offsets_u, inverse, out_offsets, got, layout=layout)
+        _require(torch.equal(got.cpu(), want), f"the CUDA select's {layout!r} kernel")
+        got = torch.zeros_like(emb)
+        kc.add_into(grad, out_offsets, offsets_u, inverse, got, layout=layout)
+        _require(
+            torch.allclose(got.cpu(), want_grad, rtol=1e-5, atol=1e-5),
+            f"the CUDA add's {layout!r} kernel",
+        )
     n_u, n_b, width = emb.numel(), out.numel(), 4  # float32 elements, bytes per element
     rows_b, rows_u = inverse.shape[0], unique_rows.shape[0]
     copy_src = torch.empty(n_b, device=device)
     copy_dst = torch.empty_like(copy_src)
+    acc = torch.zeros_like(emb)
     idx_bytes = 8 * (2 * rows_b + rows_u)  # indices, output offsets, source offsets
+    select_bytes = 2 * n_b * width + idx_bytes  # reads every selected element, writes the output
+    add_bytes = n_b * width + 2 * n_u * width + idx_bytes  # reads the gradient, zero-fills, writes
     cases: dict[str, tuple[Callable[[], Any], int]] = {
-        # reads every selected source element, writes the output
+        # the call as a caller that knows nothing makes it: output offsets, one sync for the size
         "jagged_index_select": (
             lambda: kc.jagged_index_select(emb, offsets_u, inverse),
-            2 * n_b * width + idx_bytes,
+            select_bytes,
         ),
-        # reads the incoming gradient, zero-fills and writes the [N_u, D] gradient
+        # the call as a caller passing the size it counted on the host: no sync
+        "jagged_index_select_known_size": (
+            lambda: kc.jagged_index_select(
+                emb, offsets_u, inverse, num_out_values=known["num_out_values"]
+            ),
+            select_bytes,
+        ),
+        # the call as a caller passing the batch's offsets and size: no sync, no offsets
+        "jagged_index_select_known_layout": (
+            lambda: kc.jagged_index_select(emb, offsets_u, inverse, **known),
+            select_bytes,
+        ),
         "jagged_index_add": (
             lambda: kc.jagged_index_add(grad, out_offsets, offsets_u, inverse, emb.shape[0]),
-            n_b * width + 2 * n_u * width + idx_bytes,
+            add_bytes,
         ),
+        # each kernel alone, into outputs allocated once: the layouts of recpipe.kernels.cuda
+        **{
+            f"select_kernel_{layout}": (
+                functools.partial(
+                    kc.select_into, emb, offsets_u, inverse, out_offsets, out, layout=layout
+                ),
+                select_bytes,
+            )
+            for layout in ("word", "row")
+        },
+        **{
+            f"add_kernel_{layout}": (
+                functools.partial(
+                    kc.add_into, grad, out_offsets, offsets_u, inverse, acc, layout=layout
+                ),
+                add_bytes - n_u * width,  # no zero-fill
+            )
+            for layout in ("word", "row")
+        },
         # reads the unique rows' embeddings, writes one [D] row per unique row
         "segment_reduce_sum": (
             lambda: kc.segment_reduce(emb, offsets_u, "sum"),
@@ -481,6 +539,8 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
         "peak_bandwidth_gbps": peak,
         "rows": rows_b,
         "unique_rows": rows_u,
+        "select_layout": kc.SELECT_LAYOUT,
+        "known_layout_note": _KNOWN_LAYOUT_NOTE,
     }
     times: dict[str, list[float]] = {}
     for name, (fn, nbytes) in cases.items():
@@ -526,7 +586,27 @@ def _noop_launches(kc: Any, tensors: list[Any]) -> dict[str, Callable[[], Any]]:
     }
 
 
-_GPU_CASES = ("jagged_index_select", "jagged_index_add", "segment_reduce_sum", "dedup_rows")
+_GPU_CASES = (
+    "jagged_index_select",
+    "jagged_index_select_known_size",
+    "jagged_index_select_known_layout",
+    "jagged_index_add",
+    "select_kernel_word",
+    "select_kernel_row",
+    "add_kernel_word",
+    "add_kernel_row",
+    "segment_reduce_sum",
+    "dedup_rows",
+)
+_KNOWN_LAYOUT_NOTE = (
+    "jagged_index_select: the output offsets computed on the device and its size read back "
+    "(one sync), as for a caller that passes nothing; _known_size: num_out_values passed (the "
+    "batch's value count, known on the host before the copy), no sync; _known_layout: "
+    "out_offsets (the batch's offsets, which the expanded rows share) and num_out_values "
+    "passed; select_kernel_<layout> / add_kernel_<layout>: the kernels alone into outputs "
+    "allocated once (add: no zero-fill), layout 'word' = a thread per word, 'row' = a warp "
+    "(select) or block (add) per row; select_layout: the one the calls above used"
+)
 
 
 def print_table(result: dict[str, Any]) -> None:
