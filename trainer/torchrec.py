@@ -351,8 +351,11 @@ class EmbeddingCollection(_Collection):
             values, offsets = seq.values, seq.offsets
             if seq.inverse is not None:
                 values, offsets = jagged_index_select(values, offsets, seq.inverse)  # O6
-                if ids is not None:
-                    ids = jagged_index_select(ids, seq.offsets, seq.inverse)[0]
+                if ids is not None:  # the same rows: their layout is known, no sync on a GPU
+                    ids = jagged_index_select(
+                        ids, seq.offsets, seq.inverse, out_offsets=offsets,
+                        num_out_values=values.shape[0],
+                    )[0]  # fmt: skip
             lengths = offsets[1:] - offsets[:-1]
             out[name] = jagged(values=values, lengths=lengths, offsets=offsets, weights=ids)
         return out
