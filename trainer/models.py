@@ -7,8 +7,11 @@
     history group  -> SequenceEmbeddings -> AttentionPooling (O7) -> a1..am [B, D]
     pairwise dots of [x0, e1..en, a1..am] (upper triangle) ++ x0 -> top MLP -> logit [B]
 
-The model takes a :class:`~recpipe.batch.Batch` with or without IKJTs and computes the same
-logits either way (``--dedup on|off`` parity). Nothing here imports training code.
+The model takes a :class:`~recpipe.batch.Batch` with or without IKJTs and trains bit for bit
+the same either way (``--dedup on|off``): a plain batch's dedup groups are deduplicated here,
+as the readers would, so that the gradients of duplicate rows are summed into their unique row
+before the tables and the attention layers in both cases (:meth:`DLRM.set_dedup_groups`).
+Nothing here imports training code.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from trainer.modules import (
     PooledEmbeddings,
     SequenceEmbeddings,
     TableFactory,
+    dedup_batch,
 )
 
 if TYPE_CHECKING:
@@ -193,6 +197,25 @@ class DLRM(nn.Module):
             self.top = _mlp([top_in, *config.top_mlp, 1], last_relu=False)
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("_tri", rows * n + cols, persistent=False)
+        self.dedup_groups: tuple[tuple[str, ...], ...] = ()
+        self.dedup_partial: tuple[str, ...] = ()
+
+    def set_dedup_groups(
+        self, groups: Sequence[Sequence[str]], partial: Sequence[str] = ()
+    ) -> None:
+        """Deduplicate these groups (and ``partial`` features) of a plain batch before the
+        lookups (:func:`~trainer.modules.dedup_batch`); :meth:`from_schema` sets the schema's.
+
+        Float sums depend on their order: a deduplicated batch sums the gradients of a unique
+        row's duplicates first (in batch order), then runs the embedding and attention backward
+        once per unique row. A plain batch computed row by row would sum the same terms in
+        another order, so the groups make it take the deduplicated path too, with the readers'
+        unique rows: ``--dedup on`` and ``off`` then train bit for bit alike on the CPU, whatever
+        the optimizer. No parameter or checkpoint depends on them. ``()`` computes a plain
+        batch on all its rows (the no-dedup baseline the benchmarks time).
+        """
+        self.dedup_groups = tuple(tuple(g) for g in groups)
+        self.dedup_partial = tuple(partial)
 
     @classmethod
     def from_schema(
@@ -202,7 +225,8 @@ class DLRM(nn.Module):
         *,
         table_factory: TableFactory | None = None,
     ) -> DLRM:
-        """Build the model for a dataset schema (dense features, sparse features, dedup groups).
+        """Build the model for a dataset schema (dense features, sparse features, dedup groups:
+        how a plain batch is summed, see :meth:`set_dedup_groups`).
 
         Args:
             schema: the dataset schema.
@@ -219,7 +243,7 @@ class DLRM(nn.Module):
                 raise RecpipeError(msg)
         attention = attention_features(schema, config)
         max_len = {f: schema.feature(f).max_len for f in attention}
-        return cls(
+        model = cls(
             len(schema.dense_names),
             tables,
             config=config,
@@ -227,9 +251,13 @@ class DLRM(nn.Module):
             max_len=max_len,
             table_factory=table_factory,
         )
+        model.set_dedup_groups(schema.dedup_groups, schema.dedup_partial)
+        return model
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """``[B]`` logits of a batch (deduplicated or plain)."""
+        if self.dedup_groups or self.dedup_partial:
+            batch = dedup_batch(batch, self.dedup_groups, self.dedup_partial)
         x0 = self.dense_vector(batch.dense)  # (B, D)
         vectors = list(self.ebc(batch).values())
         if self.attention is not None:

@@ -25,7 +25,8 @@ numbers as the expanded lists', with P lookups instead of N.
 :class:`JaggedEmbeddings` (still over unique rows; ``expand()`` runs the jagged index select,
 O6); :class:`~trainer.attention.AttentionPooling` runs a small transformer encoder layer over a
 group's sequences on the unique rows and expands its ``[U, D]`` output (O7). Both collections return plain dicts
-and take recpipe's :class:`TableConfig`; the TorchRec-shaped ``EmbeddingBagCollection`` and
+and take recpipe's :class:`TableConfig`; :func:`dedup_batch` deduplicates a plain batch's groups
+as the readers do (the model's ``--dedup off`` path). The TorchRec-shaped ``EmbeddingBagCollection`` and
 ``EmbeddingCollection`` (TorchRec configs in, ``KeyedTensor`` / ``JaggedTensor`` out) are in
 :mod:`trainer.torchrec`, built on the same helpers.
 
@@ -42,7 +43,7 @@ import functools
 import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -73,6 +74,7 @@ __all__ = [
     "TableFactory",
     "check_table_ids",
     "checked_lookup",
+    "dedup_batch",
     "expand_rows",
     "locate_features",
     "locate_windows",
@@ -352,6 +354,41 @@ def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, Fea
         else:
             out[key] = FeatureRows(group[key], group.inverse_lookup, name)
     return out
+
+
+def dedup_batch(
+    batch: Batch, groups: Iterable[Sequence[str]], partial: Sequence[str] = ()
+) -> Batch:
+    """``batch`` with the ``groups`` (and the ``partial`` features) that its plain KJT holds
+    deduplicated as the readers deduplicate them (:meth:`InverseKeyedJaggedTensor.from_jagged`,
+    :meth:`PartialInverseKeyedJaggedTensor.from_jagged`: the same unique rows, in the same
+    order, as ``--dedup on`` reads).
+
+    A plain batch computed through its unique rows sums the gradients of duplicate rows into
+    their unique row before they reach the tables or the attention layers, as a deduplicated
+    batch does: the two train bit for bit alike. Groups already deduplicated, or not all in the
+    KJT, are left as they are; a batch with nothing to deduplicate is returned unchanged.
+    """
+    kjt, moved = batch.kjt, set[str]()
+    ikjts: dict[str, InverseKeyedJaggedTensor | PartialInverseKeyedJaggedTensor] = {}
+    for keys in groups:
+        if keys and all(k in kjt for k in keys):
+            ikjts["+".join(keys)] = InverseKeyedJaggedTensor.from_jagged({k: kjt[k] for k in keys})
+            moved.update(keys)
+    if partial and all(k in kjt for k in partial):
+        ikjts["+".join(partial)] = PartialInverseKeyedJaggedTensor.from_jagged(
+            {k: kjt[k] for k in partial}
+        )
+        moved.update(partial)
+    if not moved:
+        return batch
+    rest = [k for k in kjt.keys if k not in moved]
+    plain = (
+        kjt.select(rest)
+        if rest
+        else KeyedJaggedTensor.from_jagged_dict({}, stride=batch.batch_size)
+    )
+    return replace(batch, kjt=plain, ikjts={**batch.ikjts, **ikjts})
 
 
 @dataclass(frozen=True)
