@@ -210,7 +210,9 @@ def _write_quarantine(engine: Engine, job: BuildJob) -> None:
     qdir = job.work_dir / "_quarantine"
     qdir.mkdir()
     for kind in ("features", "events"):
-        write_quarantine(engine.quarantined(kind), job.files(kind), qdir / f"{kind}.parquet")
+        path = qdir / f"{kind}.parquet"
+        if not engine.write_quarantine(kind, path):
+            write_quarantine(engine.quarantined(kind), job.files(kind), path)
     trace_shard_lines(qdir / "features.parquet")
 
 

@@ -139,6 +139,12 @@ class Engine(ABC):
         session id, file_id, line_no)``. The batches form one stream; their sizes do not
         matter (the writer cuts row groups itself)."""
 
+    def write_quarantine(self, kind: Kind, path: Path) -> bool:
+        """Write the ``kind`` quarantine file ``path`` where the rows are (an engine whose
+        workers write it, with :func:`etl.build.output.write_quarantine`) and return True, or
+        return False (the default) to hand :meth:`quarantined` to the driver's writer."""
+        return False
+
     def write_dataset(self, rows: int) -> tuple[Any, list[dict]] | None:
         """Write the dataset's part files where the rows are (an engine whose workers write
         them with the shared writer), or return None (the default) to hand :meth:`rows` to the

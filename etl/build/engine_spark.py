@@ -22,8 +22,13 @@ quarantine; no dataset row, and no list as long as the rows, reaches it.
   (in a folder of its attempt, then renamed into the temporary dataset) and returns their
   metadata. The bytes depend on ``spark_partitions`` only: not on the executors, adaptive
   coalescing or task retries (a retried task writes the same bytes).
-- **quarantine**: the bad rows are range-partitioned and sorted by task into Arrow IPC scratch
-  files, read back on the driver in key order for the one quarantine file per kind.
+- **quarantine** (:meth:`SparkEngine.write_quarantine`): the bad rows are range-partitioned
+  and sorted by task into compressed Arrow IPC scratch files; one task then reads them in key
+  order and writes the one quarantine file per kind with the shared quarantine writer (row
+  groups of a fixed size). The driver gets each scratch file's path, rows and first key.
+- **the dictionary columns** (``dictionary="auto"``): one task runs the dataset's first row
+  group's rows (at most ``row group + 1``) through the shared writer and returns only its
+  per-column measurement (:meth:`SparkEngine._dictionary`).
 
 On a cluster, the inputs and the output directory must be on a filesystem every executor sees
 under the same path (NFS, a mounted bucket): the tasks open the inputs and write the part
@@ -49,7 +54,14 @@ import pyarrow as pa
 from etl.build.config import BuildConfig
 from etl.build.engine import BuildJob, Engine, Kind, duplicate_rows_in, sampled
 from etl.build.inputs import InputFile, empty_lines
-from etl.build.output import PARTITION_MS, BuildCounts, by_reason, dataset_writer, write_rows
+from etl.build.output import (
+    PARTITION_MS,
+    BuildCounts,
+    by_reason,
+    dataset_writer,
+    write_quarantine,
+    write_rows,
+)
 from etl.build.spark_splits import Split, count_newlines, plan_splits, read_split
 from etl.build.validate import BAD_COLUMNS, Validator, feature_columns
 from etl.spark_env import run_action as _action
@@ -372,11 +384,51 @@ class SparkEngine(Engine):
             rows_duplicate=self.duplicates,
         )
 
-    def quarantined(self, kind: Kind) -> Iterator[pa.RecordBatch]:
+    def write_quarantine(self, kind: Kind, path: Path) -> bool:
+        """The bad rows of ``kind`` written by tasks: range partitions of ``(file_id,
+        line_no)``, each sorted and written by its task to a compressed IPC scratch file
+        (returning its path, rows and first key), then one task that reads them in key order
+        and writes ``path`` with the shared quarantine writer, in row groups of a fixed size
+        (the bytes do not depend on the partitions). The driver sees only that metadata."""
         from pyspark.sql import functions as F
+        from pyspark.sql.types import LongType, StringType, StructField, StructType
 
         bad = self.tables[kind].where(F.col("reason").isNotNull()).select(*BAD_COLUMNS)
-        yield from self._sorted(bad, ["file_id", "line_no"], list(BAD_COLUMNS), f"q-{kind}")
+        folder = self.scratch / f"q-{kind}-{uuid.uuid4().hex[:8]}"
+        folder.mkdir()
+        order = ["file_id", "line_no"]
+        meta = StructType(
+            [StructField("path", StringType()), StructField("rows", LongType())]
+            + [StructField(k, LongType()) for k in order]
+        )
+        parts = bad.repartitionByRange(self.partitions, *order).sortWithinPartitions(*order)
+        columns = list(BAD_COLUMNS)
+
+        def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            return _write_partition(batches, folder, order, columns, meta_names=meta.fieldNames())
+
+        files = self.job.files(kind)
+        try:
+            found = _action(parts.mapInArrow(write, meta).toArrow).to_pylist()
+            found.sort(key=lambda r: tuple(r[k] for k in order))
+            paths = [r["path"] for r in found]
+
+            def merge(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+                return _merge_quarantine(batches, paths, files, path)
+
+            one = self.spark.createDataFrame([(len(paths),)], "parts long").coalesce(1)
+            written = _action(one.mapInArrow(merge, "rows long").collect)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if [int(r["rows"]) for r in written] != [sum(r["rows"] for r in found)]:
+            raise RecpipeError(
+                f"internal: the {kind} quarantine task wrote {[r['rows'] for r in written]} "
+                f"rows of {sum(r['rows'] for r in found)}"
+            )
+        return True
+
+    def quarantined(self, kind: Kind) -> Iterator[pa.RecordBatch]:
+        raise RecpipeError("internal: the Spark engine's tasks write the quarantine")
 
     def rows(self) -> Iterator[pa.RecordBatch]:
         raise RecpipeError("internal: the Spark engine's tasks write the dataset (write_dataset)")
@@ -537,37 +589,6 @@ class SparkEngine(Engine):
         }
         self.dictionary_measured = measured or None
         return [c for c, m in measured.items() if m["use"]]
-
-    def _sorted(
-        self, df: Any, order: list[str], columns: list[str], name: str
-    ) -> Iterator[pa.RecordBatch]:
-        """``df``'s ``columns`` in the order of ``order`` (integer keys, unique per row): range
-        partitions, each sorted and written by its task to an IPC file, read back in key order
-        (the quarantine's rows: the bad lines, in input order)."""
-        from pyspark.sql.types import LongType, StringType, StructField, StructType
-
-        folder = self.scratch / f"{name}-{uuid.uuid4().hex[:8]}"
-        folder.mkdir()
-        meta = StructType(
-            [StructField("path", StringType()), StructField("rows", LongType())]
-            + [StructField(k, LongType()) for k in order]
-        )
-        n = self.partitions
-        parts = df.repartitionByRange(n, *order).sortWithinPartitions(*order)
-
-        def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-            return _write_partition(batches, folder, order, columns, meta_names=meta.fieldNames())
-
-        found = _action(parts.mapInArrow(write, meta).toArrow).to_pylist()
-        found.sort(key=lambda r: tuple(r[k] for k in order))
-        try:
-            for part in found:
-                with pa.ipc.open_file(part["path"]) as f:
-                    for i in range(f.num_record_batches):
-                        yield f.get_batch(i)
-                os.unlink(part["path"])
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass
@@ -795,7 +816,8 @@ def _write_partition(
                 first = [batch.column(k)[0].as_py() for k in order]
             out = pa.RecordBatch.from_arrays([batch.column(c) for c in columns], names=columns)
             if writer is None:
-                writer = pa.ipc.new_file(path, out.schema)
+                options = pa.ipc.IpcWriteOptions(compression="zstd")
+                writer = pa.ipc.new_file(path, out.schema, options=options)
             for piece in pa.Table.from_batches([out]).to_batches(_WRITE_ROWS):
                 writer.write_batch(piece)
             rows += batch.num_rows
@@ -808,6 +830,46 @@ def _write_partition(
             [pa.array(v, pa.string() if i == 0 else pa.int64()) for i, v in enumerate(values)],
             names=meta_names,
         )
+
+
+def _merge_quarantine(
+    batches: Iterator[pa.RecordBatch], paths: list[str], files: list[InputFile], out: Path
+) -> Iterator[pa.RecordBatch]:
+    """One task: the sorted scratch files ``paths`` (in key order) written as the quarantine
+    file ``out`` by the shared writer, in row groups of :data:`_WRITE_ROWS` rows (written
+    aside, then renamed: a retried task writes the same bytes); yields its row count."""
+    for _ in batches:  # the one row that makes this task
+        pass
+
+    def read() -> Iterator[pa.RecordBatch]:
+        for name in paths:
+            with pa.ipc.open_file(name) as f:
+                for i in range(f.num_record_batches):
+                    yield f.get_batch(i)
+
+    aside = out.with_name(f".{out.name}.{uuid.uuid4().hex}")
+    try:
+        rows = write_quarantine(_rechunked(read(), _WRITE_ROWS), files, aside)
+        os.replace(aside, out)
+    finally:
+        aside.unlink(missing_ok=True)
+    yield pa.RecordBatch.from_pydict({"rows": [rows]}, schema=pa.schema([("rows", pa.int64())]))
+
+
+def _rechunked(batches: Iterator[pa.RecordBatch], size: int) -> Iterator[pa.Table]:
+    """The rows of ``batches`` again, in tables of ``size`` rows (the last one shorter)."""
+    held: list[pa.RecordBatch] = []
+    n = 0
+    for batch in batches:
+        held.append(batch)
+        n += batch.num_rows
+        while n >= size:
+            table = pa.Table.from_batches(held)
+            yield table.slice(0, size)
+            rest = table.slice(size)
+            held, n = rest.to_batches(), rest.num_rows
+    if n:
+        yield pa.Table.from_batches(held)
 
 
 def _session_keys(good: Any, gap: int) -> Any:

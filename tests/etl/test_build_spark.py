@@ -180,12 +180,13 @@ def test_spark_matches_duckdb_on_synthetic_logs_for_any_partition_count(spark, t
 
 
 @pytest.mark.slow
-def test_no_dataset_row_reaches_the_driver(spark, tmp_path, monkeypatch):
+def test_no_dataset_or_quarantine_row_reaches_the_driver(spark, tmp_path, monkeypatch):
     """Every answer a Spark action hands the driver (counts, metadata, the per-column
     dictionary measurement) is free of the dataset's columns: the dictionary choice too is
     made by a task (it was a sample of the first row group collected to the driver), and it
-    is the DuckDB engine's."""
-    from etl.build import engine_spark
+    is the DuckDB engine's. The quarantine files are written by tasks, not by the driver's
+    quarantine writer (which read the bad rows back on the driver), and hold DuckDB's rows."""
+    from etl.build import driver, engine_spark
     from etl.synth import SynthConfig, generate
 
     answers: list[set[str]] = []
@@ -199,12 +200,23 @@ def test_no_dataset_row_reaches_the_driver(spark, tmp_path, monkeypatch):
             answers.append(set(got[0].asDict()))
         return got
 
+    driver_wrote: list[str] = []
+    write = driver.write_quarantine
+
+    def driver_writes(batches, files, path):
+        driver_wrote.append(Path(path).name)
+        return write(batches, files, path)
+
     monkeypatch.setattr(engine_spark, "_action", record)
-    logs = generate(tmp_path / "raw", SynthConfig(num_requests=600, seed=5, bad_fraction=0.02))
+    monkeypatch.setattr(driver, "write_quarantine", driver_writes)
+    logs = generate(tmp_path / "raw", SynthConfig(num_requests=600, seed=5, bad_fraction=0.05))
     m = _parity(tmp_path, logs.features, events=logs.events, row_group_size=64)
     assert m["parquet"]["dictionary_measured"] and m["rows_out"] > 64
+    assert m["rows_quarantined"] and m["events_quarantined"] and m["reconciles"]
     columns = set(pq.read_schema(tmp_path / "duckdb" / m["files"][0]["path"]).names)
     assert answers and all(not (seen & columns) for seen in answers), answers
+    # the DuckDB build's two files only
+    assert driver_wrote == ["features.parquet", "events.parquet"], driver_wrote
 
 
 @pytest.mark.slow
