@@ -1,31 +1,45 @@
-"""Batches for the ranks of a distributed job: the same count on every rank, sessions intact.
+"""The batch stream of one rank of a ``world_size``-rank job (one process: rank 0 of 1).
 
-A DDP job runs one step per batch on every rank in lockstep, so every rank must get the same
-number of batches in an epoch (dealing row groups round-robin does not do that: 10 row groups
-over 3 ranks give 4/3/3 row groups, 16/12/12 batches). Here the ranks cut one *global stream*
-instead, the stream one reader with the same config would read::
+A job steps its ranks in lockstep, so every rank must get the same number of batches in an
+epoch (dealing row groups round-robin does not do that: 10 row groups over 3 ranks give
+4/3/3 row groups, 16/12/12 batches). Here the ranks cut one *global stream* instead, the
+stream one reader with the same config reads, into *global batches* of ``G = W*B``
+consecutive rows (``B`` rows per rank)::
 
     splits, shuffled with rng(seed, epoch)                  s5 s2 s7 s0 s3 s6 s1 s4
     windows of >= shuffle_buffer sessions, sessions permuted
-    cut every batch_size rows: global batches               g0 g1 g2 ... g(T-1)   T = rows // B
-    n = T // W batches per rank, contiguous ranges          rank 0: g0..g(n-1)  rank 1: gn..g(2n-1)
-    remainder (not delivered this epoch, counted)           g(W*n)..g(T-1) and the last rows < B
+    cut every G = W*B rows: global batches                  g0 g1 g2 ... g(n-1)   n = rows // G
+    the cut (ContiguousCut): rank r gets rows [r*B, (r+1)*B) of each g_t
+    remainder (not delivered this epoch, counted)           the last rows < G
 
-Step ``t`` of the job trains on the *global batch* made of every rank's ``t``-th batch. A
-session is cut only at a batch boundary (as with one reader); every row of the epoch is
-delivered exactly once across ranks except the remainder: ``rows - W*n*B`` rows, fewer than
-``W*B``, reported by :attr:`EpochLayout.remainder_rows`. A rank reads only the windows its
-range touches (a window on a range boundary is read by both ranks).
+Step ``t`` trains on global batch ``g_t``: the stream one process reads at batch size ``G``.
+So ``W`` ranks at batch size ``B`` read exactly the batches of one process at batch size
+``W*B``, and every row of the epoch is delivered once except the remainder, ``rows - n*G``
+rows (:attr:`EpochLayout.remainder_rows`). With ``drop_remainder=False`` (one rank only) the
+remainder is delivered as a last, shorter batch: the whole stream, as for evaluation. A
+session is cut only at a batch boundary, as with one reader. Rank ``r``'s part of ``g_t`` is
+batch ``t*W + r`` of the stream cut every ``B`` rows; a rank reads only the windows its parts
+touch (the session shuffle does not depend on the batch size, so both cuts see the same rows).
 
 The layout is computed by every rank from the split footers alone when ``shuffle=False``; with
 shuffling the window boundaries need each split's session count, read once (the session column
 only) and cached.
 
-Resuming: the state (:meth:`RankBatchDataset.state_dict`) is the same on every rank: the epoch,
-the layout's ranges and the batches each rank has delivered. Loaded at the same world size it
-continues exactly. Loaded at another world size, the global batches no rank has delivered yet are
-sorted and dealt again in contiguous ranges of equal length to the new ranks (the leftover, fewer
-than the new world size, joins the remainder): every row is still delivered at most once.
+**The position** (:meth:`RankBatchDataset.state_dict`) is the same on every rank and counts
+rows of the global stream, not batches of one layout (mosaicml streaming's ``sample_in_epoch``)::
+
+    {"version": 2, "kind": "stream", "epoch": 3, "sample_in_epoch": 8192,
+     "global_batch_size": 1024, "rows": 100000, "shuffle": True, "seed": 0,
+     "shuffle_buffer": 4096}
+
+``sample_in_epoch`` rows of epoch ``epoch`` were delivered (``steps * global_batch_size``);
+``rows``, ``shuffle``, ``seed`` and ``shuffle_buffer`` say which stream it is (``None``: not
+known yet, e.g. a service client that has not connected), and a reader of another stream
+refuses the state in one line. Any world size and batch size resume it: the rest of the epoch
+is cut into global batches of the new size from row ``sample_in_epoch`` on, so ``W`` ranks at
+``B`` resume a checkpoint of one process at ``W*B`` (and the reverse) on exactly the global
+batches that run would have read; at another global batch size the epoch goes on from the same
+row. The reader service uses this very format (:class:`readers.service.client.ServiceRankDataset`).
 
 **The cut.** Step ``t``'s global batch is a :class:`GlobalBatch`: the ranks' parts of the stream
 in rank order, ``W*B`` rows. A :class:`RankCut` decides which of its rows each rank trains on;
@@ -37,14 +51,12 @@ embedding rows) plugs in through ``RankBatchDataset(cut=...)`` and, on the reade
 The reader service serves one client per rank with this very class (``recpipe serve`` runs a
 :class:`RankBatchDataset` per rank, positioned by the client's :meth:`~RankBatchDataset.state_dict`),
 so a rank gets the same batches in-process and through the service.
-
-One concept, over 600 lines: the rank batches of a global batch (their layout, the cut, the
-reader that delivers them and its state).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -81,15 +93,18 @@ __all__ = [
     "RankCut",
     "RankLoader",
     "StreamGeometry",
-    "check_rank_state",
+    "check_stream_state",
+    "epoch_steps",
     "rank_batches",
-    "rank_state",
     "rank_steps",
+    "state_problem",
+    "stream_state",
 ]
 
-STATE_VERSION = 1
-STATE_KIND = "ranks"
-_REOPEN_GAP = 8  # skip at most this many unwanted batches before reopening the stream further on
+STATE_VERSION = 2
+STATE_KIND = "stream"
+# which stream a position belongs to: a state of another stream is refused
+STREAM_KEYS = ("rows", "shuffle", "seed", "shuffle_buffer")
 _WHOLE_BATCH_CHUNK = 8  # steps whose parts a whole-batch cut reads in one pass
 
 
@@ -99,19 +114,22 @@ _WHOLE_BATCH_CHUNK = 8  # steps whose parts a whole-batch cut reads in one pass
 
 @dataclass(frozen=True)
 class StreamGeometry:
-    """Where the global batches of one epoch start in the split order.
+    """Where the batches of one epoch's stream, cut every B rows from row ``origin``, start in
+    the split order.
 
     Attributes:
         order: the epoch's split order (shuffled with ``(seed, epoch)`` when shuffling).
         window_starts: int64 [windows] position in ``order`` of each window's first split.
         window_rows: int64 [windows + 1] rows before each window, then the total.
         batch_size: rows per batch B.
+        origin: the row of the epoch batch 0 starts at.
     """
 
     order: tuple[Split, ...]
     window_starts: np.ndarray
     window_rows: np.ndarray
     batch_size: int
+    origin: int = 0
 
     @property
     def total_rows(self) -> int:
@@ -120,18 +138,32 @@ class StreamGeometry:
 
     @property
     def num_batches(self) -> int:
-        """Full global-stream batches, T = rows // B."""
-        return self.total_rows // self.batch_size
+        """Full batches from ``origin``, ``(rows - origin) // B``."""
+        return max(self.total_rows - self.origin, 0) // self.batch_size
+
+    def window_of(self, row: int) -> int:
+        """The window that holds row ``row`` of the epoch."""
+        return int(np.searchsorted(self.window_rows, row, side="right")) - 1
 
     def position(self, batch: int) -> SourcePosition:
-        """Where global batch ``batch`` starts: its window and the rows of it to skip."""
-        row = batch * self.batch_size
-        w = int(np.searchsorted(self.window_rows, row, side="right")) - 1
+        """Where batch ``batch`` starts: its window and the rows of it to skip."""
+        row = self.origin + batch * self.batch_size
+        w = self.window_of(row)
         return SourcePosition(int(self.window_starts[w]), row - int(self.window_rows[w]))
+
+    def skips_a_window(self, batch: int, later: int) -> bool:
+        """Reading on from the end of ``batch`` to batch ``later`` would pass a whole window
+        neither touches (reopening the stream at ``later`` is then cheaper)."""
+        end = self.window_of(self.origin + (batch + 1) * self.batch_size - 1)
+        return self.window_of(self.origin + later * self.batch_size) > end + 1
 
 
 def stream_geometry(
-    order: Sequence[Split], *, config: ReaderConfig, sessions: Mapping[int, int] | None = None
+    order: Sequence[Split],
+    *,
+    config: ReaderConfig,
+    sessions: Mapping[int, int] | None = None,
+    origin: int = 0,
 ) -> StreamGeometry:
     """The window boundaries one reader would use for ``order`` (see :mod:`readers.source`).
 
@@ -139,6 +171,7 @@ def stream_geometry(
         order: the epoch's splits in reading order.
         config: the reader config (batch size, shuffle, shuffle buffer).
         sessions: ``{split.index: session runs}``, needed when shuffling.
+        origin: the row batch 0 starts at.
     """
     need = config.shuffle_buffer if config.shuffle else 1
     starts, rows = [], []
@@ -157,6 +190,7 @@ def stream_geometry(
         np.asarray(starts, dtype=np.int64),
         np.asarray(rows, dtype=np.int64),
         config.batch_size,
+        origin,
     )
 
 
@@ -164,103 +198,81 @@ def stream_geometry(
 # who reads which global batches
 
 
-def _runs(indices: Sequence[int]) -> list[list[int]]:
-    """``[start, stop)`` runs of sorted batch indices."""
-    out: list[list[int]] = []
-    for k in indices:
-        if out and out[-1][1] == k:
-            out[-1][1] = k + 1
-        else:
-            out.append([int(k), int(k) + 1])
-    return out
+def epoch_steps(rows: int, *, origin: int, global_batch_size: int, drop_remainder: bool) -> int:
+    """Global batches of ``global_batch_size`` rows from row ``origin`` of an epoch of ``rows``
+    rows (the last one shorter, unless ``drop_remainder``).
 
-
-def _expand(runs: Sequence[Sequence[int]]) -> list[int]:
-    return [k for start, stop in runs for k in range(start, stop)]
+    >>> epoch_steps(100, origin=0, global_batch_size=32, drop_remainder=True)
+    3
+    >>> epoch_steps(100, origin=40, global_batch_size=32, drop_remainder=False)
+    2
+    """
+    left = max(rows - origin, 0)
+    return left // global_batch_size if drop_remainder else -(-left // global_batch_size)
 
 
 @dataclass(frozen=True)
 class EpochLayout:
-    """Which global batches every rank reads in one epoch (the same on every rank).
+    """Which stream batches every rank reads in one epoch (the same on every rank).
+
+    The epoch's stream from row ``origin`` on (0, or the row a resumed epoch goes on from) is
+    cut every ``batch_size`` rows; step ``t``'s global batch is batches ``t*W .. t*W + W-1`` of
+    that cut, and rank ``r``'s part of it is batch ``t*W + r``.
 
     Attributes:
         epoch: the epoch.
         world_size: ranks W.
-        runs: per rank, ``[start, stop)`` ranges of global batch indices, in reading order.
-        batches_per_rank: n, the same for every rank.
-        remainder_rows: rows of the epoch no rank delivers (counted, not silently lost).
-        remainder_batches: full global-stream batches among them.
+        batch_size: rows per rank and step B.
+        origin: rows of the epoch delivered before this layout's first step.
+        steps: global batches from ``origin`` (every rank reads one part of each).
         total_rows: rows of the epoch.
+        drop_remainder: the rows after the last whole global batch are not delivered.
     """
 
     epoch: int
     world_size: int
-    runs: tuple[tuple[tuple[int, int], ...], ...]
-    batches_per_rank: int
-    remainder_rows: int
-    remainder_batches: int
+    batch_size: int
+    origin: int
+    steps: int
     total_rows: int
+    drop_remainder: bool = True
+
+    @classmethod
+    def of(
+        cls, *, epoch: int, world_size: int, batch_size: int, origin: int, total_rows: int,
+        drop_remainder: bool = True,
+    ) -> EpochLayout:  # fmt: skip
+        """The layout of an epoch of ``total_rows`` rows from row ``origin`` on."""
+        steps = epoch_steps(
+            total_rows, origin=origin, global_batch_size=world_size * batch_size,
+            drop_remainder=drop_remainder,
+        )  # fmt: skip
+        return cls(epoch, world_size, batch_size, origin, steps, total_rows, drop_remainder)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of a step, ``W*B`` (the last step of a layout that keeps the remainder may
+        hold fewer)."""
+        return self.world_size * self.batch_size
+
+    @property
+    def batches_per_rank(self) -> int:
+        """Steps of the layout: the same number on every rank."""
+        return self.steps
+
+    @property
+    def remainder_rows(self) -> int:
+        """Rows after the last global batch, not delivered this epoch (counted, not lost)."""
+        return max(self.total_rows - self.origin - self.steps * self.global_batch_size, 0)
+
+    def rows_after(self, steps: int) -> int:
+        """``sample_in_epoch`` after ``steps`` steps of this layout."""
+        return min(self.origin + steps * self.global_batch_size, self.total_rows)
 
     def batches_of(self, rank: int) -> list[int]:
-        """The global batch indices ``rank`` reads, in order."""
-        return _expand(self.runs[rank])
-
-    @classmethod
-    def fresh(cls, geometry: StreamGeometry, *, epoch: int, world_size: int) -> EpochLayout:
-        """Contiguous ranges of ``T // W`` global batches, rank by rank."""
-        total = geometry.num_batches
-        n = total // world_size
-        runs = tuple(((r * n, (r + 1) * n),) if n else () for r in range(world_size))
-        return cls(
-            epoch=epoch,
-            world_size=world_size,
-            runs=runs,
-            batches_per_rank=n,
-            remainder_rows=geometry.total_rows - world_size * n * geometry.batch_size,
-            remainder_batches=total - world_size * n,
-            total_rows=geometry.total_rows,
-        )
-
-    def redeal(self, *, delivered: int, world_size: int, batch_size: int) -> EpochLayout:
-        """The batches not yet delivered (each rank delivered ``delivered``), dealt to
-        ``world_size`` ranks in contiguous ranges of the sorted leftover list."""
-        rest = sorted(k for r in range(self.world_size) for k in self.batches_of(r)[delivered:])
-        n = len(rest) // world_size
-        runs = tuple(tuple(map(tuple, _runs(rest[r * n : (r + 1) * n]))) for r in range(world_size))
-        dropped = len(rest) - world_size * n
-        return EpochLayout(
-            epoch=self.epoch,
-            world_size=world_size,
-            runs=runs,
-            batches_per_rank=n,
-            remainder_rows=self.remainder_rows + dropped * batch_size,
-            remainder_batches=self.remainder_batches + dropped,
-            total_rows=self.total_rows,
-        )
-
-    def to_state(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "world_size": self.world_size,
-            "runs": [[list(run) for run in runs] for runs in self.runs],
-            "batches_per_rank": self.batches_per_rank,
-            "remainder_rows": self.remainder_rows,
-            "remainder_batches": self.remainder_batches,
-            "total_rows": self.total_rows,
-        }
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> EpochLayout:
-        runs = tuple(tuple((int(a), int(b)) for a, b in rank) for rank in state["runs"])
-        return cls(
-            epoch=int(state["epoch"]),
-            world_size=int(state["world_size"]),
-            runs=runs,
-            batches_per_rank=int(state["batches_per_rank"]),
-            remainder_rows=int(state["remainder_rows"]),
-            remainder_batches=int(state["remainder_batches"]),
-            total_rows=int(state["total_rows"]),
-        )
+        """The stream batches (cut every B rows from ``origin``) ``rank`` reads, in order."""
+        w = self.world_size
+        return [t * w + rank for t in range(self.steps)]
 
 
 # -------------------------------------------------------------------------------------------
@@ -274,10 +286,12 @@ def rank_batches(
     *,
     epoch: int,
 ) -> Iterator[tuple[int, Any]]:
-    """``(global batch index, Arrow table of B rows)`` for ``batches`` (ascending), in order.
+    """``(batch index, Arrow table)`` for ``batches`` (ascending) of ``geometry``'s cut, in
+    order: ``B`` rows each, the stream's last batch fewer.
 
-    Each run of nearby indices is read with one pass over the stream from the first one's
-    window; batches in between that are not wanted are cut but not converted.
+    One pass over the stream reads on from a wanted batch to the next while no whole window
+    lies between them (the batches in between are cut, not converted); otherwise the stream is
+    opened again at the next one's window, so only the windows the batches touch are read.
     """
     order = list(geometry.order)
     i = 0
@@ -290,7 +304,7 @@ def rank_batches(
                 if current == batches[i]:
                     yield current, table
                     i += 1
-                    if i == len(batches) or batches[i] - current > _REOPEN_GAP:
+                    if i == len(batches) or geometry.skips_a_window(current, batches[i]):
                         break
                 current += 1
             else:  # the stream ended before a wanted batch: the geometry is wrong
@@ -309,8 +323,9 @@ class GlobalBatch:
     """One step of a multi-rank epoch: the ranks' parts of the global stream, in rank order.
 
     Attributes:
-        step: the step in the epoch's layout (``0 .. batches_per_rank - 1``).
-        indices: the global stream batch each rank's part is (rank order).
+        step: the step in the epoch's layout (``0 .. steps - 1``).
+        indices: the stream batch each rank's part is (rank order: ``step*W .. step*W + W-1``
+            of the layout's cut).
         parts: Arrow tables of ``batch_size`` rows each, in rank order; ``None`` for the parts
             the cut does not read (a cut without :attr:`RankCut.whole_batch` gets only the
             part of the rank it cuts for).
@@ -449,67 +464,117 @@ def _read_session_counts(source: DatasetSource, splits: Sequence[Split]) -> dict
     return out
 
 
-def rank_state(
-    *, epoch: int, delivered: int, batch_size: int, layout: EpochLayout | None
+def stream_state(
+    *, epoch: int, sample_in_epoch: int, global_batch_size: int, stream: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """A rank reader's position (what :meth:`RankBatchDataset.state_dict` returns): the epoch,
-    the batches every rank delivered in it, and the layout (``None``: the epoch's fresh
-    layout, before anything was delivered)."""
+    """A stream position (what :meth:`RankBatchDataset.state_dict` returns; see the module
+    docstring): ``sample_in_epoch`` rows of epoch ``epoch`` delivered, in global batches of
+    ``global_batch_size`` rows, of the stream ``stream`` (its :data:`STREAM_KEYS`)."""
     return {
         "version": STATE_VERSION,
         "kind": STATE_KIND,
         "epoch": int(epoch),
-        "delivered": int(delivered),
-        "batch_size": int(batch_size),
-        "layout": None if layout is None else layout.to_state(),
+        "sample_in_epoch": int(sample_in_epoch),
+        "global_batch_size": int(global_batch_size),
+        **{key: stream.get(key) for key in STREAM_KEYS},
     }
 
 
-def check_rank_state(state: Any, *, batch_size: int) -> dict[str, Any]:
-    """``state`` if it is a rank reader position saved with ``batch_size`` rows per rank.
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def state_problem(state: Any) -> str | None:
+    """What is wrong with the form of ``state`` as a stream position (``None``: nothing)."""
+    if not isinstance(state, Mapping):
+        return f"`state` is not a stream position (a dict), got {state!r:.100}"
+    if state.get("kind") == "ranks" and state.get("version") == 1:
+        return (
+            "`state` is a rank reader position of version 1 (per-rank batch ranges), which "
+            "this version cannot place in its stream: start the run afresh (without --resume)"
+        )
+    if state.get("kind") != STATE_KIND or state.get("version") != STATE_VERSION:
+        return f"`state` is not a stream position (version {STATE_VERSION}): {state!r:.200}"
+    want = {"version", "kind", "epoch", "sample_in_epoch", "global_batch_size", *STREAM_KEYS}
+    if set(state) != want:
+        return f"`state` has the keys {sorted(state)}, a stream position has {sorted(want)}"
+    for key in ("epoch", "sample_in_epoch"):
+        if not _is_count(state[key]):
+            return f"`state` has an invalid `{key}` {state[key]!r:.50}"
+    if not _is_count(state["global_batch_size"]) or not state["global_batch_size"]:
+        return f"`state` has an invalid `global_batch_size` {state['global_batch_size']!r:.50}"
+    for key in ("rows", "shuffle_buffer"):
+        if state[key] is not None and not _is_count(state[key]):
+            return f"`state` has an invalid `{key}` {state[key]!r:.50}"
+    if not isinstance(state["shuffle"], bool | None):
+        return f"`state` has an invalid `shuffle` {state['shuffle']!r:.50}"
+    if state["seed"] is not None and not (
+        isinstance(state["seed"], int) and not isinstance(state["seed"], bool)
+    ):
+        return f"`state` has an invalid `seed` {state['seed']!r:.50}"
+    return None
+
+
+def check_stream_state(state: Any, *, stream: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` if it is a stream position (:func:`stream_state`) of the stream ``stream``.
+
+    Entries of ``stream`` or of the state that are ``None`` are not known and not compared;
+    ``seed`` and ``shuffle_buffer`` only matter (and are compared) when both shuffle.
 
     Raises:
-        DataError: not a rank reader state, or saved with another batch size.
+        DataError: not a stream position, one of another stream (other rows, shuffle, seed or
+            shuffle buffer: the message names the field and both values), or past its end.
     """
-    if (
-        not isinstance(state, Mapping)
-        or state.get("kind") != STATE_KIND
-        or state.get("version") != STATE_VERSION
-        or any(k not in state for k in ("epoch", "delivered", "batch_size", "layout"))
-    ):
-        msg = f"`state` is not a rank reader state_dict (version {STATE_VERSION}): {state!r:.300}"
-        raise DataError(msg)
-    if int(state["batch_size"]) != batch_size:
+    problem = state_problem(state)
+    if problem is not None:
+        raise DataError(problem)
+    keys = ["rows", "shuffle"]
+    if state["shuffle"] and stream.get("shuffle"):
+        keys += ["seed", "shuffle_buffer"]
+    for key in keys:
+        saved, mine = state[key], stream.get(key)
+        if saved is not None and mine is not None and saved != mine:
+            what = "rows in the epoch (another dataset or part)" if key == "rows" else f"`{key}`"
+            msg = (
+                f"`state` is a position in another stream: saved with {what} = {saved!r}, "
+                f"this reader has {mine!r}; resume with the reader settings it was saved with"
+            )
+            raise DataError(msg)
+    rows = state["rows"] if state["rows"] is not None else stream.get("rows")
+    if rows is not None and state["sample_in_epoch"] > rows:
         msg = (
-            f"`state` was saved with batch_size={state['batch_size']!r} per rank, this "
-            f"reader has {batch_size!r}; resume with the same batch size"
+            f"`state` is at row {state['sample_in_epoch']:,} of epoch {state['epoch']}, "
+            f"which has {rows:,} rows: it was saved for other data"
         )
-        raise DataError(msg)
-    if state["layout"] is None and int(state["delivered"]):
-        msg = f"`state` delivered {state['delivered']!r} batches without a layout"
         raise DataError(msg)
     return dict(state)
 
 
 class RankBatchDataset(IterableDataset):
-    """The batches of one rank of a ``world_size``-rank job (see the module docstring).
+    """The batches of one rank of a ``world_size``-rank job (see the module docstring); one
+    process is rank 0 of a world of 1.
 
-    Every rank gets :attr:`EpochLayout.batches_per_rank` batches of exactly ``batch_size`` rows
-    per epoch. Iterating in-process (or through :class:`RankLoader` with DataLoader workers)
-    resumes where the last iteration stopped; an epoch that ends moves to the next one.
+    Every rank gets the same number of batches per epoch (:meth:`__len__`), of exactly
+    ``batch_size`` rows each: its part of the step's global batch of ``world_size *
+    batch_size`` consecutive rows of the stream. Iterating in-process (or through
+    :class:`RankLoader` with DataLoader workers) resumes where the last iteration stopped; an
+    epoch that ends moves to the next one.
 
     Args:
         source: dataset directory, file, glob, or list of them.
         schema: the dataset schema (default: the manifest's).
-        config: batch size, shuffling; ``last_batch`` is ignored (the tail is the remainder)
-            and ``on_error`` must be ``"raise"`` (a skipped split would shift every later
-            rank's rows).
+        config: batch size (per rank), shuffling; ``last_batch`` is ignored (see
+            ``drop_remainder``) and ``on_error`` must be ``"raise"`` (a skipped split would
+            shift every later rank's rows).
         transforms: a :class:`~readers.pipeline.Pipeline` or its config.
         dedup: IKJTs for the schema's dedup groups.
         rank, world_size: this rank and how many there are.
         splits: use these splits instead of all of the source's (e.g. the training share).
         cut: which rows of each global batch this rank trains on (default
             :class:`ContiguousCut`).
+        drop_remainder: leave out the rows after the last whole global batch (counted in
+            :attr:`remainder_rows`); ``False`` delivers them as a last, shorter batch, which
+            only one rank can (``world_size=1``: every rank evaluating the same batches).
 
     Example::
 
@@ -517,6 +582,8 @@ class RankBatchDataset(IterableDataset):
                               rank=dist.get_rank(), world_size=dist.get_world_size())
         for batch in ds:  # the same number of batches on every rank
             ...
+        held = RankBatchDataset("data/dataset", config=ReaderConfig(batch_size=world * 1024),
+                                splits=held_out, drop_remainder=False)  # every row, on any rank
     """
 
     def __init__(
@@ -531,6 +598,7 @@ class RankBatchDataset(IterableDataset):
         world_size: int = 1,
         splits: Sequence[Split] | None = None,
         cut: RankCut | None = None,
+        drop_remainder: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -538,6 +606,13 @@ class RankBatchDataset(IterableDataset):
             raise DataError(msg)
         if not 0 <= rank < world_size:
             msg = f"`rank` must be in [0, world_size={world_size}), got {rank!r}"
+            raise DataError(msg)
+        if not drop_remainder and world_size > 1:
+            msg = (
+                f"`drop_remainder=False` needs world_size=1, got {world_size}: the ranks step "
+                "together on equal parts\nhint: to evaluate every row on every rank, read with "
+                "rank=0, world_size=1 and the global batch size"
+            )
             raise DataError(msg)
         self.config = config or ReaderConfig()
         if self.config.on_error != "raise":
@@ -547,35 +622,65 @@ class RankBatchDataset(IterableDataset):
             )
             raise DataError(msg)
         self.schema = schema or dataset_schema(source)
-        self.source = DatasetSource(source, schema=self.schema, config=self.config)
+        # the stream's own last batch is read when the remainder is delivered
+        read = dataclasses.replace(self.config, last_batch="partial")
+        self.source = DatasetSource(source, schema=self.schema, config=read)
         if splits is not None:
             self.source.splits = list(splits)
         self.converter = BatchConverter(self.schema, dedup=dedup, extras=self.config.extras)
         self.pipeline = make_pipeline(transforms, self.schema, dataset=source)
         self.rank, self.world_size = rank, world_size
         self.cut = cut or ContiguousCut()
+        self.drop_remainder = drop_remainder
         self.epoch = 0
-        self.delivered = 0  # batches of this epoch handed out (the same on every rank)
+        self.origin = 0  # the row of the epoch its first step starts at (resumed: not 0)
+        self.delivered = 0  # steps of this epoch handed out from there (the same on every rank)
         self._sessions: dict[int, int] | None = None
-        self._layout: EpochLayout | None = None
+        self._geometry: StreamGeometry | None = None
+        self._geometry_epoch = -1
 
     # -- layout ---------------------------------------------------------------------------------
-    def geometry(self, epoch: int | None = None) -> StreamGeometry:
-        """The global stream of ``epoch`` (default: the current one)."""
-        epoch = self.epoch if epoch is None else epoch
-        order = plan_splits(self.source.splits, config=self.config, epoch=epoch)
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of a step over all ranks, ``world_size * batch_size``."""
+        return self.world_size * self.config.batch_size
+
+    @property
+    def total_rows(self) -> int:
+        """Rows in an epoch (of the splits read)."""
+        return sum(split.num_rows for split in self.source.splits)
+
+    @property
+    def stream(self) -> dict[str, Any]:
+        """Which stream this is: the :data:`STREAM_KEYS` of a position."""
+        cfg = self.config
+        return {"rows": self.total_rows, "shuffle": cfg.shuffle, "seed": cfg.seed,
+                "shuffle_buffer": cfg.shuffle_buffer}  # fmt: skip
+
+    def geometry(self) -> StreamGeometry:
+        """The current epoch's stream, cut every ``batch_size`` rows from :attr:`origin`."""
+        cached = self._geometry
+        if cached is not None and (cached.origin, self._geometry_epoch) == (
+            self.origin,
+            self.epoch,
+        ):
+            return cached
+        order = plan_splits(self.source.splits, config=self.config, epoch=self.epoch)
         if self.config.shuffle and self._sessions is None:
             self._sessions = _session_counts(self.source, self.source.splits)
-        return stream_geometry(order, config=self.config, sessions=self._sessions)
+        self._geometry = stream_geometry(
+            order, config=self.config, sessions=self._sessions, origin=self.origin
+        )
+        self._geometry_epoch = self.epoch
+        return self._geometry
 
     @property
     def layout(self) -> EpochLayout:
-        """Which global batches every rank reads this epoch."""
-        if self._layout is None or self._layout.epoch != self.epoch:
-            self._layout = EpochLayout.fresh(
-                self.geometry(), epoch=self.epoch, world_size=self.world_size
-            )
-        return self._layout
+        """Which stream batches every rank reads in the rest of the current epoch."""
+        return EpochLayout.of(
+            epoch=self.epoch, world_size=self.world_size, batch_size=self.config.batch_size,
+            origin=self.origin, total_rows=self.total_rows, drop_remainder=self.drop_remainder,
+        )  # fmt: skip
 
     @property
     def remainder_rows(self) -> int:
@@ -583,14 +688,15 @@ class RankBatchDataset(IterableDataset):
         return self.layout.remainder_rows
 
     def __len__(self) -> int:
-        """Batches this rank delivers in the current epoch (all of them, delivered or not)."""
-        return self.layout.batches_per_rank
+        """Batches this rank delivers in the current epoch (from its start, or from the row a
+        resumed epoch went on from; delivered or not)."""
+        return self.layout.steps
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning."""
         self.epoch = int(epoch)
+        self.origin = 0
         self.delivered = 0
-        self._layout = None
 
     # -- reading --------------------------------------------------------------------------------
     def _convert(self, table: Any) -> Batch:
@@ -600,8 +706,8 @@ class RankBatchDataset(IterableDataset):
     def iter_indexed(
         self, *, worker_id: int = 0, num_workers: int = 1
     ) -> Iterator[tuple[int, Batch]]:
-        """``(global batch index, batch)`` from the current position, without advancing it;
-        the index is that of this rank's own part of the step's global batch.
+        """``(stream batch index, batch)`` from the current position, without advancing it; the
+        index is that of this rank's own part in the layout's cut (:meth:`EpochLayout.batches_of`).
 
         With ``num_workers`` > 1, worker ``w`` takes every ``num_workers``-th remaining batch
         starting at the ``w``-th, so dealing them round-robin restores the rank's order.
@@ -627,40 +733,30 @@ class RankBatchDataset(IterableDataset):
         self._next_epoch()
 
     def _next_epoch(self) -> None:
-        if self.delivered >= self.layout.batches_per_rank:
+        if self.delivered >= len(self):
             self.set_epoch(self.epoch + 1)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch delivered; the same on every rank."""
-        return rank_state(epoch=self.epoch, delivered=self.delivered,
-                          batch_size=self.config.batch_size, layout=self.layout)  # fmt: skip
+        """The position after the last batch delivered, the same on every rank (see the
+        module docstring)."""
+        return stream_state(
+            epoch=self.epoch, sample_in_epoch=self.layout.rows_after(self.delivered),
+            global_batch_size=self.global_batch_size, stream=self.stream,
+        )  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from a :meth:`state_dict` saved at any world size (see the module docstring;
-        a state without a layout starts its epoch from the beginning).
+        """Go on from a :meth:`state_dict` saved at any world size and batch size, in-process
+        or by a :class:`~readers.service.client.ServiceRankDataset`: the rest of its epoch is cut
+        into this reader's global batches from its ``sample_in_epoch`` row on.
 
         Raises:
-            DataError: not a rank reader state, or saved with another batch size.
+            DataError: not a stream position, or one of another stream.
         """
-        state = check_rank_state(state, batch_size=self.config.batch_size)
+        state = check_stream_state(state, stream=self.stream)
         self.set_epoch(int(state["epoch"]))
-        if state["layout"] is None:
-            return
-        layout = EpochLayout.from_state(state["layout"])
-        delivered = int(state["delivered"])
-        if layout.epoch != self.epoch:
-            msg = f"`state` holds the layout of epoch {layout.epoch} for epoch {self.epoch}"
-            raise DataError(msg)
-        if layout.world_size != self.world_size:
-            layout = layout.redeal(
-                delivered=delivered, world_size=self.world_size, batch_size=self.config.batch_size
-            )
-            delivered = 0
-        self._layout = layout
-        self.delivered = delivered
-        if self.delivered >= layout.batches_per_rank:
-            self.set_epoch(self.epoch + 1)
+        self.origin = int(state["sample_in_epoch"])
+        self._next_epoch()
 
 
 class RankLoader:

@@ -5,8 +5,8 @@
   opens its own connection for its own shard of the epoch.
 * :class:`ServiceStream` - epoch after epoch in the training process, with a position
   (epoch, batches consumed) to checkpoint and resume from, and whole passes for evaluation.
-* :class:`ServiceRankDataset` - one rank of a multi-rank job: the same batches as the
-  in-process :class:`readers.ranks.RankBatchDataset`, with the same position format.
+* :class:`ServiceRankDataset` - one rank of a job (one process: rank 0 of 1): the same batches
+  as the in-process :class:`readers.ranks.RankBatchDataset`, with the same position format.
 
 Every client may ask for one :class:`~readers.holdout.Holdout` part of the served dataset (its
 training or its held-out row groups, divided exactly as the in-process trainer divides them)
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from readers.holdout import Holdout
-from readers.ranks import EpochLayout, check_rank_state, rank_state
+from readers.ranks import STREAM_KEYS, EpochLayout, check_stream_state, stream_state
 from readers.service.config import TOKEN_ENV
 from readers.service.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -498,20 +498,23 @@ class ServiceStream:
 
 
 class ServiceRankDataset:
-    """One rank of a multi-rank job reading from ``recpipe serve`` (one client per rank).
+    """One rank of a multi-rank job reading from ``recpipe serve`` (one client per rank; one
+    process is rank 0 of 1).
 
     The server runs the in-process rank reader (:class:`readers.ranks.RankBatchDataset`) for
-    this rank, with its own reader config (``--batch-size``, ``--shuffle``, ``--seed``), so the
-    rank gets the batches it would read in-process with that config: every rank the same
-    number per epoch, one global stream cut into equal ranges, the remainder counted. Iterating
-    yields the rest of the current epoch from the position (one connection), then moves to the
-    next epoch. :meth:`state_dict` is the in-process reader's format (saved at any world size,
-    loadable by either), so a job can resume through the service or in-process::
+    this rank with its own reader config (``--batch-size`` per rank, ``--shuffle``, ``--seed``),
+    so the rank gets the batches it would read in-process with that config: every rank the same number per epoch, its part of global batches of
+    ``world_size * batch_size`` consecutive rows, the remainder counted. Iterating yields the
+    rest of the current epoch from the position (one connection), then moves to the next epoch.
+    :meth:`state_dict` is the in-process reader's format (a position in rows of the stream), so
+    a job resumes through the service or in-process, at any world size::
 
         train = ServiceRankDataset("10.0.0.5:5717", rank=rank, world_size=world,
                                    holdout=Holdout(0.1), batch_size=1024)
         for batch in train:  # the same number of batches on every rank
             ...
+        held = ServiceRankDataset("10.0.0.5:5717", rank=0, world_size=1, batch_size=world * 1024,
+                                  holdout=Holdout(0.1, part="held_out"), drop_remainder=False)
 
     Args:
         address: ``HOST:PORT`` of the server.
@@ -519,14 +522,18 @@ class ServiceRankDataset:
         world_size: ranks of the job.
         token: the shared token (default: ``$RECPIPE_TOKEN`` if set).
         holdout: read only this part of the served dataset (``None``: all of it).
-        batch_size: rows per batch per rank (the server must make this size).
+        batch_size: rows per batch per rank: the server must make this size, except for a
+            whole-stream reader (``drop_remainder=False``), which it serves at this size.
         splits: the row groups the part must hold (the trainer's own count): a server that
             holds another number serves another dataset, and is refused.
+        drop_remainder: leave out the rows after the last whole global batch; ``False`` (one
+            rank only) delivers them as a last, shorter batch.
         connect_timeout_s: give up connecting after this long.
         read_timeout_s: give up when the server is silent this long.
 
     Raises:
-        DataError: ``address`` is not ``HOST:PORT``, or ``rank`` is not in ``[0, world_size)``.
+        DataError: ``address`` is not ``HOST:PORT``, ``rank`` is not in ``[0, world_size)``,
+            or ``drop_remainder=False`` with several ranks.
     """
 
     def __init__(
@@ -539,49 +546,85 @@ class ServiceRankDataset:
         holdout: Holdout | None = None,
         batch_size: int,
         splits: int | None = None,
+        drop_remainder: bool = True,
         connect_timeout_s: float = 30.0,
         read_timeout_s: float = 120.0,
     ) -> None:
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
             msg = f"`rank` must lie in [0, `world_size`={world_size!r}), got {rank!r}"
             raise DataError(msg)
+        if not drop_remainder and world_size > 1:
+            msg = (
+                f"`drop_remainder=False` needs world_size=1, got {world_size}: the ranks step "
+                "together on equal parts"
+            )
+            raise DataError(msg)
         self.host, self.port = parse_address(address)
         self.rank, self.world_size = rank, world_size
         self.token, self.holdout, self.batch_size = token, holdout, batch_size
-        self.splits = splits
+        self.splits, self.drop_remainder = splits, drop_remainder
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.epoch = 0
-        self.delivered = 0
-        self.layout: EpochLayout | None = None  # this epoch's, once the server sent it
-        self.remainder_rows = 0  # of the last epoch whose layout the server sent
+        self.origin = 0  # the row of the epoch the next connection starts at
+        self.delivered = 0  # steps delivered from there
+        # which stream the position is in: unknown until loaded or told by the server
+        self.stream: dict[str, Any] = dict.fromkeys(STREAM_KEYS)
+        self._resolved = False  # the position was loaded or resolved by the server
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of a step over all ranks, ``world_size * batch_size``."""
+        return self.world_size * self.batch_size
+
+    @property
+    def layout(self) -> EpochLayout | None:
+        """The rest of the current epoch (its ``steps``: the batches it delivers); ``None``
+        until the epoch's rows are known (a connection or a loaded state tells them)."""
+        rows = self.stream["rows"]
+        if rows is None:
+            return None
+        return EpochLayout.of(
+            epoch=self.epoch, world_size=self.world_size, batch_size=self.batch_size,
+            origin=self.origin, total_rows=rows, drop_remainder=self.drop_remainder,
+        )  # fmt: skip
+
+    @property
+    def remainder_rows(self) -> int:
+        """Rows of the current epoch no rank is given (0 until the server told the rows)."""
+        layout = self.layout
+        return 0 if layout is None else layout.remainder_rows
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next, from its beginning."""
-        self.epoch, self.delivered, self.layout = int(epoch), 0, None
+        self.epoch, self.origin, self.delivered = int(epoch), 0, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch yielded (the in-process rank reader's format)."""
-        return rank_state(epoch=self.epoch, delivered=self.delivered,
-                          batch_size=self.batch_size, layout=self.layout)  # fmt: skip
+        """The position after the last batch yielded (the in-process reader's format)."""
+        sample = self.origin + self.delivered * self.global_batch_size
+        if self.stream["rows"] is not None:
+            sample = min(sample, self.stream["rows"])
+        return stream_state(epoch=self.epoch, sample_in_epoch=sample,
+                            global_batch_size=self.global_batch_size,
+                            stream=self.stream)  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a rank reader state (this class's or the in-process reader's, saved
-        at any world size: the server re-deals what no rank had delivered).
+        """Continue from a stream position (this class's or the in-process reader's, saved at
+        any world size and batch size; the server checks it against its stream).
 
         Raises:
-            DataError: not a rank reader state, or saved with another batch size.
+            DataError: not a stream position, or one of another stream than a position this
+                client already holds.
         """
-        state = check_rank_state(state, batch_size=self.batch_size)
+        state = check_stream_state(state, stream=self.stream)
         self.set_epoch(int(state["epoch"]))
-        if state["layout"] is not None:
-            self.layout = EpochLayout.from_state(state["layout"])
-            self.delivered = int(state["delivered"])
+        self.origin = int(state["sample_in_epoch"])
+        self.stream = {key: state[key] for key in STREAM_KEYS}
+        self._resolved = True
 
     def _request(self) -> dict[str, Any]:
-        state = None
-        if self.layout is not None:
-            state = self.state_dict()
-        return {"rank": self.rank, "world_size": self.world_size, "state": state}
+        state = self.state_dict() if self._resolved else None
+        return {"rank": self.rank, "world_size": self.world_size, "state": state,
+                "drop_remainder": self.drop_remainder}  # fmt: skip
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the current epoch, then the position moves to the next epoch.
@@ -597,8 +640,7 @@ class ServiceRankDataset:
             connect_timeout_s=self.connect_timeout_s, read_timeout_s=self.read_timeout_s,
         )  # fmt: skip
         with client.connect():
-            self._adopt(client)
-            expected = self.layout.batches_per_rank
+            expected = self._adopt(client)
             for batch in client:
                 self.delivered += 1
                 yield batch
@@ -610,23 +652,28 @@ class ServiceRankDataset:
             raise DataError(msg)
         self.set_epoch(self.epoch + 1)
 
-    def _adopt(self, client: ServiceClient) -> None:
-        """Take the position the server resolved (the layout for this world size)."""
+    def _adopt(self, client: ServiceClient) -> int:
+        """Take the position the server resolved; the steps it will send."""
         _check_served_splits(client, self.splits, self.holdout)
         ranks = client.welcome.get("ranks")
         if not isinstance(ranks, Mapping) or not isinstance(ranks.get("state"), Mapping):
             msg = f"the reader service at {client.where} does not serve the ranks of a job"
             raise ProtocolError(msg)
-        state = check_rank_state(ranks["state"], batch_size=self.batch_size)
-        self.epoch, self.delivered = int(state["epoch"]), int(state["delivered"])
-        self.layout = EpochLayout.from_state(state["layout"])
-        self.remainder_rows = self.layout.remainder_rows
-        if self.layout.world_size != self.world_size:
+        state = check_stream_state(ranks["state"], stream={})
+        if state["global_batch_size"] != self.global_batch_size or state["rows"] is None:
             msg = (
-                f"the reader service at {client.where} sent a layout for "
-                f"{self.layout.world_size} ranks, this job has {self.world_size}"
+                f"the reader service at {client.where} sent a position in global batches of "
+                f"{state['global_batch_size']} rows (rows {state['rows']!r}), this job's are "
+                f"{self.global_batch_size}"
             )
             raise ProtocolError(msg)
+        self.set_epoch(int(state["epoch"]))
+        self.origin = int(state["sample_in_epoch"])
+        self.stream = {key: state[key] for key in STREAM_KEYS}
+        self._resolved = True
+        layout = self.layout
+        assert layout is not None  # the rows are known now
+        return layout.steps
 
     @property
     def current_epoch(self) -> int:

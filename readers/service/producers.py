@@ -44,11 +44,15 @@ class RankRequest:
         state: where the rank reader starts: a :meth:`readers.ranks.RankBatchDataset.state_dict`
             (saved at any world size), or ``None`` for the start of the requested epoch. The
             server resolves it (:meth:`DatasetProducer.rank_state`) before readers see it.
+        batch_size: rows per rank and step (``None``: the producer's).
+        drop_remainder: see :class:`readers.ranks.RankBatchDataset`.
     """
 
     rank: int
     world_size: int
     state: Mapping[str, Any] | None = None
+    batch_size: int | None = None
+    drop_remainder: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,11 +188,11 @@ class DatasetProducer:
             holdout=spec.holdout,
         )
 
-    def _reader_config(self) -> Any:
+    def _reader_config(self, batch_size: int | None = None) -> Any:
         from readers.source import ReaderConfig
 
         return ReaderConfig(
-            batch_size=self.batch_size,
+            batch_size=self.batch_size if batch_size is None else batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
             read_ahead=self.read_ahead,
@@ -198,7 +202,7 @@ class DatasetProducer:
         )
 
     def _rank_reader(self, ranks: RankRequest, holdout: Holdout | None) -> Any:
-        """The in-process rank reader this client's rank would use."""
+        """The in-process rank reader this client's rank would use (at its batch size)."""
         from readers.dataset import make_pipeline
         from readers.ranks import RankBatchDataset
         from readers.source import DatasetSource
@@ -209,31 +213,29 @@ class DatasetProducer:
             splits = holdout.select(splits, session_key=schema.session_key)
         cut = copy.copy(self.cut)  # a fresh copy per client: a stateful cut starts with it
         return RankBatchDataset(
-            self.dataset, schema=schema, config=self._reader_config(),
+            self.dataset, schema=schema, config=self._reader_config(ranks.batch_size),
             transforms=make_pipeline(
                 self.preprocess, schema, dataset=self.dataset, fitted=self.fitted
             ),
             dedup=self.dedup, rank=ranks.rank,
             world_size=ranks.world_size, splits=splits, cut=cut,
+            drop_remainder=ranks.drop_remainder,
         )  # fmt: skip
 
     def rank_state(
         self, ranks: RankRequest, *, epoch: int, holdout: Holdout | None = None
     ) -> dict[str, Any]:
-        """Where rank client ``ranks`` starts: its state (or the start of ``epoch``), loaded
-        at its world size (re-dealt if saved at another) with the layout filled in.
+        """Where rank client ``ranks`` starts: its state (or the start of ``epoch``) loaded by
+        its rank reader, with this stream's rows and shuffle settings filled in.
 
         Raises:
-            DataError: a state that is not a rank reader state of this batch size, or a
-                dataset that cannot be read.
+            DataError: a state that is not a stream position of this stream (other rows,
+                shuffle or seed), or a dataset that cannot be read.
         """
         reader = self._rank_reader(ranks, holdout)
         if ranks.state is None:
             reader.set_epoch(epoch)
         else:
-            layout = ranks.state.get("layout")
-            if layout is not None:
-                _check_layout(layout, reader.geometry(int(layout["epoch"])).num_batches)
             reader.load_state_dict(ranks.state)
         return reader.state_dict()
 
@@ -267,26 +269,6 @@ class DatasetProducer:
         return resolve_dedup_groups(
             self.dedup_groups, schema=schema, dataset=self.dataset, batch_size=self.batch_size
         )
-
-
-def _check_layout(layout: Mapping[str, Any], num_batches: int) -> None:
-    """Refuse a saved rank layout (:meth:`readers.ranks.EpochLayout.to_state`, its types and
-    sizes already checked) that is not one of this dataset's epochs: runs past its
-    ``num_batches`` global batches, or overlapping, or more batches than it holds.
-
-    Raises:
-        DataError: the layout does not fit the dataset.
-    """
-    runs = sorted((int(a), int(b)) for rank in layout["runs"] for a, b in rank)
-    total = sum(b - a for a, b in runs)
-    overlap = any(b0 > a1 for (_, b0), (a1, _) in itertools.pairwise(runs))
-    if overlap or total > num_batches or (runs and runs[-1][1] > num_batches):
-        msg = (
-            f"`state` holds a layout of {total:,} global batches (up to batch "
-            f"{runs[-1][1] if runs else 0:,}{', overlapping' if overlap else ''}) but epoch "
-            f"{layout['epoch']} of this dataset has {num_batches:,}: it was saved for other data"
-        )
-        raise DataError(msg)
 
 
 @dataclass(frozen=True)

@@ -11,21 +11,25 @@ for one part of the dataset (``{"fraction", "seed", "part": "train" | "held_out"
 of a limit carries ``code: "busy"`` (the client raises
 :class:`~readers.service.wire.ServiceBusyError`).
 
-**Ranks.** ``ranks: {rank, world_size, state}`` makes the client rank ``rank`` of a
-multi-rank job (``shard``/``num_shards`` are ignored): ``state`` is its rank reader position
-(:meth:`readers.ranks.RankBatchDataset.state_dict`, saved at any world size) or ``null`` for
-the start of ``epoch``. WELCOME answers ``ranks: {rank, world_size, state}`` with the position
-resolved (the epoch's layout filled in, re-dealt for this world size); the BATCH frames are
-the rank's micro-batches from there to the end of the epoch, in step order (the session relays
-its readers round-robin, reader ``j`` making steps ``j``, ``j + readers``, ...).
+**Ranks.** ``ranks: {rank, world_size, state[, drop_remainder]}`` makes the client rank
+``rank`` of a job (``shard``/``num_shards`` are ignored), read at the server's batch size per
+rank; a client of one rank with ``drop_remainder: false`` reads the whole stream (evaluation,
+see :class:`readers.ranks.RankBatchDataset`) at the HELLO's ``batch_size``, whatever the
+server's. ``state`` is its stream position
+(:meth:`readers.ranks.RankBatchDataset.state_dict`, saved at any world size and batch size) or
+``null`` for the start of ``epoch``. WELCOME answers ``ranks: {rank, world_size, state}`` with
+the position resolved (a finished epoch moved to the next, the stream's rows and shuffle
+settings filled in); the BATCH frames are the rank's micro-batches from there to the end of the
+epoch, in step order (the session relays its readers round-robin, reader ``j`` making steps
+``j``, ``j + readers``, ...).
 
 **Before HELLO a connection holds nothing** but its socket and the thread reading it
 (:func:`read_hello`): no queue, no semaphore, no shared memory. The whole HELLO must arrive
 within ``handshake_timeout_s`` of the start (one deadline, not one per read), the token is
 compared in constant time, and only then does a :class:`ClientSession` take its resources.
 Every field is checked for its type and bounded (:data:`MAX_SHARDS`, :data:`MAX_WORLD_SIZE`,
-:data:`MAX_EPOCH`, unknown fields refused; a ``ranks.state``'s layout checked for its shape,
-then against the dataset's own epoch) before anything is computed from it.
+:data:`MAX_EPOCH`, unknown fields refused; a ``ranks.state`` checked for its form, then
+against the dataset's own stream) before anything is computed from it.
 The token is a shared secret against accidental or casual use, not encryption: keep the
 service on loopback or a private network.
 
@@ -93,19 +97,15 @@ JOIN_TIMEOUT_S = 10.0
 _LINGER_S = 1.0  # a refused peer has this long to read the ERROR before the socket closes
 _POLL_S = 0.2
 _HOLDOUT_KEYS = frozenset({"fraction", "seed", "part"})
-_RANKS_KEYS = frozenset({"rank", "world_size", "state"})
+_RANKS_KEYS = frozenset({"rank", "world_size", "state", "drop_remainder"})
 _HELLO_KEYS = frozenset({"token", "shard", "num_shards", "epoch", "holdout", "batch_size", "ranks"})
-_STATE_KEYS = frozenset({"version", "kind", "epoch", "delivered", "batch_size", "layout"})
-_LAYOUT_COUNTS = ("epoch", "world_size", "batches_per_rank", "remainder_rows",
-                  "remainder_batches", "total_rows")  # fmt: skip
 
-# What a HELLO may ask for, checked before anything is computed from it (a rank client's
-# layout holds one entry per rank, so `world_size` alone sizes what the server builds).
+# What a HELLO may ask for, checked before anything is computed from it.
 MAX_SHARDS = 1 << 20  # `num_shards`
-MAX_WORLD_SIZE = 1 << 16  # `ranks.world_size` (and the world size of a `ranks.state`)
+MAX_WORLD_SIZE = 1 << 16  # `ranks.world_size`
 MAX_EPOCH = (1 << 31) - 1  # `epoch`
 MAX_BATCH_SIZE = (1 << 31) - 1  # `batch_size`
-MAX_COUNT = 1 << 48  # rows, batches and run bounds in a `ranks.state`
+MAX_COUNT = 1 << 48  # rows and seeds in a `ranks.state`
 _MAX_STATE_BYTES = HELLO_MAX_BYTES - 4096  # a WELCOME carries it back, a resuming HELLO too
 
 SessionState = Literal["streaming", "done", "disconnected", "failed", "stopped"]
@@ -182,6 +182,7 @@ def _parse_request(meta: dict[str, Any], *, num_readers: int) -> Request:
     ranks = _parse_ranks(meta.get("ranks"))
     if ranks is not None:
         values["shard"], values["num_shards"] = ranks.rank, ranks.world_size
+        ranks = dataclasses.replace(ranks, batch_size=batch_size)
     spec = ShardSpec(
         values["shard"], values["num_shards"], 0, num_readers, values["epoch"],
         _parse_holdout(meta.get("holdout")), ranks,
@@ -207,7 +208,10 @@ def _parse_ranks(value: Any) -> RankRequest | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not set(value) <= _RANKS_KEYS:
-        msg = f"HELLO field `ranks` must be {{rank, world_size, state}}, got {value!r:.100}"
+        msg = (
+            "HELLO field `ranks` must be {rank, world_size, state[, drop_remainder]}, got "
+            f"{value!r:.100}"
+        )
         raise ProtocolError(msg)
     rank, world = value.get("rank"), value.get("world_size")
     if not _is_int(rank) or not _is_int(world) or not 0 <= rank < world:
@@ -222,48 +226,25 @@ def _parse_ranks(value: Any) -> RankRequest | None:
     state = value.get("state")
     if state is not None:
         _check_state_shape(state)
-    return RankRequest(rank, world, state)
+    drop = value.get("drop_remainder", True)
+    if not isinstance(drop, bool) or (not drop and world > 1):
+        msg = f"HELLO field `ranks.drop_remainder` must be true, or false for one rank, got {drop!r:.20}"
+        raise ProtocolError(msg)
+    return RankRequest(rank, world, state, drop_remainder=drop)
 
 
 def _check_state_shape(state: Any) -> None:
-    """Check a rank reader state's types and sizes (not yet against the dataset, see
-    :meth:`~readers.service.producers.DatasetProducer.rank_state`): nothing in it may make the
-    server build more than the dataset's own layout."""
+    """Check a stream position's form and bounds (not yet against the dataset, see
+    :meth:`~readers.service.producers.DatasetProducer.rank_state`)."""
+    from readers.ranks import state_problem
 
-    def bad(why: str) -> ProtocolError:
-        return ProtocolError(f"HELLO field `ranks.state` {why}")
-
-    if not isinstance(state, dict) or not set(state) <= _STATE_KEYS:
-        raise bad(f"must be a rank reader state or null, got {state!r:.100}")
-    for name in ("epoch", "delivered", "batch_size"):
-        if name in state and not (_is_int(state[name]) and 0 <= state[name] <= MAX_COUNT):
-            raise bad(f"has an invalid `{name}` {state[name]!r:.50}")
-    if not isinstance(state.get("kind"), str | None) or not _is_int(state.get("version", 0)):
-        raise bad("has an invalid `kind` or `version`")
-    layout = state.get("layout")
-    if layout is None:
-        return
-    if not isinstance(layout, dict) or set(layout) != {*_LAYOUT_COUNTS, "runs"}:
-        raise bad(f"has an invalid `layout` {layout!r:.100}")
-    for name in _LAYOUT_COUNTS:
-        if not (_is_int(layout[name]) and 0 <= layout[name] <= MAX_COUNT):
-            raise bad(f"has an invalid `layout.{name}` {layout[name]!r:.50}")
-    world, per_rank, runs = layout["world_size"], layout["batches_per_rank"], layout["runs"]
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise bad(f"has a `layout.world_size` of {world!r}, not in [1, {MAX_WORLD_SIZE:,}]")
-    if not isinstance(runs, list) or len(runs) != world:
-        raise bad(f"needs one list of runs per rank in `layout.runs` ({world})")
-    for rank_runs in runs:
-        if not isinstance(rank_runs, list):
-            raise bad(f"has an invalid run list {rank_runs!r:.100}")
-        for run in rank_runs:
-            if not (
-                isinstance(run, list) and len(run) == 2 and all(map(_is_int, run))
-                and 0 <= run[0] < run[1] <= MAX_COUNT
-            ):  # fmt: skip
-                raise bad(f"has an invalid run {run!r:.100} (needs [start, stop))")
-        if sum(stop - start for start, stop in rank_runs) != per_rank:
-            raise bad(f"has a rank whose runs do not hold `batches_per_rank`={per_rank}")
+    problem = state_problem(state)
+    if problem is None:
+        big = [k for k, v in state.items() if _is_int(v) and not -MAX_COUNT <= v <= MAX_COUNT]
+        problem = f"`state` has an invalid `{big[0]}` {state[big[0]]!r:.50}" if big else None
+    if problem is not None:
+        msg = f"HELLO field `ranks.state`: {problem}"
+        raise ProtocolError(msg)
 
 
 def _parse_holdout(value: Any) -> Holdout | None:
@@ -290,7 +271,13 @@ def check_request(request: Request, producer: BatchProducer) -> Request:
             without row groups, or a dataset that cannot be divided as asked.
     """
     made = getattr(producer, "batch_size", None)
-    if request.batch_size is not None and made is not None and request.batch_size != made:
+    ranks = request.spec.ranks
+    if (
+        (ranks is None or ranks.drop_remainder)  # a whole-stream reader (evaluation) reads at
+        and request.batch_size is not None  # the batch size it asks for
+        and made is not None
+        and request.batch_size != made
+    ):
         msg = (
             f"the client expects batches of {request.batch_size} rows but this server makes "
             f"batches of {made} (`--batch-size`): start both with the same batch size"
@@ -462,6 +449,8 @@ class ClientSession:
             "epoch": self.spec.epoch,
         }
         made = getattr(self.ctx.producer, "batch_size", None)
+        if self.spec.ranks is not None and self.spec.ranks.batch_size is not None:
+            made = self.spec.ranks.batch_size
         if made is not None:
             welcome["batch_size"] = made
         if self.request.splits is not None:

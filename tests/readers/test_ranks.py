@@ -1,12 +1,14 @@
-"""Readers for the ranks of a distributed job: equal batch counts, one global stream, resume."""
+"""The batch stream of the ranks of a job: equal batch counts, global batches of consecutive rows
+(W ranks at B read one process's batches at W*B), one elastic position, exact resume."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from readers.dataset import ParquetBatchDataset
 from readers.ranks import RankBatchDataset, RankLoader
-from readers.source import ReaderConfig, plan_splits
+from readers.source import DatasetSource, ReaderConfig, plan_splits
 from recpipe.errors import DataError
 
 BATCH = 16
@@ -19,6 +21,7 @@ def _config(**kw):
 
 
 def _single_stream(root, schema, config, epoch=0):
+    """The library's one-process stream, whole batches only."""
     ds = ParquetBatchDataset(str(root), schema=schema, config=config)
     ds.set_epoch(epoch)
     return [b for b in ds if b.batch_size == config.batch_size]
@@ -29,6 +32,27 @@ def _ranks(root, schema, world, config, **kw):
         RankBatchDataset(str(root), schema=schema, config=config, rank=r, world_size=world, **kw)
         for r in range(world)
     ]
+
+
+def _rows(batches) -> torch.Tensor:
+    """(rows, 2 dense + session) of batches in order: which rows, in which order."""
+    return torch.cat(
+        [torch.cat([b.dense, b.session_ids.to(b.dense.dtype)[:, None]], 1) for b in batches]
+    )
+
+
+def _same_rows(got, want) -> bool:
+    """The same rows in the same order (NaN equal to NaN)."""
+    a, b = _rows(got), _rows(want)
+    return (
+        a.shape == b.shape
+        and bool(torch.equal(a.isnan(), b.isnan()))
+        and bool(torch.equal(a.nan_to_num(), b.nan_to_num()))
+    )
+
+
+def _same(got, want) -> bool:
+    return len(got) == len(want) and all(a.equals(b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.fixture
@@ -46,33 +70,90 @@ def test_round_robin_is_uneven_and_ranks_are_even(ten_groups, tiny_schema):
             for r in range(3)]  # fmt: skip
     assert len({n // BATCH for n in rows}) > 1
     single = _single_stream(ten_groups, tiny_schema, config)
+    total = sum(s.num_rows for s in splits)
     for world in (1, 2, 3, 4):
         ranks = _ranks(ten_groups, tiny_schema, world, config)
         per_rank = [list(ds) for ds in ranks]
-        n = len(single) // world
+        n = total // (world * BATCH)
         assert [len(b) for b in per_rank] == [n] * world
         assert all(b.batch_size == BATCH for batches in per_rank for b in batches)
-        # the ranks' batches are the single reader's first W*n batches, in contiguous ranges
-        flat = [b for batches in per_rank for b in batches]
-        assert all(a.equals(b) for a, b in zip(flat, single[: world * n], strict=True))
-        layout = ranks[0].layout
-        total = sum(s.num_rows for s in splits)
-        assert layout.remainder_rows == total - world * n * BATCH
-        assert layout.remainder_batches == len(single) - world * n
-        assert 0 <= layout.remainder_rows < world * BATCH + BATCH
+        # step t's global batch is W*B consecutive rows: the single reader's batches tW..tW+W-1
+        for r in range(world):
+            assert _same(per_rank[r], single[r : world * n : world])
+        assert ranks[0].remainder_rows == total - world * n * BATCH < world * BATCH
         # iterating moved every rank to the next epoch, whose stream is reshuffled
         assert all(ds.epoch == 1 for ds in ranks)
 
 
-def test_unshuffled_and_later_epochs_match_the_single_reader(ten_groups, tiny_schema):
-    for config, epoch in ((_config(shuffle=False), 0), (_config(), 2)):
-        single = _single_stream(ten_groups, tiny_schema, config, epoch)
-        ranks = _ranks(ten_groups, tiny_schema, 3, config)
-        for ds in ranks:
-            ds.set_epoch(epoch)
-        flat = [b for ds in ranks for b in ds]
-        assert len(flat) == 3 * (len(single) // 3)
-        assert all(a.equals(b) for a, b in zip(flat, single, strict=False))
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_ranks_at_b_read_the_batches_of_one_process_at_w_times_b(ten_groups, tiny_schema, shuffle):
+    """`--nproc W --batch-size B` reads exactly the global batches of `--batch-size W*B`."""
+    for world in (2, 4):
+        one = list(RankBatchDataset(str(ten_groups), schema=tiny_schema,
+                                    config=_config(batch_size=world * 4, shuffle=shuffle)))  # fmt: skip
+        ranks = [list(ds) for ds in _ranks(ten_groups, tiny_schema, world,
+                                            _config(batch_size=4, shuffle=shuffle))]  # fmt: skip
+        assert len(one) == len(ranks[0]) > 3
+        for t, whole in enumerate(one):
+            assert _same_rows([ranks[r][t] for r in range(world)], [whole])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_rank_is_the_library_stream(ten_groups, tiny_schema, shuffle):
+    """Rank 0 of 1 yields ParquetBatchDataset's batches (0 workers), the tail included with
+    drop_remainder=False and dropped as with last_batch="drop" otherwise; later epochs too."""
+    for last_batch, drop in (("partial", False), ("drop", True)):
+        config = _config(batch_size=12, shuffle=shuffle, last_batch=last_batch)
+        want = ParquetBatchDataset(str(ten_groups), schema=tiny_schema, config=config)
+        ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config,
+                              drop_remainder=drop)  # fmt: skip
+        for _ in range(2):  # epochs 0 and 1
+            expected = list(want)
+            assert expected[-1].batch_size != 12 or drop  # the tail is short
+            assert len(ds) == len(expected) and _same(list(ds), expected)
+
+
+def test_the_evaluation_stream_delivers_every_row(ten_groups, tiny_schema):
+    """Every rank of a W-rank job evaluates the same whole batches: rank 0 of 1 at the global
+    batch size, the last partial batch included."""
+    config = _config(batch_size=3 * BATCH, shuffle=False)
+    ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config,
+                          drop_remainder=False)  # fmt: skip
+    total = sum(s.num_rows for s in ds.source.splits)
+    assert total % (3 * BATCH)  # there is a partial batch
+    batches = list(ds)
+    assert sum(b.batch_size for b in batches) == total and ds.remainder_rows == 0
+    assert len(batches) == len(ds) == -(-total // (3 * BATCH))
+    with pytest.raises(DataError, match=r"`drop_remainder=False` needs world_size=1, got 2"):
+        RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config, rank=0,
+                         world_size=2, drop_remainder=False)  # fmt: skip
+
+
+def test_a_rank_reads_only_the_row_groups_its_parts_touch(ten_groups, tiny_schema, monkeypatch):
+    """Unshuffled, every row group is a window: rank r reads the ones holding its rows."""
+    read: list[int] = []
+    original = DatasetSource.read_split
+
+    def spy(self, split, **kw):
+        read.append(split.index)
+        return original(self, split, **kw)
+
+    monkeypatch.setattr(DatasetSource, "read_split", spy)
+    config = _config(shuffle=False, read_ahead=0)
+    world = 4
+    for rank in range(world):
+        ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config, rank=rank,
+                              world_size=world)  # fmt: skip
+        starts, at = [], 0
+        for split in ds.source.splits:
+            starts.append((at, at + split.num_rows, split.index))
+            at += split.num_rows
+        rows = [(t * world + rank) * BATCH for t in range(len(ds))]
+        touched = {i for a, b, i in starts for r in rows if a < r + BATCH and r < b}
+        read.clear()
+        assert len(list(ds)) > 1
+        assert set(read) == touched and len(read) == len(touched)
+        assert len(touched) < len(ds.source.splits)
 
 
 def test_resume_at_the_same_world_size_continues_exactly(ten_groups, tiny_schema):
@@ -82,69 +163,127 @@ def test_resume_at_the_same_world_size_continues_exactly(ten_groups, tiny_schema
     seen = [[b for _, b in zip(range(2), ds, strict=False)] for ds in first]
     state = first[0].state_dict()
     assert state == first[1].state_dict()  # one state for every rank
+    assert state["sample_in_epoch"] == 2 * 2 * BATCH and state["global_batch_size"] == 2 * BATCH
     again = _ranks(ten_groups, tiny_schema, 2, config)
     for ds in again:
         ds.load_state_dict(state)
     for r, ds in enumerate(again):
         rest = list(ds)
-        assert all(a.equals(b) for a, b in zip(seen[r] + rest, whole[r], strict=True))
+        assert _same(seen[r] + rest, whole[r])
 
 
-def test_resume_at_another_world_size_redeals_what_is_left(ten_groups, tiny_schema):
-    config = _config()
-    single = _single_stream(ten_groups, tiny_schema, config)
-    two = _ranks(ten_groups, tiny_schema, 2, config)
-    taken = [[k for k, _ in zip(range(3), ds.iter_indexed(), strict=False)] for ds in two]
+def test_a_position_is_elastic_across_ranks_at_the_same_global_batch(ten_groups, tiny_schema):
+    """Saved at 2 ranks of B/2, resumed at 1 rank of B and at 4 of B/4 (and back): the rest
+    of the epoch is the uninterrupted one-process run's, row for row."""
+    whole = list(RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config()))
+    two = _ranks(ten_groups, tiny_schema, 2, _config(batch_size=BATCH // 2))
     for ds in two:
-        ds.delivered = 3
+        assert len([b for _, b in zip(range(3), ds, strict=False)]) == 3
     state = two[0].state_dict()
-    three = _ranks(ten_groups, tiny_schema, 3, config)
+    one = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config())
+    one.load_state_dict(state)
+    assert len(one) == len(whole) - 3 and _same(list(one), whole[3:])
+    four = _ranks(ten_groups, tiny_schema, 4, _config(batch_size=BATCH // 4))
+    for ds in four:
+        ds.load_state_dict(state)
+    parts = [list(ds) for ds in four]
+    for t, want in enumerate(whole[3:]):
+        assert _same_rows([parts[r][t] for r in range(4)], [want])
+    # one process's position resumes at 2 ranks too
+    back = _ranks(ten_groups, tiny_schema, 2, _config(batch_size=BATCH // 2))
+    for ds in back:
+        ds.load_state_dict(state)
+        assert ds.state_dict() == state
+
+
+def test_another_global_batch_size_goes_on_from_the_same_row(ten_groups, tiny_schema):
+    """3 steps of 2 x 8 rows (48 rows), then steps of 3 x 8: rows 48.. of the stream, which
+    one process at 24 reads from its third batch on."""
+    two = _ranks(ten_groups, tiny_schema, 2, _config(batch_size=8))
+    for ds in two:
+        assert len([b for _, b in zip(range(3), ds, strict=False)]) == 3
+    state = two[0].state_dict()
+    assert state["sample_in_epoch"] == 48
+    three = _ranks(ten_groups, tiny_schema, 3, _config(batch_size=8))
     for ds in three:
         ds.load_state_dict(state)
-    layout = three[0].layout
-    later = [[k for k, _ in ds.iter_indexed()] for ds in three]
-    assert len({len(x) for x in later}) == 1 and len(later[0]) == layout.batches_per_rank
-    before = sorted(k for ks in taken for k in ks)
-    after = sorted(k for ks in later for k in ks)
-    assert not set(before) & set(after)  # nothing delivered twice
-    dropped = layout.remainder_batches - two[0].layout.remainder_batches
-    assert len(before) + len(after) + dropped == 2 * two[0].layout.batches_per_rank
-    assert 0 <= dropped < 3
-    # the re-dealt batches are the same batches as the single reader's
-    for ds, ks in zip(three, later, strict=True):
-        ds.load_state_dict(state)
-        for (k, batch), want in zip(ds.iter_indexed(), ks, strict=True):
-            assert k == want and batch.equals(single[k])
+    at_24 = list(
+        RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config(batch_size=24))
+    )
+    parts = [list(ds) for ds in three]
+    assert len(parts[0]) == len(at_24) - 2
+    for t, want in enumerate(at_24[2:]):
+        assert _same_rows([parts[r][t] for r in range(3)], [want])
 
 
-def test_workers_keep_the_rank_order(ten_groups, tiny_schema):
+def test_a_position_at_the_end_of_an_epoch_starts_the_next(ten_groups, tiny_schema):
+    ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config())
+    steps = len(ds)
+    for _ in ds:
+        state = ds.state_dict()  # after the epoch's last batch
+    assert (state["epoch"], state["sample_in_epoch"]) == (0, steps * BATCH)
+    again = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config())
+    again.load_state_dict(state)
+    assert again.epoch == 1 and again.origin == 0
+    ds.set_epoch(1)
+    assert _same(list(again), list(ds))
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_workers_keep_the_order_and_resume_exactly(ten_groups, tiny_schema, num_workers):
+    """The same batches in the same order for 0, 1 and 2 workers; a loader stopped after 2
+    batches and resumed with workers goes on with the uninterrupted run's batches."""
     config = _config(read_ahead=0)
-    ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config, rank=1, world_size=2)
     want = list(_ranks(ten_groups, tiny_schema, 2, config)[1])
-    loader = RankLoader(ds, num_workers=2)
+
+    def loader() -> RankLoader:
+        ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config, rank=1,
+                              world_size=2)  # fmt: skip
+        return RankLoader(ds, num_workers=num_workers)
+
+    assert _same(list(loader()), want)
+    first = loader()
     got = []
-    for batch in loader:
+    for batch in first:
         got.append(batch)
         if len(got) == 2:
             break
-    state = loader.state_dict()
-    assert state["delivered"] == 2
-    ds2 = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=config, rank=1, world_size=2)
-    loader2 = RankLoader(ds2, num_workers=2)
-    loader2.load_state_dict(state)
-    got += list(loader2)
-    assert len(got) == len(want)
-    assert all(a.equals(b) for a, b in zip(got, want, strict=True))
-    assert ds2.epoch == 1
+    state = first.state_dict()
+    assert state["sample_in_epoch"] == 2 * 2 * BATCH
+    second = loader()
+    second.load_state_dict(state)
+    got += list(second)
+    assert _same(got, want)
+    assert second.epoch == 1
 
 
-def test_bad_arguments(ten_groups, tiny_schema):
+def test_refusals(ten_groups, tiny_schema, make_dataset):
     with pytest.raises(DataError, match="`on_error` must be 'raise'"):
         RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config(on_error="skip"))
     with pytest.raises(DataError, match=r"`rank` must be in \[0, world_size=2\), got 2"):
         RankBatchDataset(str(ten_groups), schema=tiny_schema, rank=2, world_size=2)
     ds = RankBatchDataset(str(ten_groups), schema=tiny_schema, config=_config())
-    with pytest.raises(DataError, match="saved with batch_size=8"):
-        ds.load_state_dict({**ds.state_dict(), "batch_size": 8})
-    with pytest.raises(DataError, match="not a rank reader state_dict"):
+    state = ds.state_dict()
+    for change, match in (
+        ({"seed": 4}, r"saved with `seed` = 4, this reader has 3"),
+        ({"shuffle": False}, r"saved with `shuffle` = False, this reader has True"),
+        ({"shuffle_buffer": 7}, r"`shuffle_buffer` = 7"),
+        ({"rows": 5}, r"saved with rows in the epoch \(another dataset or part\) = 5"),
+        ({"sample_in_epoch": 10**6}, r"at row 1,000,000 of epoch 0, which has \d+ rows"),
+        ({"sample_in_epoch": -1}, "invalid `sample_in_epoch`"),
+        ({"extra": 1}, "a stream position has"),
+    ):
+        with pytest.raises(DataError, match=match) as info:
+            ds.load_state_dict({**state, **change})
+        assert "\n" not in str(info.value)  # one line
+    unshuffled = RankBatchDataset(str(ten_groups), schema=tiny_schema,
+                                  config=_config(shuffle=False, seed=9))  # fmt: skip
+    unshuffled.load_state_dict({**state, "shuffle": False})  # the seed does not matter
+    with pytest.raises(DataError, match=r"version 1 .* start the run afresh"):
+        ds.load_state_dict({"version": 1, "kind": "ranks", "epoch": 0, "delivered": 1,
+                            "batch_size": 16, "layout": None})  # fmt: skip
+    with pytest.raises(DataError, match="not a stream position"):
         ds.load_state_dict({"version": 1, "epoch": 0})
+    other = make_dataset(num_sessions=40, files=1, row_group_rows=25, name="other")
+    with pytest.raises(DataError, match="another stream"):
+        RankBatchDataset(str(other), schema=tiny_schema, config=_config()).load_state_dict(state)

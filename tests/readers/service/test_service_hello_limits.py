@@ -74,35 +74,15 @@ def _state(server) -> dict:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        # one run of 10**12 batches: expanded, it is a list of 10**12 ints
-        (
-            lambda s: s["layout"]["runs"][0].__setitem__(0, [0, 10**12]),
-            "has a rank whose runs do not hold",
-        ),
-        (
-            lambda s: (
-                s["layout"].__setitem__("batches_per_rank", 10**12),
-                s["layout"].__setitem__("runs", [[[0, 10**12]], [[10**12, 2 * 10**12]]]),
-            ),
-            r"layout of 2,000,000,000,000 global batches .* it was saved for other data",
-        ),
-        (lambda s: s["layout"].__setitem__("world_size", 10**12), "`layout.world_size` of"),
-        (lambda s: s["layout"]["runs"].append([]), "one list of runs per rank"),
-        (lambda s: s["layout"]["runs"].__setitem__(1, s["layout"]["runs"][0]), "overlapping"),
-        (lambda s: s.__setitem__("delivered", -1), "invalid `delivered`"),
-        (lambda s: s.__setitem__("extra", [[[[]]]]), "must be a rank reader state"),
-        (lambda s: s["layout"].__setitem__("runs", "x" * 100), "one list of runs per rank"),
+        (lambda s: s.__setitem__("sample_in_epoch", 10**12), r"at row 1,000,000,000,000 of epoch"),
+        (lambda s: s.__setitem__("sample_in_epoch", 2**60), "invalid `sample_in_epoch`"),
+        (lambda s: s.__setitem__("sample_in_epoch", -1), "invalid `sample_in_epoch`"),
+        (lambda s: s.__setitem__("global_batch_size", 0), "invalid `global_batch_size`"),
+        (lambda s: s.__setitem__("rows", 3), "another stream"),
+        (lambda s: s.__setitem__("extra", [[[[]]]]), "a stream position has"),
+        (lambda s: s.__setitem__("seed", "x" * 100), "invalid `seed`"),
     ],
-    ids=[
-        "run-of-1e12",
-        "layout-of-2e12",
-        "layout-world-1e12",
-        "runs-per-rank",
-        "overlapping",
-        "delivered",
-        "extra-key",
-        "runs-not-a-list",
-    ],
+    ids=["past-the-end", "huge", "negative", "batch-0", "other-rows", "extra-key", "seed"],
 )
 def test_a_forged_rank_state_is_refused_before_it_is_expanded(server, change, match) -> None:
     state = _state(server)
@@ -121,7 +101,7 @@ def test_a_forged_rank_state_is_refused_before_it_is_expanded(server, change, ma
         ({"epoch": 2**40}, r"`epoch` must be a non-negative integer \(at most"),
         ({"batch_size": 2**40}, "`batch_size` must be a positive integer"),
         ({"ranks": {"rank": True, "world_size": 2}}, "needs 0 <= rank < world_size"),
-        ({"ranks": {"rank": 0, "world_size": 2, "state": [0] * 100}}, "must be a rank reader"),
+        ({"ranks": {"rank": 0, "world_size": 2, "state": [0] * 100}}, "not a stream position"),
         ({"shards": 2}, "HELLO has unknown field"),
     ],
 )

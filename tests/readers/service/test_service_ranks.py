@@ -1,6 +1,6 @@
 """The ranks of a multi-rank job through the reader service (one client per rank): each rank
 gets exactly the batches of the in-process rank reader, in order, and resumes from the same
-state (saved at any world size, by either reader)."""
+state (saved at any world size and batch size, by either reader)."""
 
 from __future__ import annotations
 
@@ -33,25 +33,27 @@ def _producer(dataset, **kw) -> DatasetProducer:
     return DatasetProducer(str(root), **options)
 
 
-def _in_process(dataset, tiny_schema, world, *, holdout=None, state=None) -> list[list]:
+def _in_process(
+    dataset, tiny_schema, world, *, holdout=None, state=None, batch=BATCH, **kw
+) -> list[list]:
     root, _ = dataset
     splits = DatasetSource(str(root), schema=tiny_schema).splits
     if holdout is not None:
         splits = holdout.select(splits, session_key=tiny_schema.session_key)
-    config = ReaderConfig(batch_size=BATCH, shuffle=True, seed=SEED, read_ahead=0)
+    config = ReaderConfig(batch_size=batch, shuffle=True, seed=SEED, read_ahead=0)
     out = []
     for rank in range(world):
         ds = RankBatchDataset(str(root), schema=tiny_schema, config=config, rank=rank,
-                              world_size=world, splits=splits)  # fmt: skip
+                              world_size=world, splits=splits, **kw)  # fmt: skip
         if state is not None:
             ds.load_state_dict(state)
         out.append(list(ds))
     return out
 
 
-def _client(server, rank, world, **kw) -> ServiceRankDataset:
+def _client(server, rank, world, *, batch=BATCH, **kw) -> ServiceRankDataset:
     address = "{}:{}".format(*server.address)
-    return ServiceRankDataset(address, rank=rank, world_size=world, batch_size=BATCH,
+    return ServiceRankDataset(address, rank=rank, world_size=world, batch_size=batch,
                               read_timeout_s=TIMEOUT, **kw)  # fmt: skip
 
 
@@ -95,8 +97,9 @@ def test_the_training_part_and_a_second_epoch(dataset, tiny_schema, start_server
 
 
 def test_resume_at_the_same_and_another_world_size(dataset, tiny_schema, start_server):
-    """Two steps at 2 ranks through the service, then: the rest at 2 ranks, and the batches
-    no rank delivered re-dealt to 3 ranks, through the service and in-process alike."""
+    """Two steps at 2 ranks through the service, then: the rest at 2 ranks, and the rest of
+    the epoch from the same row in global batches of 3 ranks, through the service and
+    in-process alike."""
     server = start_server(_producer(dataset))
     whole = _in_process(dataset, tiny_schema, 2)
     states = []
@@ -106,7 +109,8 @@ def test_resume_at_the_same_and_another_world_size(dataset, tiny_schema, start_s
             assert batch.equals(whole[rank][k])
         states.append(client.state_dict())
     assert states[0] == states[1]  # one state for every rank
-    assert states[0]["delivered"] == 2 and states[0]["layout"]["world_size"] == 2
+    assert states[0]["sample_in_epoch"] == 2 * 2 * BATCH
+    assert states[0]["global_batch_size"] == 2 * BATCH and states[0]["rows"] > 0
     for rank in range(2):
         client = _client(server, rank, 2)
         client.load_state_dict(states[0])
@@ -119,13 +123,64 @@ def test_resume_at_the_same_and_another_world_size(dataset, tiny_schema, start_s
         assert got and _same(got, redealt[rank])
 
 
+def test_a_position_moves_between_the_service_and_in_process_at_any_world_size(
+    dataset, tiny_schema, start_server
+):
+    """3 steps of 2 ranks x B in-process, resumed through the service by one rank of 2B; 2
+    steps of that, resumed in-process by 2 ranks of B: every step is the uninterrupted one
+    process run's global batch (2B consecutive rows), row for row."""
+    server = start_server(_producer(dataset, batch_size=2 * BATCH))  # one rank of 2B
+    whole = _in_process(dataset, tiny_schema, 1, batch=2 * BATCH)[0]
+    root, _ = dataset
+    config = ReaderConfig(batch_size=BATCH, shuffle=True, seed=SEED, read_ahead=0)
+    ranks = [RankBatchDataset(str(root), schema=tiny_schema, config=config, rank=r,
+                              world_size=2) for r in range(2)]  # fmt: skip
+    for ds in ranks:
+        assert len([b for _, b in zip(range(3), ds, strict=False)]) == 3
+    in_process_state = ranks[0].state_dict()
+    one = _client(server, 0, 1, batch=2 * BATCH)
+    one.load_state_dict(in_process_state)
+    got = [b for _, b in zip(range(2), one, strict=False)]
+    assert _same(got, whole[3:5])
+    service_state = one.state_dict()
+    assert service_state == {**in_process_state, "sample_in_epoch": 5 * 2 * BATCH}
+    for rank, ds in enumerate(ranks):
+        ds.load_state_dict(service_state)
+        rest = list(ds)
+        assert len(rest) == len(whole) - 5
+        for t, batch in enumerate(rest):  # rank r's part: rows [r*B, (r+1)*B) of step t
+            assert batch.session_ids.equal(whole[5 + t].session_ids[rank * BATCH :][:BATCH])
+
+
+def test_the_evaluation_stream_through_the_service(dataset, tiny_schema, start_server):
+    """Rank 0 of 1 at the global batch size, the remainder delivered: every held-out row, the
+    in-process batches (the server makes B per rank for training; this client asks 3B)."""
+    server = start_server(_producer(dataset))
+    part = Holdout(0.3, seed=1, part="held_out")
+    want = _in_process(dataset, tiny_schema, 1, holdout=part, batch=3 * BATCH,
+                       drop_remainder=False)[0]  # fmt: skip
+    client = _client(server, 0, 1, batch=3 * BATCH, holdout=part, drop_remainder=False)
+    got = list(client)
+    assert _same(got, want) and got[-1].batch_size < 3 * BATCH
+    with pytest.raises(DataError, match="`drop_remainder=False` needs world_size=1"):
+        _client(server, 0, 2, drop_remainder=False)
+    with pytest.raises(ServiceError, match="expects batches of 48 rows"):  # training: refused
+        list(_client(server, 0, 1, batch=3 * BATCH, holdout=part))
+
+
 def test_refusals(dataset, start_server):
     synthetic = start_server(SyntheticProducer(4, batch_size=BATCH))
     with pytest.raises(ServiceError, match="cannot serve the ranks of a job"):
         list(_client(synthetic, 0, 2))
     server = start_server(_producer(dataset))
     client = _client(server, 0, 2)
-    with pytest.raises(DataError, match="saved with batch_size=8"):
-        client.load_state_dict({**client.state_dict(), "batch_size": 8})
+    next(iter(client))
+    state = client.state_dict()
+    other = _client(server, 0, 2)
+    other.load_state_dict({**state, "seed": SEED + 1})  # the client does not know the stream
+    with pytest.raises(ServiceError, match=r"another stream: saved with `seed` = 4, this reader"):
+        list(other)
+    with pytest.raises(DataError, match="another stream"):  # this one does
+        client.load_state_dict({**state, "seed": SEED + 1})
     with pytest.raises(DataError, match=r"`rank` must lie in \[0, `world_size`=2\)"):
         _client(server, 2, 2)
