@@ -528,6 +528,8 @@ class ServiceRankDataset:
             holds another number serves another dataset, and is refused.
         drop_remainder: leave out the rows after the last whole global batch; ``False`` (one
             rank only) delivers them as a last, shorter batch.
+        shuffle, seed: the shuffle the job expects (``None``: whatever the server's): a
+            server reading with another is refused before a batch is read.
         connect_timeout_s: give up connecting after this long.
         read_timeout_s: give up when the server is silent this long.
 
@@ -547,6 +549,8 @@ class ServiceRankDataset:
         batch_size: int,
         splits: int | None = None,
         drop_remainder: bool = True,
+        shuffle: bool | None = None,
+        seed: int | None = None,
         connect_timeout_s: float = 30.0,
         read_timeout_s: float = 120.0,
     ) -> None:
@@ -563,6 +567,7 @@ class ServiceRankDataset:
         self.rank, self.world_size = rank, world_size
         self.token, self.holdout, self.batch_size = token, holdout, batch_size
         self.splits, self.drop_remainder = splits, drop_remainder
+        self.expect = {"shuffle": shuffle, "seed": seed}
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.epoch = 0
         self.origin = 0  # the row of the epoch the next connection starts at
@@ -667,6 +672,15 @@ class ServiceRankDataset:
                 f"{self.global_batch_size}"
             )
             raise ProtocolError(msg)
+        for key, want in self.expect.items():
+            if want is not None and state[key] != want and (key != "seed" or state["shuffle"]):
+                flag = "--shuffle/--no-shuffle" if key == "shuffle" else "--seed"
+                msg = (
+                    f"the reader service at {client.where} reads with {key}={state[key]!r}, "
+                    f"this job asks for {key}={want!r}: start `recpipe serve` with the job's "
+                    f"`{flag}`"
+                )
+                raise DataError(msg)
         self.set_epoch(int(state["epoch"]))
         self.origin = int(state["sample_in_epoch"])
         self.stream = {key: state[key] for key in STREAM_KEYS}

@@ -4,6 +4,8 @@ state (saved at any world size and batch size, by either reader)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from readers.holdout import Holdout
@@ -182,5 +184,18 @@ def test_refusals(dataset, start_server):
         list(other)
     with pytest.raises(DataError, match="another stream"):  # this one does
         client.load_state_dict({**state, "seed": SEED + 1})
+    # a job that expects another shuffle than the server's is refused before any batch
+    for expect, match in (
+        (
+            {"shuffle": False},
+            "reads with shuffle=True, this job asks for "
+            "shuffle=False: start `recpipe serve` with the job's "
+            "`--shuffle/--no-shuffle`",
+        ),
+        ({"seed": SEED + 1}, "reads with seed=3, this job asks for seed=4"),
+    ):
+        with pytest.raises(DataError, match=re.escape(match)):
+            next(iter(_client(server, 0, 2, **expect)))
+    assert next(iter(_client(server, 0, 2, shuffle=True, seed=SEED))).batch_size == BATCH
     with pytest.raises(DataError, match=r"`rank` must lie in \[0, `world_size`=2\)"):
         _client(server, 2, 2)
