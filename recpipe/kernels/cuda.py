@@ -17,10 +17,11 @@ the CPU forms; a hash match is always verified.
 Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
 so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
 equal on every key; ``partial_dedup`` classifies each row against the previous one in parallel
-and places windows with a prefix sum; the jagged select gives one thread to each output word
-(8 bytes where a row is a whole number of them), which finds its row by a binary search of the
-output offsets; its backward (the jagged add) gives one thread to each gradient element and adds
-with atomics (not bitwise from run to run); :data:`SELECT_LAYOUT` switches both back to a warp
+and places windows with a prefix sum; the jagged select spreads the output's words (8 bytes
+where a row is a whole number of them) over the threads, a few to each, consecutive threads on
+consecutive words, finding rows by a binary search of the output offsets only where a row ends;
+its backward (the jagged add) spreads the gradient's elements the same way and adds with atomics
+(not bitwise from run to run); :data:`SELECT_LAYOUT` switches both back to a warp
 (a block) per row. The segment reductions give one thread to each (row, column).
 """
 
@@ -292,19 +293,27 @@ _WARP = 32
 SELECT_LAYOUT = "word"
 """How :func:`jagged_index_select` and :func:`jagged_index_add` spread their work over threads.
 
-``"word"``: one thread per output word (8 bytes for the select where rows allow, one element
-for the add), its row found by a binary search of ``out_offsets``, so consecutive threads read
-and write consecutive words whatever the rows' lengths. ``"row"``: the earlier form, a warp
+``"word"``: the output's words (8 bytes for the select where rows allow, elements for the add)
+in tiles, a few words to each thread and consecutive threads on consecutive words whatever the
+rows' lengths; a word's row is the previous word's, or found from it by a binary search of
+``out_offsets`` where a row ends. ``"row"``: the earlier form, a warp
 (select) or a block (add) per output row, whose lanes idle on short rows. ``benchmarks/kernels.py``
 times both kernels (``select_kernel_<layout>_ms``, ``add_kernel_<layout>_ms``).
 """
 
 
+_WORDS_PER_THREAD = 4  # each thread loads this many words before it stores them
+
+
 @cuda.jit(device=True)
-def _row_of(out_offsets: Array, v: int) -> int:
-    """The row ``m`` with ``out_offsets[m] <= v < out_offsets[m + 1]`` (``0 <= v <
-    out_offsets[-1]``): binary search, so empty rows are stepped over."""
-    lo = 0
+def _advance(out_offsets: Array, m: int, v: int) -> int:
+    """The row holding output value ``v`` (``out_offsets[m] <= v < out_offsets[-1]``), found
+    from row ``m`` on: the next two rows, then a binary search (which steps over empty rows)."""
+    if out_offsets[m + 1] > v:
+        return m
+    if out_offsets[m + 2] > v:
+        return m + 1
+    lo = m + 2
     hi = out_offsets.shape[0] - 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -315,16 +324,42 @@ def _row_of(out_offsets: Array, v: int) -> int:
     return lo
 
 
+@cuda.jit(device=True)
+def _row_at(
+    out_offsets: Array, src_offsets: Array, indices: Array, m: int, w: int, width: int
+) -> tuple[int, int, int]:
+    """``(row, shift, end)`` of output word ``w``, its row found from row ``m`` on: its source
+    word is ``w + shift`` and its row's words end before ``end``."""
+    m = _advance(out_offsets, m, w // width)
+    return m, (src_offsets[indices[m]] - out_offsets[m]) * width, out_offsets[m + 1] * width
+
+
 @cuda.jit(cache=True)
 def _select_words(
     values: Array, offsets: Array, indices: Array, out_offsets: Array, width: int, out: Array
 ) -> None:
-    """One thread per output word (grid-stride): ``out[w]`` from its row's source."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for w in range(start, out.shape[0], stride):
-        v = w // width
-        m = _row_of(out_offsets, v)
-        out[w] = values[(offsets[indices[m]] + v - out_offsets[m]) * width + w - v * width]
+    """Block ``b`` of ``T`` threads moves output words ``[b T K, (b + 1) T K)``, thread ``t`` the
+    words ``t, t + T, ...`` (each step a coalesced sweep of the block); each word's row is the
+    previous word's or found from it, so a division and a search happen only where a row ends."""
+    step = cuda.blockDim.x
+    first = cuda.blockIdx.x * step * _WORDS_PER_THREAD + cuda.threadIdx.x
+    n = out.shape[0]
+    if first >= n:
+        return
+    buf = cuda.local.array(_WORDS_PER_THREAD, out.dtype)
+    m, shift, end = _row_at(out_offsets, offsets, indices, 0, first, width)
+    w = first
+    for i in range(_WORDS_PER_THREAD):  # every load first, so they are in flight together
+        if w < n:
+            if w >= end:
+                m, shift, end = _row_at(out_offsets, offsets, indices, m, w, width)
+            buf[i] = values[w + shift]
+        w += step
+    w = first
+    for i in range(_WORDS_PER_THREAD):
+        if w < n:
+            out[w] = buf[i]
+        w += step
 
 
 @cuda.jit(cache=True)
@@ -344,13 +379,27 @@ def _select_rows(
 def _add_words(
     grad: Array, out_offsets: Array, src_offsets: Array, indices: Array, width: int, out: Array
 ) -> None:
-    """One thread per gradient element (grid-stride), added atomically to its source element."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for e in range(start, grad.shape[0], stride):
-        v = e // width
-        m = _row_of(out_offsets, v)
-        dst = (src_offsets[indices[m]] + v - out_offsets[m]) * width + e - v * width
-        cuda.atomic.add(out, dst, grad[e])
+    """The select's layout (:func:`_select_words`) over gradient elements, each added
+    atomically to its source element."""
+    step = cuda.blockDim.x
+    first = cuda.blockIdx.x * step * _WORDS_PER_THREAD + cuda.threadIdx.x
+    n = grad.shape[0]
+    if first >= n:
+        return
+    buf = cuda.local.array(_WORDS_PER_THREAD, grad.dtype)
+    w = first
+    for i in range(_WORDS_PER_THREAD):
+        if w < n:
+            buf[i] = grad[w]
+        w += step
+    m, shift, end = _row_at(out_offsets, src_offsets, indices, 0, first, width)
+    w = first
+    for i in range(_WORDS_PER_THREAD):
+        if w < n:
+            if w >= end:
+                m, shift, end = _row_at(out_offsets, src_offsets, indices, m, w, width)
+            cuda.atomic.add(out, w + shift, buf[i])
+        w += step
 
 
 @cuda.jit(cache=True)
@@ -367,7 +416,10 @@ def _add_rows(
             cuda.atomic.add(out, dst + k, grad[src + k])
 
 
-_GRID_CAP = 1 << 20  # blocks; beyond, the grid-stride loops take over
+def _tiles(n: int, threads: int) -> int:
+    """Blocks of :func:`_select_words` and :func:`_add_words` for ``n`` words (no grid-stride:
+    a grid's x dimension takes 2**31 - 1 blocks)."""
+    return max(1, -(-n // (threads * _WORDS_PER_THREAD)))
 
 
 def select_into(
@@ -389,7 +441,7 @@ def select_into(
     out_words, _ = _words(out)
     threads = _threads()
     if layout == "word":
-        blocks, kernel = _blocks(out_words.shape[0], threads, _GRID_CAP), _select_words
+        blocks, kernel = _tiles(out_words.shape[0], threads), _select_words
     else:
         blocks, kernel = _blocks(indices.shape[0] * _WARP, threads), _select_rows  # warp per row
     launch(
@@ -415,7 +467,7 @@ def add_into(
     width = row_width(grad)
     if layout == "word":
         threads = _threads()
-        blocks, kernel = _blocks(flat.shape[0], threads, _GRID_CAP), _add_words
+        blocks, kernel = _tiles(flat.shape[0], threads), _add_words
     else:
         threads = _threads(128)
         blocks, kernel = min(indices.shape[0], 65535), _add_rows  # a block per row
