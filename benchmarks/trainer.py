@@ -12,6 +12,15 @@ it (`<figure>_spread`), so other load on the machine matters little.
 Figures (written to benchmarks/results/trainer.json):
   dedup_speedup            training samples/s with dedup on / off (forward + backward + optimizer
                            step; batches preloaded, so reading is not timed). Target >= 2.5.
+                           "off" is the no-dedup compute: every batch row through the embeddings
+                           and the attention layers (`DLRM.set_dedup_groups(())`).
+  losses_equal_bitwise     `recpipe train --dedup off` (plain batches, deduplicated by the model
+                           as the readers do) against dedup on: the per-step losses of the same
+                           batches equal as floats, for each optimizer (sgd, adagrad, adam;
+                           `losses_equal_bitwise_by_optimizer`) over `--bitwise-steps` steps
+                           (the loaded batches in turn).
+                           Target: true on the CPU (on a GPU the float atomics that sum the
+                           duplicate rows' gradients may part them: docs/gpu.md).
   activation_memory_ratio  bytes of the embedding and attention activations, off / on. Measured
                            with `torch.autograd.graph.saved_tensors_hooks`: every tensor saved for
                            backward while the embedding-bag, sequence-embedding and attention
@@ -126,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads-steps", type=int, default=20, help="timed steps per side, default_threads_vs_one"
     )
+    parser.add_argument(
+        "--bitwise-steps", type=int, default=30,
+        help="steps per optimizer and side of the losses_equal_bitwise check",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     return parser.parse_args(argv)
 
@@ -205,10 +218,9 @@ def measure_speedup(
     from trainer.models import DLRM
     from trainer.train import Trainer
 
-    trainers = {
-        mode: Trainer(DLRM.from_schema(schema, model_config), device=device)
-        for mode in ("on", "off")
-    }
+    models = {mode: DLRM.from_schema(schema, model_config) for mode in ("on", "off")}
+    models["off"].set_dedup_groups(())  # every row of the plain batches: the no-dedup compute
+    trainers = {mode: Trainer(model, device=device) for mode, model in models.items()}
     batches = {"on": on, "off": off}
     times: dict[str, list[Timing]] = {"on": [], "off": []}
     losses: dict[str, list[float]] = {"on": [], "off": []}
@@ -235,6 +247,36 @@ def measure_speedup(
         "median_step_s_off": step_s["off"],
         "timed_steps": len(times["on"]),
         "max_loss_rel_diff_on_vs_off": rel,
+    }
+
+
+def measure_bitwise(
+    schema: Any, on: list[Any], off: list[Any], *, model_config: Any, steps: int, device: Any
+) -> dict[str, Any]:
+    """Dedup on against ``recpipe train --dedup off`` (the model deduplicates the plain batches'
+    groups as the readers do): per-step losses equal as floats, per optimizer, over ``steps``
+    steps on the batches in turn (an adaptive optimizer parts them only after a few steps)."""
+    from trainer.config import OPTIMIZERS
+    from trainer.models import DLRM
+    from trainer.train import Trainer
+
+    same = {}
+    for optimizer in OPTIMIZERS:
+        losses = {}
+        for mode, batches in (("on", on), ("off", off)):
+            model = DLRM.from_schema(schema, model_config)
+            trainer = Trainer(model, optimizer=optimizer, device=device)
+            losses[mode] = [
+                float(trainer.train_step(batches[i % len(batches)].to(device))[0])
+                for i in range(steps)
+            ]
+        same[optimizer] = losses["on"] == losses["off"]
+        print(f"  {optimizer}: losses on == off over {steps} steps: {same[optimizer]}",
+              file=sys.stderr)  # fmt: skip
+    return {
+        "losses_equal_bitwise": all(same.values()),
+        "losses_equal_bitwise_by_optimizer": same,
+        "bitwise_steps": steps,
     }
 
 
@@ -491,6 +533,7 @@ def measure_memory(
     from trainer.runlog import batch_dedup_factor
 
     model = DLRM.from_schema(schema, model_config)
+    model.set_dedup_groups(())  # the plain batch through every row (the no-dedup compute)
     out: dict[str, Any] = {}
     for mode, batch in (("on", on[0]), ("off", off[0])):
         scope = [model.ebc, model.seq, model.attention]
@@ -693,6 +736,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 schema, on, off, model_config=model_config, warmup=args.warmup, device=device
             )
         )
+        print("dedup on vs --dedup off, per-step losses (sgd, adagrad, adam):", file=sys.stderr)
+        results.update(
+            measure_bitwise(
+                schema, on, off, model_config=model_config, steps=args.bitwise_steps,
+                device=device,
+            )
+        )  # fmt: skip
         results.update(
             measure_memory(
                 schema, on, off, model_config=model_config, budget_mib=args.memory_budget_mib
@@ -761,7 +811,9 @@ def _table(results: dict[str, Any]) -> str:
         f"samples/s on {results['samples_per_s_on']:,.0f}, off {results['samples_per_s_off']:,.0f} "
         f"(B={results['batch_size']}, {results['timed_steps']} timed steps, {results['threads']} "
         f"thread(s), {results['device']}); max loss rel. diff on vs off "
-        f"{results['max_loss_rel_diff_on_vs_off']:.2e}"
+        f"{results['max_loss_rel_diff_on_vs_off']:.2e} (no-dedup compute); --dedup off "
+        f"losses equal bit for bit: {results['losses_equal_bitwise']} "
+        f"({results['losses_equal_bitwise_by_optimizer']})"
     )
     return "\n".join(lines)
 

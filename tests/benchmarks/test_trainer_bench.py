@@ -41,6 +41,7 @@ def test_tiny_run_writes_results(tmp_path, capsys):
     for key in ("dedup_speedup", "activation_memory_ratio", "max_batch_ratio", "vs_torchrec_ebc"):
         assert results[key] > 0
     assert results["max_loss_rel_diff_on_vs_off"] < 1e-5
+    assert results["losses_equal_bitwise"] is True  # recpipe train --dedup off == on, as floats
     assert results["ebc_max_abs_diff_vs_torchrec"] < 1e-5
     assert results["torchrec_swap_dedup_max_abs_diff"] < 1e-5
     assert results["torchrec_swap_dedup_speedup"] > 0 and results["torchrec_swap_plain"] > 0
