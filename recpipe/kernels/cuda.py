@@ -119,7 +119,8 @@ def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: 
     dispatcher; where that route is not available (another numba-cuda, the simulator), the
     dispatcher launches every time.
     """
-    tensors = [a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+    # no detach: only pointers and sizes are read here (as_device_array detaches for Numba)
+    tensors = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
     compiled = _compiled(kernel, tensors) if device.type == "cuda" else None
     if compiled is None:
         dev_args = [as_device_array(a) if isinstance(a, torch.Tensor) else a for a in tensors]

@@ -235,3 +235,31 @@ def test_kernels_launch_without_numbas_dispatcher_on_a_gpu():
     assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
     compiled = {key[0]: kernel for key, kernel in kc._DIRECT.items()}
     assert compiled.get(kc._select_words) is not None
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (too many threads for the simulator)"
+)
+@pytest.mark.parametrize("layout", ["word", "row"])
+@pytest.mark.parametrize("dim", [1, 3, 64])
+def test_select_and_add_layouts_at_a_batchs_size_on_a_gpu(monkeypatch, layout, dim):
+    """Thousands of rows, many tiles of 256 threads: both layouts equal the CPU forms (the
+    select bitwise, the atomic add to float32 rounding)."""
+    from recpipe.kernels import cuda as kc
+
+    monkeypatch.setattr(kc, "SELECT_LAYOUT", layout)
+    gen = torch.Generator().manual_seed(dim)
+    lengths = torch.randint(0, 40, (3000,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.randn(int(offsets[-1]), dim, generator=gen)
+    indices = torch.randint(0, 3000, (5000,), generator=gen)
+    want, want_offsets = cpu.jagged_index_select(values, offsets, indices)
+    for known in ({}, {"out_offsets": want_offsets.cuda(), "num_out_values": len(want)}):
+        out, out_offsets = jagged_index_select(
+            values.cuda(), offsets.cuda(), indices.cuda(), **known
+        )
+        assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
+    grad = torch.randn(want.shape, generator=gen)
+    got = jagged_index_add(grad.cuda(), out_offsets, offsets.cuda(), indices.cuda(), len(values))
+    expect = cpu.jagged_index_add(grad, want_offsets, offsets, indices, len(values))
+    torch.testing.assert_close(got.cpu(), expect, rtol=1e-5, atol=1e-5)
