@@ -80,23 +80,27 @@ def rank_batches(dataset: str, *, rank: int, world: int, dedup: bool, steps: int
     return _BATCHES[key]
 
 
-DENSE_MODES = ("learning", "frozen", "exact")
+DENSE_MODES = ("learning", "frozen", "exact", "default")
 
 
 def build(
     dataset: str, opt: str, comm: Comm, dtype: torch.dtype, *, dense: str = "learning"
 ) -> DistributedTrainer:
-    """A trainer of the small model. ``dense``: ``"learning"`` (attention pooling, DDP);
-    ``"frozen"`` (no attention pooling, the dense part does not learn: lr 0); ``"exact"`` (no
-    attention pooling, the dense gradients summed in float64: ``exact_dense``)."""
+    """A trainer of the small model. ``dense``: ``"learning"`` (attention pooling, DDP's
+    float32 sums: ``--fast-dense``); ``"frozen"`` (no attention pooling, the dense part does not
+    learn: lr 0); ``"exact"`` (no attention pooling, the dense gradients summed in float64:
+    ``exact_dense``); ``"default"`` (attention pooling and exact dense gradients: what
+    ``recpipe train --nproc N`` runs)."""
     assert dense in DENSE_MODES, dense
     schema = dataset_schema(dataset)
     factory = sharded_table_factory(optimizer=opt, dtype=dtype)
-    config = replace(SMALL_MODEL, attention="none") if dense != "learning" else SMALL_MODEL
+    attention = dense in ("learning", "default")
+    config = SMALL_MODEL if attention else replace(SMALL_MODEL, attention="none")
     model = DLRM.from_schema(schema, config, table_factory=factory).to(dtype)
     trainer = DistributedTrainer(
-        model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20, exact_dense=dense == "exact"
-    )
+        model, comm=comm, optimizer=opt, hot_budget_rows=1 << 20,
+        exact_dense=dense in ("exact", "default"),
+    )  # fmt: skip
     if dense == "frozen":
         for group in (g for o in trainer.optimizers for g in o.param_groups):
             group["lr"] = 0.0
@@ -280,6 +284,56 @@ def matrix(rank: int, world_size: int, dataset: str, out: str) -> None:
                 if comm.rank == 0:
                     Path(out, "service.json").write_text(json.dumps(served))
         dist.barrier()
+
+
+# the default dense mode with attention pooling on, over more steps: (optimizer, dedup)
+ATTENTION_CASES = [("adagrad", True), ("adagrad", False), ("sgd", True)]
+ATTENTION_STEPS = 20
+
+
+def exact_with_attention(rank: int, world_size: int, dataset: str, out: str) -> None:
+    """Every case of :data:`ATTENTION_CASES` at 2 .. ``world_size`` ranks (subgroups of one job)
+    with the default dense mode (attention pooling, exact dense gradients), and one process on
+    the same global batches: ``attention-{world}.json`` (rank 0 of each world)."""
+    for world in range(2, world_size + 1):
+        comm = subgroup_comm(world)
+        if comm is not None:
+            results = [_attention_case(comm, dataset, opt, dedup) for opt, dedup in ATTENTION_CASES]
+            if comm.rank == 0:
+                Path(out, f"attention-{world}.json").write_text(json.dumps(results))
+        dist.barrier()
+
+
+def _attention_case(comm: Comm, dataset: str, opt: str, dedup: bool) -> dict | None:
+    world = comm.world_size
+    batches = rank_batches(dataset, rank=comm.rank, world=world, dedup=dedup,
+                           steps=ATTENTION_STEPS)  # fmt: skip
+    trainer = build(dataset, opt, comm, torch.float32, dense="default")
+    initial = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    losses = [float(trainer.train_step(b)[0]) for b in batches]
+    tables = all_rows(comm, trainer)
+    if comm.rank != 0:
+        return None
+    streams = [rank_batches(dataset, rank=r, world=world, dedup=dedup, steps=ATTENTION_STEPS)
+               for r in range(world)]  # fmt: skip
+    ref = one_process(dataset, opt, torch.float32, streams, dense="default")
+    dense, want = trainer.module.state_dict(), ref["dense"]
+    return {
+        "case": [opt, dedup],
+        "world": world,
+        "steps": len(losses),
+        "losses": losses,
+        "reference": ref["losses"],
+        "loss_dev": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True)),
+        "dense_dev": compare_dense(dense, want),
+        "table_dev": compare_tables(tables, ref["tables"]),
+        "dense_bitwise": all(torch.equal(dense[k], want[k]) for k in want),
+        "tables_bitwise": digest(tables) == digest(ref["tables"]),
+        "attention_moved": max(
+            relative(dense[k], initial[k]) for k in want if k.startswith("attention.")
+        ),
+        "outside": trainer.exact.outside if trainer.exact is not None else None,
+    }
 
 
 def die_at_step(rank: int, world_size: int, dataset: str, out: str, victim: int, step: int):

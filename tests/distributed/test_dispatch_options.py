@@ -65,6 +65,7 @@ def test_the_cache_options_check_themselves(kwargs, message):
         DistributedConfig(**kwargs)
 
 
-def test_exact_dense_reaches_the_distributed_config():
-    assert distributed_config(_parse()).exact_dense is False
-    assert distributed_config(_parse("--exact-dense")).exact_dense is True
+def test_exact_dense_is_the_default_and_fast_dense_turns_it_off():
+    assert distributed_config(_parse()).exact_dense is True
+    assert distributed_config(_parse("--fast-dense")).exact_dense is False
+    assert distributed_config(_parse("--exact-dense")).exact_dense is True  # the old flag: a no-op

@@ -8,11 +8,13 @@ exchange sums the tables' gradients the same way.
 
 DDP adds float32 partial sums: the dense gradients then differ from one process's in the last
 bits (a float32 sum over a micro-batch rounds differently from one over the whole batch), and
-training turns those bits into differences of about 1e-6 to 1e-5. :class:`ExactDense`
-(``--exact-dense``) replaces DDP for models whose parameters are those of ``nn.Linear``
-layers: it sums their gradients over the rows in float64, adds the ranks' sums in float64 and
-rounds once, so W ranks compute the float32 gradients one process computes (see
-``docs/distributed.md``).
+training turns those bits into differences of about 1e-6 to 1e-3. :class:`ExactDense` (the
+default of a multi-rank ``recpipe train``; ``--fast-dense`` turns it off) replaces DDP: every
+dense parameter's gradient is a float64 sum over the rows, the ranks' sums are added in float64
+and rounded once, so W ranks compute the float32 gradients one process computes (see
+``docs/distributed.md``). ``nn.Linear`` and ``nn.LayerNorm`` layers get backwards of their own;
+a parameter used directly (attention pooling's tokens and biases) is followed through the
+forward, and where an op broadcasts it over the rows its gradient is summed in float64 there.
 
 Batch norm normalises with the statistics of the batch it sees; on one rank that is a micro-batch.
 :class:`GlobalBatchNorm` all-reduces the sums (differentiably: the backward all-reduces their
@@ -22,15 +24,25 @@ does. ``torch.nn.SyncBatchNorm`` would do this on GPUs only.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
 
+from trainer.attention import AttentionPooling
 from trainer.distributed.comm import Comm
 
 __all__ = ["ExactDense", "GlobalBatchNorm", "global_batch_norms", "wrap_ddp"]
+
+_log = logging.getLogger(__name__)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -151,22 +163,182 @@ class _ExactLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
+class _ExactLayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` whose backward sums the weight's and the bias's gradients over the rows
+    in float64 into ``sums``; the input's gradient is torch's, row by row."""
+
+    @staticmethod
+    def forward(ctx, x, shape, weight, bias, eps, sums):
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.shape, ctx.sums = shape, sums
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
+            )[0]
+        width = weight.numel() if weight is not None else bias.numel()
+        wide = grad.reshape(-1, width).to(torch.float64)  # (rows, width)
+        if weight is not None:
+            normed = (x.to(torch.float64) - mean.to(torch.float64)) * rstd.to(torch.float64)
+            ctx.sums.add(weight, (wide * normed.reshape(-1, width)).sum(0).view(weight.shape))
+        if bias is not None:
+            ctx.sums.add(bias, wide.sum(0).view(bias.shape))
+        return grad_x, None, None, None, None, None
+
+
+class _Tap(torch.autograd.Function):
+    """``view(param)`` broadcast to ``shape`` (``view``: the ops between a parameter and the
+    tensor an op broadcast); backward: the gradient summed over what was broadcast in float64
+    and taken back through ``view`` in float64, into ``sums``. Nothing reaches ``param.grad``."""
+
+    @staticmethod
+    def forward(ctx, param, view, shape, sums):
+        ctx.param, ctx.view, ctx.sums = param, view, sums
+        with torch.no_grad():
+            return view(param).expand(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        wide = ctx.param.detach().to(torch.float64).requires_grad_(True)
+        with torch.enable_grad():
+            seen = ctx.view(wide)
+            (sum_,) = torch.autograd.grad(
+                seen, wide, grad.to(torch.float64).sum_to_size(seen.shape)
+            )
+        ctx.sums.add(ctx.param, sum_)
+        return None, None, None, None
+
+
+_View = Callable[[torch.Tensor], torch.Tensor]
+# ops that take a parameter to a tensor of its values, which is followed further
+_VIEWS = frozenset({
+    "__getitem__", "select", "narrow", "view", "reshape", "unsqueeze", "squeeze", "transpose",
+    "t", "permute", "flatten", "unflatten", "contiguous",
+})  # fmt: skip
+# ops that broadcast a tensor: their gradient for it is a sum over the broadcast dimensions
+_BROADCASTS = frozenset({
+    "add", "sub", "mul", "rsub", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
+    "__rmul__",
+})  # fmt: skip
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+
+
+class _FollowParameters(TorchFunctionMode):
+    """During a forward: the ops that broadcast a followed parameter (or a view of it) over the
+    rows get a :class:`_Tap` in its place; a parameter that reaches any other differentiable op
+    is recorded in ``uncovered`` (its gradient stays torch's float32 sum)."""
+
+    def __init__(self, params: dict[int, tuple[str, nn.Parameter]], sums: ExactDense) -> None:
+        super().__init__()
+        self.params, self.sums = params, sums
+        self.uncovered: set[str] = set()
+        # id(tensor) -> (a weak reference to it, its parameter, the ops from the parameter)
+        self._views: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter, _View]] = {}
+
+    def _source(self, value: object) -> tuple[nn.Parameter, _View] | None:
+        """The parameter ``value`` is (or is a view of), and the ops from it to ``value``."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        found = self.params.get(id(value))
+        if found is not None and found[1] is value:
+            return found[1], _identity
+        view = self._views.get(id(value))
+        if view is not None and view[0]() is value:
+            return view[1], view[2]
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sources = {i: s for i, a in enumerate(args) if (s := self._source(a)) is not None}
+        sources_by_name = [s for a in kwargs.values() if (s := self._source(a)) is not None]
+        if sources_by_name and torch.is_grad_enabled():  # not followed: torch's float32 sums
+            self.uncovered.update(self.params[id(p)][0] for p, _ in sources_by_name)
+        if not sources or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _VIEWS and list(sources) == [0]:
+            out = func(*args, **kwargs)
+            param, view = sources[0]
+            rest = args[1:]
+
+            def further(t: torch.Tensor) -> torch.Tensor:
+                return func(view(t), *rest, **kwargs)
+
+            self._views[id(out)] = (weakref.ref(out), param, further)
+            return out
+        if name in _EXPANDS and list(sources) == [0]:
+            shape = func(args[0].detach(), *args[1:], **kwargs).shape
+            return _Tap.apply(*sources[0], shape, self.sums)
+        if name in _BROADCASTS:
+            shape = torch.broadcast_shapes(
+                *(a.shape if isinstance(a, torch.Tensor) else () for a in args)
+            )
+            args = tuple(
+                _Tap.apply(*sources[i], shape, self.sums) if i in sources else a
+                for i, a in enumerate(args)
+            )
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            self.uncovered.update(self.params[id(s[0])][0] for s in sources.values())
+        return out
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _padded_to_max_len(attention: AttentionPooling):
+    """``attention.pool_rows`` over the rows given and one more, of zeros as long as every
+    feature's ``max_len``, whose output is dropped. Attention pooling pads a batch to its
+    longest row, so without that row a micro-batch of short rows would place the second
+    feature's tokens at other positions than the global batch does, and attention would sum
+    over its keys in another order; with it every batch is padded to the same length. The extra
+    row's output is not used: it adds exact zeros to every gradient."""
+    pool_rows = attention.pool_rows
+
+    def pool(seqs):
+        longer = []
+        for feature, seq in zip(attention.features, seqs, strict=True):
+            n = attention.max_len[feature]
+            values = torch.cat([seq.values, seq.values.new_zeros(n, seq.values.shape[1])])
+            offsets = torch.cat([seq.offsets, seq.offsets[-1:] + n])
+            longer.append(dataclasses.replace(seq, values=values, offsets=offsets))
+        return pool_rows(longer)[:-1]  # (R, D)
+
+    return pool
+
+
 class ExactDense:
     """The dense gradients of W ranks equal to one process's, bit for bit (in place of DDP).
 
-    Every ``nn.Linear`` of ``model`` computes its weight and bias gradients as float64 sums over
-    the rows of its input (:class:`_ExactLinear`); :meth:`reduce` adds them over the ranks in
-    one float64 all-reduce and rounds them to the parameters' dtype once. A float64 sum of a
-    few thousand float32 products is exact to about 1e-16, so however the global batch is split
-    the rounded gradient is the same (a different result needs a sum within 1e-16 of a rounding
-    boundary). Every other part of the step already is the same row by row: the forward and
-    the inputs' gradients (products of one row with the weights), the batch norms' statistics
-    (:class:`GlobalBatchNorm`, float64 sums), the tables' gradients (float64 sums in the
-    exchange).
+    Every dense parameter's gradient is a float64 sum over the rows: ``nn.Linear`` layers
+    compute their weight and bias gradients so (:class:`_ExactLinear`), ``nn.LayerNorm`` layers
+    too (:class:`_ExactLayerNorm`), and any other parameter (attention pooling's CLS token,
+    feature-type and position embeddings, query and value biases) is followed through the
+    forward: where an op broadcasts it (or a slice of it) over the rows, the op gets it already
+    broadcast and its gradient is summed over the rows in float64 (:class:`_Tap`). :meth:`reduce`
+    adds the sums over the ranks in one float64 all-reduce and rounds them to the parameters'
+    dtype once. A float64 sum of a few thousand float32 products is exact to about 1e-16, so
+    however the global batch is split the rounded gradient is the same (a different result
+    needs a sum within 1e-16 of a rounding boundary). Every other part of the step already is
+    the same row by row: the forward and the inputs' gradients (each row's own arithmetic:
+    attention pooling masks its padding, so a micro-batch padded to another length computes
+    the same for every row), the batch norms' statistics (:class:`GlobalBatchNorm`, float64
+    sums), the tables' gradients (float64 sums in the exchange).
 
-    Parameters that are not a ``nn.Linear``'s (attention pooling's tokens and layer norms)
-    keep their float32 gradients, widened and summed over the ranks in float64: the same on
-    every rank, not bit for bit one process's.
+    A parameter that reaches an op other than a view, an expand or a broadcasting add, sub or
+    mul keeps its float32 gradient there, widened and summed over the ranks in float64: the same
+    on every rank, not bit for bit one process's. Such parameters are listed in :attr:`outside`
+    (and logged once) after the first training forward.
 
     Args:
         model: the dense model (its tables hold no ``nn.Parameter``).
@@ -177,22 +349,59 @@ class ExactDense:
         self.comm = comm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._sums: dict[int, torch.Tensor] = {}
-        self.linears = 0
+        self.linears = self.layer_norms = 0
         covered: set[int] = set()
         for module in model.modules():
             if type(module) is nn.Linear:
-                module.forward = self._forward_of(module)
+                module.forward = self._linear_forward(module)
                 self.linears += 1
-                covered.update(id(p) for p in module.parameters())
-        # parameters whose gradients stay float32 sums (not bit for bit one process's)
-        self.outside = [n for n, p in model.named_parameters() if p.requires_grad
-                        and id(p) not in covered]  # fmt: skip
+            elif type(module) is nn.LayerNorm:
+                module.forward = self._layer_norm_forward(module)
+                self.layer_norms += 1
+            else:
+                if isinstance(module, AttentionPooling):
+                    module.pool_rows = _padded_to_max_len(module)
+                continue
+            covered.update(id(p) for p in module.parameters())
+        followed = {id(p): (n, p) for n, p in model.named_parameters()
+                    if p.requires_grad and id(p) not in covered}  # fmt: skip
+        self.followed = [n for n, _ in followed.values()]
+        self.outside: list[str] = []
+        self._reported = False
+        if followed:
+            model.forward = self._following_forward(model.forward, followed)
 
-    def _forward_of(self, linear: nn.Linear):
+    def _linear_forward(self, linear: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:
             return _ExactLinear.apply(x, linear.weight, linear.bias, self)
 
         return forward
+
+    def _layer_norm_forward(self, norm: nn.LayerNorm):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return _ExactLayerNorm.apply(x, norm.normalized_shape, norm.weight, norm.bias,
+                                         norm.eps, self)  # fmt: skip
+
+        return forward
+
+    def _following_forward(self, forward, followed: dict[int, tuple[str, nn.Parameter]]):
+        def following(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            mode = _FollowParameters(followed, self)
+            with mode:
+                out = forward(*args, **kwargs)
+            if mode.uncovered - set(self.outside):
+                self.outside = sorted({*self.outside, *mode.uncovered})
+                if self.comm.rank == 0:
+                    _log.warning(
+                        "exact dense gradients: %d parameters reach ops whose gradient sums "
+                        "stay float32 (%s): not bit for bit one process's",
+                        len(self.outside), ", ".join(self.outside),
+                    )  # fmt: skip
+            return out
+
+        return following
 
     def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Add a float64 gradient sum of ``param`` (called by the backward)."""
@@ -205,12 +414,10 @@ class ExactDense:
         parts = []
         for p in self.params:
             grad = self._sums.pop(id(p), None)
+            if p.grad is not None:  # float32 sums of uses that are not followed
+                grad = p.grad.to(torch.float64) if grad is None else grad + p.grad
             if grad is None:
-                grad = (
-                    p.grad.to(torch.float64)
-                    if p.grad is not None
-                    else p.new_zeros(p.shape, dtype=torch.float64)
-                )
+                grad = p.new_zeros(p.shape, dtype=torch.float64)
             parts.append(grad.reshape(-1))
         if not parts:
             return

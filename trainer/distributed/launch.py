@@ -63,7 +63,8 @@ def _hot_rows(text: str) -> str | int:
 def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool = True) -> None:
     """Add the multi-rank options to the ``recpipe train`` parser: the fields of
     :class:`~trainer.distributed.config.LaunchConfig` and eight of
-    :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`).
+    :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`; its
+    ``exact_dense`` as ``--fast-dense``, which turns it off, and ``--exact-dense``, a no-op).
 
     ``exchange=False`` (a command without the 2FP exchange and the sample dispatch, e.g.
     ``recpipe towers train``): of :class:`~trainer.distributed.config.DistributedConfig` only
@@ -100,7 +101,6 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
                 "alpha",
                 "cache_rows",
                 "bandwidths",
-                "exact_dense",
             )
             if exchange
             else ("timeout_s",)
@@ -115,6 +115,19 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
         },
         owner=parser,
     )
+    if exchange:
+        dense = group.add_mutually_exclusive_group()
+        dense.add_argument(
+            "--fast-dense", dest="exact_dense", action="store_false", default=True,
+            help="sum the dense gradients with DDP's float32 all-reduce: faster, but the ranks "
+            "then drift from one process (about 1e-6 to 1e-3 over training); by default every "
+            "dense gradient is summed in float64 over rows and ranks and rounded once, so N "
+            "ranks train exactly like one process",
+        )  # fmt: skip
+        dense.add_argument(
+            "--exact-dense", dest="exact_dense", action="store_true",
+            help="the default (kept so that older command lines still run)",
+        )  # fmt: skip
     parser.set_defaults(_launch_options=launch, _exchange_options=exchange)
 
 
@@ -128,7 +141,10 @@ def distributed_config(args: argparse.Namespace) -> DistributedConfig:
     """The :class:`~trainer.distributed.config.DistributedConfig` of parsed options (in a worker
     started by ``--nproc``: the one the launching process parsed)."""
     given = getattr(args, "distributed", None)
-    return given if given is not None else args._exchange_options.build(args)
+    if given is not None:
+        return given
+    dense = {"exact_dense": args.exact_dense} if hasattr(args, "exact_dense") else {}
+    return args._exchange_options.build(args, **dense)
 
 
 def requested(args: argparse.Namespace) -> bool:

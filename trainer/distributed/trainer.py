@@ -136,10 +136,12 @@ class DistributedTrainer:
             2FP exchange (``None``).
         table_order: with ``cache_rows``, the tables in the order that breaks recency ties at
             eviction (the dispatcher's).
-        exact_dense: sum the dense gradients in float64 and round once
-            (:class:`~trainer.distributed.dense.ExactDense`, in place of DDP): the ``nn.Linear``
-            parameters then get the float32 gradients one process computes, bit for bit. Costs
-            the float64 products of the weights' gradients.
+        exact_dense: sum every dense gradient in float64 over rows and ranks and round once
+            (:class:`~trainer.distributed.dense.ExactDense`, in place of DDP): every dense
+            parameter, attention pooling's included, then gets the float32 gradient one process
+            computes, bit for bit, and the step's loss is a float64 sum over the rows too (what
+            ``recpipe train --nproc`` does unless ``--fast-dense``). Costs the float64 products
+            of the weights' gradients.
     """
 
     def __init__(
@@ -211,6 +213,10 @@ class DistributedTrainer:
             opt.step()
         self.sparse.step()
         self.step += 1
+        if self.exact is not None:  # the loss as the dense gradients: a float64 sum over rows
+            loss_sum = F.binary_cross_entropy_with_logits(
+                logits.detach().to(torch.float64), batch.labels.to(torch.float64), reduction="sum"
+            )
         self._pending.add(loss_sum, global_rows)
         if not reduce_loss:
             return None, logits.detach()
