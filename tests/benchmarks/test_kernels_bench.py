@@ -66,6 +66,14 @@ def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
         assert gpu[f"{name}_vs_torch_copy"] > 0
     # the select moves what a copy of its output moves, plus its index arrays
     assert gpu["jagged_index_select_bytes"] > gpu["torch_copy_bytes"]
+    # the select as callers make it (nothing known, the size known, the layout known) and each
+    # kernel alone in both thread layouts, the JSON saying which is which
+    for name in (
+        "jagged_index_select_known_size", "jagged_index_select_known_layout",
+        "select_kernel_word", "select_kernel_row", "add_kernel_word", "add_kernel_row",
+    ):  # fmt: skip
+        assert gpu[f"{name}_ms"] > 0 and gpu[f"{name}_vs_torch_copy"] > 0, name
+    assert "_known_layout" in gpu["known_layout_note"] and gpu["select_layout"] == "word"
     printed = capsys.readouterr().out
     assert "jagged_index_select" in printed and "by batch rows" in printed
 
