@@ -399,7 +399,7 @@ def rank_steps(
     ``num_workers``-th, of ``layout``: the cut of each step's :class:`GlobalBatch`.
 
     A cut that reads the whole batch gets its parts read a few steps at a time (one pass over
-    each rank's range per chunk).
+    the steps of a chunk: their global batches are consecutive).
     """
     cut = cut or ContiguousCut()
     steps = list(range(start + worker_id, layout.batches_per_rank, num_workers))
@@ -764,7 +764,7 @@ class RankLoader:
 
     With ``num_workers`` > 0 each worker converts every ``num_workers``-th batch of the rank's
     list and the loader deals them round-robin, so the order is the rank's order; every worker
-    reads the rank's whole range (decoding is repeated, conversion is not).
+    reads the windows of the rank's parts (decoding is repeated, conversion is not).
     ``state_dict()`` is the position right after the last batch handed out.
 
     Args:
