@@ -5,7 +5,8 @@ work: the driver plans, adds up small vectors of counts and writes ``_manifest.j
 quarantine; no dataset row, and no list as long as the rows, reaches it.
 
 - **read and validate**: one Spark task per input file, or per byte range of a large plain JSON
-  Lines file (:mod:`etl.build.spark_splits`: lines numbered as if the file were read whole),
+  Lines file, or per run of row groups of a large Parquet file (:mod:`etl.build.spark_splits`:
+  lines numbered as if the file were read whole),
   runs the shared line splitter and the shared validator (:class:`etl.build.validate.Validator`,
   Arrow in, Arrow out) inside ``mapInArrow``.
 - **deduplicate, labels, sessions, counts**: Spark DataFrame steps that implement the rules of
@@ -184,7 +185,7 @@ class SparkEngine(Engine):
         """``(file_id, start)`` -> the ``\\n`` bytes of the file before ``start - 1``, for
         each byte range of ``splits`` (a job that counts them per range; the driver sums the
         small vector)."""
-        ranges = [s for s in splits if s[1] >= 0]
+        ranges = [s for s in splits if s[1] >= 0 and files[s[0]].kind == "jsonl"]
         if not ranges:
             return {}
         from pyspark.sql.types import LongType, StructField, StructType

@@ -67,6 +67,7 @@ __all__ = [
     "read_error",
     "read_lines",
     "read_lines_at",
+    "read_parquet_rows",
 ]
 
 INPUT_PATTERNS: tuple[str, ...] = ("*.jsonl", "*.jsonl.zst", "*.parquet")
@@ -409,18 +410,38 @@ def _cap(lines: pa.Array, max_line_bytes: int) -> tuple[pa.Array, pa.Array | Non
     return pa.array(values, pa.large_string()), pa.array(sizes, pa.int64())
 
 
+def read_parquet_rows(
+    f: InputFile, file_id: int, start: int, end: int, *, max_line_bytes: int
+) -> Iterator[pa.Table]:
+    """The numbered lines of rows ``[start, end)`` (0-based, file order) of the Parquet input
+    ``f``: those :func:`read_lines` gives for them, numbered ``start + 1`` on (DuckDB reads
+    only the row groups that hold them)."""
+    yield from _parquet_lines(f.path, file_id, max_line_bytes, BATCH_LINES, rows=(start, end))
+
+
 def _parquet_lines(
-    path: Path, file_id: int, max_line_bytes: int, batch_lines: int
+    path: Path,
+    file_id: int,
+    max_line_bytes: int,
+    batch_lines: int,
+    *,
+    rows: tuple[int, int] | None = None,
 ) -> Iterator[pa.Table]:
     import duckdb
 
     con = duckdb.connect()
     first = 1
+    source = f"read_parquet({_sql_str(duckdb_path(path))}) t"
+    if rows is not None:  # the file's own row numbers pick the rows (and prune row groups)
+        first = rows[0] + 1
+        source = (
+            f"(SELECT * EXCLUDE (file_row_number) FROM read_parquet("
+            f"{_sql_str(duckdb_path(path))}, file_row_number = true) WHERE file_row_number "
+            f">= {int(rows[0])} AND file_row_number < {int(rows[1])}) t"
+        )
     try:
         con.execute("SET enable_progress_bar = false")
-        rel = con.sql(
-            f"SELECT to_json(t)::VARCHAR AS line FROM read_parquet({_sql_str(duckdb_path(path))}) t"
-        )
+        rel = con.sql(f"SELECT to_json(t)::VARCHAR AS line FROM {source}")
         for batch in rel.to_arrow_reader(batch_lines):
             lines, sizes = _cap(batch.column(0), max_line_bytes)
             yield _table(file_id, first, lines, too_long=sizes)

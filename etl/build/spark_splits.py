@@ -1,9 +1,12 @@
-"""Byte ranges of plain JSON Lines inputs, read by Spark tasks with exact line numbers.
+"""Byte ranges of plain JSON Lines inputs and row ranges of Parquet inputs, read by Spark
+tasks with exact line numbers.
 
 A plain (uncompressed) JSON Lines file larger than :data:`SPLIT_BYTES` is read by several
-tasks, one per byte range ``[start, end)``; a compressed file (zstd, gzip) or a Parquet file
-stays one task (a zstd frame cannot be entered in the middle, and the build numbers a Parquet
-file's rows in file order).
+tasks, one per byte range ``[start, end)``; a Parquet file larger than that, by one task per
+run of whole row groups of about :data:`SPLIT_BYTES` (compressed), its rows ``[start, end)``
+(0-based, numbered ``start + 1`` on, as the whole file numbers them); a compressed file (zstd,
+gzip) stays one task (a zstd frame cannot be entered in the middle), and so does a Parquet file
+of one row group or with a column named ``file_row_number`` (the row numbers DuckDB reads).
 
 A range owns the lines that *begin* in it: it skips to the byte after the first ``\\n`` at or
 after ``start - 1`` (the range at 0 starts at 0) and reads through the ``\\n`` that ends the
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from etl.build.inputs import CHUNK_BYTES, InputFile, _Splitter, read_lines
+from etl.build.inputs import CHUNK_BYTES, InputFile, _Splitter, read_lines, read_parquet_rows
 
 __all__ = ["SPLIT_BYTES", "Split", "count_newlines", "plan_splits", "read_split"]
 
@@ -32,8 +35,11 @@ __all__ = ["SPLIT_BYTES", "Split", "count_newlines", "plan_splits", "read_split"
 SPLIT_BYTES = 128 << 20
 _BOM = b"\xef\xbb\xbf"
 _COMPRESSED = (b"\x28\xb5\x2f\xfd", b"\x1f\x8b")  # zstd, gzip magic bytes
-#: one task's input: ``(file_id, start, end)``; ``start`` -1 is the whole file
+#: one task's input: ``(file_id, start, end)``, bytes of a JSON Lines file or rows of a
+#: Parquet file; ``start`` -1 is the whole file
 Split = tuple[int, int, int]
+#: DuckDB's column of a Parquet file's row numbers (a file with a column of that name is one task)
+_ROW_NUMBER = "file_row_number"
 
 
 def _splittable(f: InputFile) -> bool:
@@ -51,10 +57,31 @@ def plan_splits(files: list[InputFile], split_bytes: int | None = None) -> list[
     out: list[Split] = []
     for file_id, f in enumerate(files):
         total = os.path.getsize(f.path)
-        if total <= size or not _splittable(f):
+        if total > size and f.kind == "parquet":
+            out.extend((file_id, a, b) for a, b in _row_ranges(f.path, size))
+        elif total > size and _splittable(f):
+            out.extend((file_id, a, min(a + size, total)) for a in range(0, total, size))
+        else:
             out.append((file_id, -1, -1))
-            continue
-        out.extend((file_id, a, min(a + size, total)) for a in range(0, total, size))
+    return out
+
+
+def _row_ranges(path: Path, size: int) -> list[tuple[int, int]]:
+    """Rows ``[start, end)`` of runs of whole row groups of ``path`` of about ``size``
+    compressed bytes each; ``[(-1, -1)]`` (the whole file) when it cannot be split."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    if meta.num_row_groups < 2 or _ROW_NUMBER in meta.schema.names:
+        return [(-1, -1)]
+    out, start, rows, held = [], 0, 0, 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        rows += group.num_rows
+        held += sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+        if held >= size or i == meta.num_row_groups - 1:
+            out.append((start, rows))
+            start, held = rows, 0
     return out
 
 
@@ -77,11 +104,15 @@ def count_newlines(path: Path, start: int, end: int) -> int:
 def read_split(
     f: InputFile, file_id: int, split: Split, newlines_before: int, *, max_line_bytes: int
 ) -> Iterator[pa.Table]:
-    """The numbered lines (:data:`etl.build.inputs.LINE_SCHEMA`) that begin in ``split``;
-    ``newlines_before``: the ``\\n`` bytes of the file before ``start - 1``."""
+    """The numbered lines (:data:`etl.build.inputs.LINE_SCHEMA`) that begin in ``split`` (or,
+    of a Parquet file, of its rows); ``newlines_before``: the ``\\n`` bytes of a JSON Lines
+    file before ``start - 1``."""
     _, start, end = split
     if start < 0:
         yield from read_lines(f, file_id, max_line_bytes=max_line_bytes)
+        return
+    if f.kind == "parquet":  # rows [start, end)
+        yield from read_parquet_rows(f, file_id, start, end, max_line_bytes=max_line_bytes)
         return
     splitter = _Splitter(f.path, file_id, max_line_bytes)
     with open(f.path, "rb") as fh:

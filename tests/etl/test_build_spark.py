@@ -156,15 +156,26 @@ def test_spark_matches_duckdb_on_every_bad_input_corpus(spark, tmp_path):
 def test_spark_reads_plain_files_in_byte_ranges_with_the_lines_numbered_as_whole(
     spark, tmp_path, monkeypatch
 ):
-    """Every corpus with its plain JSON Lines files cut into ranges of 256 bytes (many tasks
-    per file): the same dataset, quarantine (lines and numbers) and counts as DuckDB's."""
+    """Every corpus with its plain JSON Lines files cut into ranges of 256 bytes, and a Parquet
+    file of several row groups (a repeated request id, a bad row) into runs of row groups
+    (many tasks per file): the same dataset, quarantine (lines and numbers) and counts as
+    DuckDB's."""
+    import pyarrow as pa
+
     from etl.build import spark_splits
     from etl.build.inputs import list_inputs
 
     features, events = _all_corpora(tmp_path / "in")
+    rows = [_rec(f"p{i % 37}", 10 * i, session=f"s{i % 5}") for i in range(60)]
+    rows[11]["ts"] = None  # quarantined, by its row number
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in" / "groups.parquet", row_group_size=8)
+    features.append(tmp_path / "in" / "groups.parquet")
     monkeypatch.setattr(spark_splits, "SPLIT_BYTES", 256)
-    splits = spark_splits.plan_splits(list_inputs(features))
+    files = list_inputs(features)
+    splits = spark_splits.plan_splits(files)
     assert len(splits) > 2 * len(features)  # ranges, not files
+    groups = next(i for i, f in enumerate(files) if f.path.name == "groups.parquet")
+    assert sum(1 for f, a, _ in splits if f == groups and a >= 0) > 2
     m = _parity(tmp_path, features, events=events, partitions=(3,), max_line_bytes=_MAX_LINE)
     assert m["rows_duplicate"] and m["reconciles"]
 
@@ -362,6 +373,89 @@ def test_a_standalone_cluster_builds_the_bytes_of_local_spark(spark, tmp_path):
     assert m["files"] == cluster["files"]
     for f in m["files"]:
         assert (local / f["path"]).read_bytes() == (tmp_path / "cluster-0" / f["path"]).read_bytes()
+
+
+#: a Python daemon for Spark's workers (``spark.python.daemon.module``) whose tasks fail once:
+#: each task function of the engine raises on a task's first attempt, after its first answer
+#: (the part files or the quarantine already in place), leaving a file in ``RECPIPE_FLAKY``
+_FLAKY_DAEMON = """
+import functools, os
+from pyspark import TaskContext, daemon
+import etl.build.engine_spark as engine
+
+def once(name, fn):
+    @functools.wraps(fn)
+    def task(*args, **kwargs):
+        ctx = TaskContext.get()
+        first = ctx.attemptNumber() == 0
+        for answer in fn(*args, **kwargs):
+            yield answer
+            if first:
+                tag = f"{name}-{ctx.stageId()}-{ctx.partitionId()}"
+                open(os.path.join(os.environ["RECPIPE_FLAKY"], tag), "w").close()
+                raise RuntimeError(f"a first attempt that fails: {tag}")
+    return task
+
+for name in ("_parse_files", "_duplicate_details", "_measure_dictionary", "_write_groups",
+             "_write_partition", "_merge_quarantine"):
+    setattr(engine, name, once(name, getattr(engine, name)))
+
+if __name__ == "__main__":
+    daemon.manager()
+"""
+
+_RETRIED_CHILD = """
+import json, sys
+from etl.build import BuildConfig
+from tests.etl.test_build import build_lenient
+
+spec = json.loads(sys.argv[1])
+config = BuildConfig(engine="spark", master="local[2,2]", **spec["options"])
+build_lenient(spec["features"], spec["out"], events=spec["events"], config=config)
+"""
+
+
+@pytest.mark.slow
+def test_task_retries_write_the_same_bytes(spark, tmp_path):
+    """Every task of the build (parse, repeats, dictionary, write, quarantine) fails once,
+    after its first answer, and is retried (``local[2,2]``: two attempts): the part files, the
+    quarantine files and the manifest are the bytes of a build without failures."""
+    features, events = _all_corpora(tmp_path / "in")
+    options = {"row_group_size": 16, "max_line_bytes": _MAX_LINE, "spark_partitions": 3}
+    clean = tmp_path / "clean"
+    want = build_lenient(
+        features, clean, events=events, config=BuildConfig(engine="spark", **options)
+    )
+    (tmp_path / "flaky_daemon.py").write_text(_FLAKY_DAEMON)
+    (tmp_path / "failed").mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)]),
+        "PYSPARK_SUBMIT_ARGS": "--conf spark.python.daemon.module=flaky_daemon pyspark-shell",
+        "RECPIPE_FLAKY": str(tmp_path / "failed"),
+    }
+    out = tmp_path / "retried"
+    spec = {"features": [str(p) for p in features], "events": [str(p) for p in events],
+            "out": str(out), "options": options}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _RETRIED_CHILD, json.dumps(spec)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = {p.name.split("-")[0] for p in (tmp_path / "failed").iterdir()}
+    assert failed == {"_parse_files", "_duplicate_details", "_measure_dictionary",
+                      "_write_groups", "_write_partition", "_merge_quarantine"}, failed  # fmt: skip
+    got = json.loads((out / "_manifest.json").read_text())
+    assert {k: v for k, v in got.items() if k not in _RUN_KEYS} == {
+        k: v for k, v in want.items() if k not in _RUN_KEYS
+    }
+    assert {**got["config"], "master": None} == want["config"]
+    files = sorted(p.relative_to(clean) for p in clean.rglob("*.parquet"))
+    assert files == sorted(p.relative_to(out) for p in out.rglob("*.parquet"))
+    assert any(p.parts[0] == "_quarantine" for p in files)
+    for rel in files:
+        assert (out / rel).read_bytes() == (clean / rel).read_bytes(), rel
 
 
 _CHILD = """

@@ -74,3 +74,26 @@ def test_a_compressed_or_small_file_stays_one_task(tmp_path):
     assert plan_splits(files, 10**6) == [(0, -1, -1), (1, -1, -1)]
     splits = plan_splits(files, 300)
     assert splits[-1] == (1, -1, -1) and [s[1] for s in splits[:-1]] == [0, 300, 600]
+
+
+def test_parquet_files_split_by_row_groups_give_the_whole_files_numbered_lines(tmp_path):
+    """A Parquet file of several row groups is read in runs of whole row groups (rows
+    ``[start, end)``): together, the lines and numbers of the whole file; a file of one row
+    group, or with a column named like DuckDB's row numbers, stays whole."""
+    import pyarrow.parquet as pq
+
+    rows = [{"request_id": f"r{i}", "ts": i, "note": "é" * (i % 7)} for i in range(50)]
+    path = tmp_path / "f.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=8)  # 7 row groups
+    f = InputFile(path, "parquet")
+    splits = plan_splits([f], split_bytes=1)
+    assert splits == [(0, a, min(a + 8, 50)) for a in range(0, 50, 8)]
+    whole = pa.concat_tables(read_lines(f, 0, max_line_bytes=_LIMIT))
+    parts = [t for s in splits for t in read_split(f, 0, s, 0, max_line_bytes=_LIMIT)]
+    assert pa.concat_tables(parts).equals(whole) and whole.num_rows == 50
+    assert whole.column("line_no").to_pylist() == list(range(1, 51))
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)
+    assert plan_splits([f], split_bytes=1) == [(0, -1, -1)]
+    clash = tmp_path / "g.parquet"
+    pq.write_table(pa.table({"file_row_number": list(range(20))}), clash, row_group_size=4)
+    assert plan_splits([InputFile(clash, "parquet")], split_bytes=1) == [(0, -1, -1)]
