@@ -370,7 +370,7 @@ def resume_reference(dataset: str, model: ModelConfig, reader_at_resume: dict, *
         batches.extend(global_batches(parts))
     factory = sharded_table_factory(optimizer="adagrad")
     net = DLRM.from_schema(dataset_schema(dataset), model, table_factory=factory)
-    trainer = DistributedTrainer(net, comm=Comm.single(), optimizer="adagrad")
+    trainer = DistributedTrainer(net, comm=Comm.single(), optimizer="adagrad", exact_dense=True)
     losses = [float(trainer.train_step(b)[0]) for b in batches]
     return {"losses": losses, "tables": _single_rows(trainer)}
 

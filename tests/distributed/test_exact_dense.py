@@ -1,6 +1,7 @@
 """Exact dense gradients (``ExactDense``, the default of a multi-rank ``recpipe train``) cover
-attention pooling: a batch in one piece and the same rows in two pieces (two ranks' partial sums,
-added in float64) give the same forward and the same float32 gradients, bit for bit."""
+attention pooling: a batch in one piece (one process) and the same rows in two pieces (two
+ranks: padded as the whole batch, partial sums added in float64) give the same forward and the
+same float32 gradients, bit for bit."""
 
 from __future__ import annotations
 
@@ -25,14 +26,28 @@ def _piece(seq: JaggedEmbeddings, rows: slice) -> JaggedEmbeddings:
     return JaggedEmbeddings(seq.values[start:stop], seq.offsets[rows.start : rows.stop + 1] - start)
 
 
+class _TwoRanks:
+    """The collectives of rank 0 of two whose peer holds the other rows: the longest rows are
+    the whole batch's, and the gradients are summed already (both pieces run here)."""
+
+    world_size, rank = 2, 0
+
+    def all_reduce(self, tensor: torch.Tensor, *, what: str, op: str = "sum") -> torch.Tensor:
+        if op == "max":
+            tensor.copy_(torch.tensor([6, 4]))  # the longest rows of the 12 (both within max_len)
+        return tensor
+
+
 def _run(pieces: list[slice]):
-    """Forward and exact gradients of a 2-layer attention pooling over ``pieces`` of 12 rows."""
-    # piece [0, 5) holds only short rows: padded alone it would be shorter than the whole batch
+    """Forward and exact gradients of a 2-layer attention pooling over ``pieces`` of 12 rows:
+    one piece as one process, several as ranks."""
+    # piece [0, 5) holds only short rows: padded as it is, the second feature's tokens would sit
+    # at other positions than in the whole batch
     seqs = {"a": _rows([1, 2, 1, 3, 2, 6, 5, 1, 4, 6, 2, 3], 1),
             "b": _rows([1, 1, 2, 1, 2, 4, 3, 4, 1, 2, 3, 4], 2)}  # fmt: skip
     target = torch.randn(12, DIM, generator=torch.Generator().manual_seed(3))
     model = AttentionPooling(("a", "b"), dim=DIM, max_len=MAX_LEN, num_layers=2, seed=0)
-    exact = ExactDense(model, Comm.single())
+    exact = ExactDense(model, Comm.single() if len(pieces) == 1 else _TwoRanks())  # type: ignore[arg-type]
     outs = []
     for rows in pieces:
         out = model({f: _piece(s, rows) for f, s in seqs.items()})  # (R, D)

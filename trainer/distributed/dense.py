@@ -139,6 +139,18 @@ def global_batch_norms(model: nn.Module, comm: Comm) -> int:
     return replaced
 
 
+def _live_rows(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad`` and ``x`` as float64 ``[rows, features]``, without the rows whose gradient is
+    zero when the rows are tokens (``[R, T, F]``: attention's padding and, after its last
+    layer, every token but the first get none): they would add exact zeros."""
+    flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    if grad.dim() > 2:
+        live = flat_grad.ne(0).any(1).nonzero().squeeze(1)
+        if live.numel() < flat_grad.shape[0]:
+            flat_grad, flat_x = flat_grad.index_select(0, live), flat_x.index_select(0, live)
+    return flat_grad.to(torch.float64), flat_x.to(torch.float64)
+
+
 class _ExactLinear(torch.autograd.Function):
     """``F.linear`` whose backward sums the weight's and the bias's gradients over the rows in
     float64 into ``sums`` instead of ``.grad``. The input's gradient is torch's float32 product,
@@ -155,8 +167,7 @@ class _ExactLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        wide = grad.reshape(-1, grad.shape[-1]).to(torch.float64)  # (rows, out)
-        rows = x.reshape(-1, x.shape[-1]).to(torch.float64)  # (rows, in)
+        wide, rows = _live_rows(grad, x)  # (rows, out), (rows, in)
         ctx.sums.add(weight, wide.t().mm(rows))  # (out, in)
         if ctx.bias is not None:
             ctx.sums.add(ctx.bias, wide.sum(0))  # (out,)
@@ -296,19 +307,29 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _padded_to_max_len(attention: AttentionPooling):
-    """``attention.pool_rows`` over the rows given and one more, of zeros as long as every
-    feature's ``max_len``, whose output is dropped. Attention pooling pads a batch to its
-    longest row, so without that row a micro-batch of short rows would place the second
-    feature's tokens at other positions than the global batch does, and attention would sum
-    over its keys in another order; with it every batch is padded to the same length. The extra
-    row's output is not used: it adds exact zeros to every gradient."""
+def _padded_as_the_global_batch(attention: AttentionPooling, comm: Comm):
+    """``attention.pool_rows`` that, in training on several ranks, pads a micro-batch to the
+    global batch's longest row of every feature, as one process pads the global batch.
+
+    Attention pooling pads a batch to its longest row (per feature), and the second feature's
+    tokens follow the first's padding: on a micro-batch of shorter rows they would sit at other
+    positions than in the global batch, and attention would sum over its keys in another order.
+    Every rank all-reduces its longest rows (max) and runs the layer on one more row of zeros,
+    that long, whose output is dropped (it adds exact zeros to every gradient). In evaluation
+    (no collective, as :class:`GlobalBatchNorm`) a micro-batch is padded as it is.
+    """
     pool_rows = attention.pool_rows
 
     def pool(seqs):
+        if not (attention.training and comm.world_size > 1):
+            return pool_rows(seqs)
+        longest = torch.tensor(
+            [min(int((s.offsets[1:] - s.offsets[:-1]).max()) if s.num_rows else 0,
+                 attention.max_len[f]) for f, s in zip(attention.features, seqs, strict=True)]
+        )  # fmt: skip
+        comm.all_reduce(longest, what="attention pooling's padded lengths", op="max")
         longer = []
-        for feature, seq in zip(attention.features, seqs, strict=True):
-            n = attention.max_len[feature]
+        for seq, n in zip(seqs, longest.tolist(), strict=True):
             values = torch.cat([seq.values, seq.values.new_zeros(n, seq.values.shape[1])])
             offsets = torch.cat([seq.offsets, seq.offsets[-1:] + n])
             longer.append(dataclasses.replace(seq, values=values, offsets=offsets))
@@ -330,9 +351,9 @@ class ExactDense:
     dtype once. A float64 sum of a few thousand float32 products is exact to about 1e-16, so
     however the global batch is split the rounded gradient is the same (a different result
     needs a sum within 1e-16 of a rounding boundary). Every other part of the step already is
-    the same row by row: the forward and the inputs' gradients (each row's own arithmetic:
-    attention pooling masks its padding, so a micro-batch padded to another length computes
-    the same for every row), the batch norms' statistics (:class:`GlobalBatchNorm`, float64
+    the same row by row: the forward and the inputs' gradients (each row's own arithmetic, once
+    attention pooling pads a micro-batch as the global batch:
+    :func:`_padded_as_the_global_batch`), the batch norms' statistics (:class:`GlobalBatchNorm`, float64
     sums), the tables' gradients (float64 sums in the exchange).
 
     A parameter that reaches an op other than a view, an expand or a broadcasting add, sub or
@@ -360,7 +381,7 @@ class ExactDense:
                 self.layer_norms += 1
             else:
                 if isinstance(module, AttentionPooling):
-                    module.pool_rows = _padded_to_max_len(module)
+                    module.pool_rows = _padded_as_the_global_batch(module, comm)
                 continue
             covered.update(id(p) for p in module.parameters())
         followed = {id(p): (n, p) for n, p in model.named_parameters()
