@@ -92,8 +92,8 @@ from benchmarks.trainer import build_dataset
 build_dataset(Path('$(dirname "$DATA")'), requests=400_000, seed=0)" || return
   fi
   step trainer 170 python3 -m benchmarks.trainer --device cuda --data "$DATA" \
-    --batch-size 32768 --steps 8 --warmup 2 --dense-grads --end-to-end --workers 4,8 \
-    --rounds 2 --out "$OUT/trainer_gpu.json"
+    --batch-size 32768 --steps 10 --warmup 2 --dense-grads --end-to-end --workers 4,6 \
+    --rounds 3 --bitwise-steps 2 --out "$OUT/trainer_gpu.json"
   python3 - "$OUT/trainer_gpu.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -291,7 +291,7 @@ def partial_dedup(
 
 _WARP = 32
 
-SELECT_LAYOUT = "word"
+SELECT_LAYOUT = "row"
 """How :func:`jagged_index_select` and :func:`jagged_index_add` spread their work over threads.
 
 ``"word"``: the output's words (8 bytes for the select where rows allow, elements for the add)
@@ -299,7 +299,10 @@ in tiles, a few words to each thread and consecutive threads on consecutive word
 rows' lengths; a word's row is the previous word's, or found from it by a binary search of
 ``out_offsets`` where a row ends. ``"row"``: the earlier form, a warp
 (select) or a block (add) per output row, whose lanes idle on short rows. ``benchmarks/kernels.py``
-times both kernels (``select_kernel_<layout>_ms``, ``add_kernel_<layout>_ms``).
+times both kernels (``select_kernel_<layout>_ms``, ``add_kernel_<layout>_ms``). ``"row"`` is the
+default: on an H200 at 16,384 rows of 20-50 values x 64 floats the row kernels took 0.127 ms
+(select) and 0.140 ms (add) against 0.218 ms and 0.342 ms for the word kernels (the rows are
+long enough to keep a warp's lanes busy).
 """
 
 

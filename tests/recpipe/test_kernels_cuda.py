@@ -176,7 +176,7 @@ def test_select_and_add_kernels_with_empty_rows_and_repeats(device, monkeypatch,
     assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
     got = jagged_index_add(out, out_offsets, offsets, indices, 8)
     expect = ref_jagged_index_add(
-        want.double().numpy(), want_offsets.numpy(), offsets.numpy(), indices.numpy(), 8
+        want.double().numpy(), want_offsets.numpy(), offsets.cpu().numpy(), indices.cpu().numpy(), 8
     )
     np.testing.assert_array_equal(got.cpu().double().numpy(), expect)  # small integers: exact
 
