@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _apply_loudness(args)
+    args.explicit = explicit_dests(parser, args, argv)
     real_stdout = sys.stdout
     if sys.stdout is sys.__stdout__ and sys.stdout is not None:
         sys.stdout = _NamedStdout(sys.stdout)  # type: ignore[assignment]
@@ -217,6 +218,35 @@ def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
                 flags[action.dest] = (long or action.option_strings)[0]
         parser = chosen
     return flags
+
+
+def explicit_dests(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
+) -> frozenset[str]:
+    """The ``dest`` of every option written on the command line ``argv`` (by its name, an
+    unambiguous prefix of it, or ``--name=value``), whatever its value: a command that merges
+    saved settings (``train --resume``) keeps these and takes the rest from what it saved."""
+    actions: list[argparse.Action] = []
+    while parser is not None:
+        chosen = None
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            elif action.option_strings:
+                actions.append(action)
+        parser = chosen
+    found: set[str] = set()
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        exact = [a for a in actions if name in a.option_strings]
+        prefix = [a for a in actions if any(o.startswith(name) for o in a.option_strings)]
+        hits = exact or (prefix if len({a.dest for a in prefix}) == 1 else [])
+        found.update(a.dest for a in hits)
+    return frozenset(found)
 
 
 def with_flags(message: str, flags: dict[str, str]) -> str:

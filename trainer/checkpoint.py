@@ -37,7 +37,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "settings_from_checkpoint",
 ]
 
 _log = logging.getLogger(__name__)
@@ -391,25 +392,91 @@ def _normal(value: Any) -> Any:
     return value
 
 
+# what a resumed run takes from its checkpoint unless its command line sets it
+_INHERITED = ("store", "optimizer", "lr", "seed", "eval_fraction", "dedup_groups", "shuffle",
+              "batch_size")  # fmt: skip
+
+
+def settings_from_checkpoint(
+    state: Mapping[str, Any], config: TrainConfig, *, explicit: Iterable[str], world_size: int = 1
+) -> TrainConfig:
+    """``config`` with the settings its checkpoint ``state`` was trained with, except those
+    ``explicit`` names (written on the command line: :func:`check_resume` then refuses one
+    that contradicts the checkpoint, naming the flag). The model's settings and the run's
+    (:data:`_INHERITED`) are taken; the batch size as the saved global batch over
+    ``world_size`` ranks, where it divides."""
+    from dataclasses import replace
+
+    saved, model = state.get("config"), state.get("model_config")
+    if not isinstance(saved, Mapping) or not isinstance(model, Mapping):
+        return config
+    given = set(explicit)
+    run: dict[str, Any] = {}
+    for name in _INHERITED:
+        if name in given or name not in saved:
+            continue
+        value = saved[name]
+        if name == "batch_size":
+            saved_world = int(
+                state.get("world_size") or (state.get("layout") or {}).get("world_size") or 1
+            )
+            total = int(value) * saved_world
+            if total % world_size:
+                continue  # check_resume says what to do
+            value = total // world_size
+        run[name] = value
+    known = {f.name for f in fields(ModelConfig)}
+    net = {k: _as_field(v) for k, v in model.items() if k in known and k not in given}
+    net.pop("seed", None)
+    return replace(config, **run, model=replace(config.model, **net))
+
+
+def _as_field(value: Any) -> Any:
+    """A saved setting as its config field holds it (lists were tuples)."""
+    return tuple(_as_field(v) for v in value) if isinstance(value, list) else value
+
+
 def check_resume(
-    state: Mapping[str, Any], config: TrainConfig, *, path: Path, multi_rank: bool = False
+    state: Mapping[str, Any],
+    config: TrainConfig,
+    *,
+    path: Path,
+    multi_rank: bool = False,
+    world_size: int = 1,
 ) -> None:
     """Refuse to resume ``state`` (read from ``path``) with settings or a dataset other than
-    the ones it was trained with. ``multi_rank``: a multi-rank job's checkpoint, whose readers'
-    position any rank reader takes (in-process or from a service, with any ``workers``).
+    the ones it was trained with, at ``world_size`` ranks.
+
+    A job resumes at another number of ranks, in process or from a reader service, with any
+    ``workers``; with the same global batch (``batch_size`` per rank times the ranks) it takes
+    the steps an uninterrupted run takes, with another it goes on from the same row of the
+    epoch (logged as a warning). Only a run reading with
+    ``on_error="skip"`` (the library's loader, whose position is its workers') must resume
+    with its ``workers`` and its source. ``multi_rank`` is accepted for older callers.
 
     Raises:
         RecpipeError: naming the first setting that differs (as its flag), the checkpoint's
             value and the given one; or the dataset, when its identity differs.
     """
+    del multi_rank
     saved, model = state.get("config"), state.get("model_config")
     if not isinstance(saved, Mapping) or not isinstance(model, Mapping):
         msg = f"{path}: records no settings of its run: not a checkpoint of `recpipe train`"
         raise RecpipeError(msg)
     given = asdict(config)
-    same = [n for n in _SAME_RUN if not (multi_rank and n == "workers")]
+    saved_world = int(state.get("world_size") or (state.get("layout") or {}).get("world_size") or 1)
+    was_global = int(saved.get("batch_size") or 0) * saved_world
+    if was_global != config.batch_size * world_size:
+        _log.warning(
+            "%s: trained on global batches of %d rows (%s per rank x %d); this run reads %d "
+            "(%d x %d): it goes on from the same row of the epoch, but its steps are not the ones "
+            "an uninterrupted run would have taken", path, was_global, saved.get("batch_size"),
+            saved_world, config.batch_size * world_size, config.batch_size, world_size,
+        )  # fmt: skip
+    library = saved.get("on_error", "raise") != "raise" or config.on_error != "raise"
+    same = [n for n in _SAME_RUN if n != "batch_size" and (library or n != "workers")]
     pairs = [(name, saved.get(name), given[name]) for name in same]
-    if not multi_rank:
+    if library:
         pairs.append(("service", saved.get("service") is not None, config.service is not None))
     pairs += [
         (f.name, model.get(f.name), getattr(config.model, f.name))

@@ -8,23 +8,16 @@ Parsing imports nothing heavy; torch and the trainer are imported when the comma
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from typing import Any
 
-from recpipe.config_cli import Option, add_config_options, add_quiet_option
-from trainer.config import ModelConfig, TrainConfig
+from recpipe.config_cli import add_quiet_option
+from trainer.cli_common import claim_for_workers, train_options, with_saved_settings
+from trainer.config import TrainConfig
 from trainer.distributed import launch as distributed
 
 __all__ = ["register_cli", "run"]
-
-
-# Model options `recpipe train` exposes (the rest of ModelConfig keeps its defaults).
-_MODEL_OPTIONS = (
-    "embedding_dim", "num_embeddings", "hash_ids", "pooling", "bottom_mlp", "top_mlp",
-    "attention", "attention_heads", "attention_layers", "sparse_grad",
-)  # fmt: skip
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -42,35 +35,41 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             "--resume continues exactly, and ends with a summary."
         ),
     )
-    run_options = add_config_options(
-        parser,
-        TrainConfig,
-        exclude=("model",),
-        overrides={
-            "dedup": Option(choices={"on": True, "off": False}),
-            "dedup_groups": Option(metavar="auto|FILE"),
-            "checkpoint": Option(metavar="DIR"),
-            "service": Option(metavar="HOST:PORT"),
-            "preprocess": Option(metavar="FILE"),
-            "metrics": Option(metavar="FILE"),
-            "tensorboard": Option(metavar="DIR"),
-            "threads": Option(metavar="N"),
-        },
-        exclusive=[("steps", "epochs")],
-    )
-    model_options = add_config_options(
-        parser.add_argument_group("model"),
-        ModelConfig,
-        include=_MODEL_OPTIONS,
-        overrides={"attention": Option(metavar="ATTENTION")},
-        owner=parser,
-    )
+    run_options, model_options = train_options(parser)
+    from trainer.towers.cli import add_towers_arguments
+
+    towers = add_towers_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
     add_quiet_option(parser)
     distributed.add_distributed_arguments(parser)
-    parser.set_defaults(
-        func=lambda args: run(run_options.build(args, model=model_options.build(args)), args)
-    )
+
+    def build(args: argparse.Namespace) -> int:
+        config = run_options.build(args, model=model_options.build(args))
+        if args.towers is None:
+            return run(config, args)
+        from trainer.towers.cli import run_train
+
+        return run_train((config, towers.build(args, towers=args.towers)), args)
+
+    parser.set_defaults(func=build)
+
+
+def rank_checkpoint_options(config: TrainConfig) -> Any:
+    """With ``--resume`` of a multi-rank job's checkpoint, the job's exchange options (one
+    process continues it on a world of one); else ``None``."""
+    if not config.resume or config.checkpoint is None:
+        return None
+    from dataclasses import fields
+
+    from trainer.checkpoint import checkpoint_file, load_checkpoint
+    from trainer.distributed.config import DistributedConfig
+
+    state = load_checkpoint(checkpoint_file(config.checkpoint))
+    if state is None or state.get("kind") != "distributed":
+        return None
+    saved = state.get("options") or {}
+    known = {f.name for f in fields(DistributedConfig)}
+    return DistributedConfig(**{k: v for k, v in saved.items() if k in known})
 
 
 def run(config: TrainConfig, args: argparse.Namespace) -> int:
@@ -81,19 +80,31 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     from trainer.train import resolve_model, set_threads, train
 
     check_train_outputs(config, json=args.json)
+    config = with_saved_settings(config, args)
     # the features --attention auto names and the thread count, as the summary shows them; a
     # torchrun worker of --nproc resolves its own (its share of the node's cores)
     config = resolve_model(config)
     set_threads(config)
     summary = None
     if distributed.requested(args):
-        with _claim_for_workers(config, args):
+        with claim_for_workers(config, args):
             ran = distributed.run(args, config)
         if ran is None:  # the launching process, or a rank other than 0
             return 0
         result, summary = ran
     else:
-        result = train(config, progress=not args.quiet)
+        options = rank_checkpoint_options(config)
+        if options is None:
+            result = train(config, progress=not args.quiet)
+        else:  # a multi-rank job's checkpoint goes on here: its engine on a world of one
+            from trainer.checkpoint import claim_checkpoint
+            from trainer.distributed.comm import Comm
+            from trainer.distributed.run import train_rank
+
+            with claim_checkpoint(config.checkpoint, resume=True, overwrite=config.overwrite):
+                result, summary = train_rank(
+                    config, options, comm=Comm.single(config.device), progress=not args.quiet
+                )
     print(format_summary(config, result))
     if summary is not None:
         print(distributed.describe(summary))
@@ -105,30 +116,3 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
             json.dump(doc, fh, indent=2)
     sys.stdout.flush()
     return 0
-
-
-@contextlib.contextmanager
-def _claim_for_workers(config: TrainConfig, args: argparse.Namespace) -> Iterator[None]:
-    """A multi-rank job's ``--checkpoint``, claimed as :func:`trainer.train.train` claims a
-    process's own (:func:`trainer.checkpoint.claim_checkpoint`, and with ``--resume`` the
-    settings compared by :func:`trainer.checkpoint.check_resume`) by the process launching the
-    first node's workers (``--nproc``), which holds the lock until they end. The workers, the
-    launchers of other nodes and a job started by plain torchrun do not claim it."""
-    from trainer.distributed.comm import launched_by_torchrun
-
-    if (
-        config.checkpoint is None
-        or launched_by_torchrun()
-        or distributed.launch_config(args).node_rank != 0
-    ):
-        yield
-        return
-    from trainer.checkpoint import check_resume, checkpoint_file, claim_checkpoint, load_checkpoint
-    from trainer.distributed.run import check_config
-
-    check_config(config)  # refused before an --overwrite removes anything
-    with claim_checkpoint(config.checkpoint, resume=config.resume, overwrite=config.overwrite):
-        if config.resume:
-            path = checkpoint_file(config.checkpoint)
-            check_resume(load_checkpoint(path), config, path=path, multi_rank=True)
-        yield

@@ -168,8 +168,8 @@ class TrainConfig:
             schema, and its sessions divided into training and held-out ones as the server
             divides them; the server reads both parts).
         dedup: deduplicate: read one IKJT per dedup group and run the embedding lookups and the
-            attention on its unique rows (RecD O5-O7); off reads one plain KJT and runs the
-            same model to the same losses.
+            attention on its unique rows (RecD O5-O7); off reads one plain KJT, which the
+            model deduplicates as the readers do: the same losses, bit for bit on the CPU.
         dedup_groups: the dedup groups to read with, whatever the dataset was built with:
             ``auto`` (the groups ``recpipe stats`` proposes at ``batch_size``) or a TOML file
             with a ``[dedup]`` table like the schema's (default: the schema's groups). They

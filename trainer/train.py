@@ -1,44 +1,39 @@
-"""The training loop behind ``recpipe train``: dedup on/off, held-out evaluation, exact resume.
+"""``recpipe train`` in one process: the model, its optimizers and the step (:class:`Trainer`,
+driven by the one loop of :mod:`trainer.loop` as :class:`LocalEngine`), dedup on or off.
 
 ::
 
     clustered dataset --(session hash)--> train rows | held-out rows (whole sessions)
-    train splits -> ParquetBatchDataset (shuffled, IKJTs when dedup) -> StatefulLoader
-                 -> DLRM -> BCE loss -> optimizers (sparse rows + dense)   [--steps | --epochs]
+    train rows -> the run's stream (trainer.streams: global batches, IKJTs when dedup)
+               -> DLRM -> BCE loss -> optimizers (sparse rows + dense)   [--steps | --epochs]
     every --checkpoint-every steps and at the end: model, optimizers, reader position, RNG
-    at the end (and every --eval-every steps): loss and AUC on the held-out splits
+    at the end (and every --eval-every steps): loss and AUC on the held-out rows
 
 ``--dedup off`` reads the same batches as one plain KJT and runs the same model: the losses
-agree with ``--dedup on`` to float rounding. A checkpoint is taken at a step boundary and
-resuming from it continues exactly as if training had not stopped.
+agree with ``--dedup on``. A checkpoint is taken at a step boundary and resuming from it
+continues exactly as if training had not stopped; a multi-rank job's checkpoint resumes here
+too (its engine on a world of one, :func:`train`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import sys
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from readers.holdout import Holdout, holdout_splits
-from readers.service.client import ServiceStream
-from recpipe.errors import DataError, RecpipeError
+from readers.holdout import holdout_splits
+from recpipe.errors import RecpipeError
 from trainer.checkpoint import (
     check_resume,
     checkpoint_file,
     claim_checkpoint,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 from trainer.config import (
     DEFAULT_LR,
@@ -50,17 +45,13 @@ from trainer.config import (
 )
 from trainer.metrics import (
     auc,
-    peak_memory_bytes,
 )
 from trainer.models import DLRM
 from trainer.modules import ParameterTable, table_seed
 from trainer.runlog import (
     EvalResult,
-    RunLog,
     TrainResult,
     divergence_hint,
-    format_bytes,
-    run_targets,
 )
 
 if TYPE_CHECKING:
@@ -68,13 +59,15 @@ if TYPE_CHECKING:
     from schemas import DatasetSchema
 
 __all__ = [
+    "LocalEngine",
     "OptimizerKind",
     "TrainConfig",
     "Trainer",
+    "evaluate_batches",
+    "holdout_splits",
     "make_optimizers",
     "model_config",
     "read_schema",
-    "reader_options",
     "resolve_model",
     "set_threads",
     "train",
@@ -126,6 +119,35 @@ def make_optimizers(
     return out
 
 
+@torch.no_grad()
+def evaluate_batches(
+    logits_of: Callable[[Batch], torch.Tensor],
+    batches: Iterable[Batch],
+    *,
+    device: torch.device,
+    max_batches: int | None = None,
+) -> EvalResult:
+    """Loss and AUC over ``batches`` (at most ``max_batches``), each scored by ``logits_of``
+    (the caller puts its model in eval mode). Ranks that all score the same batches (collective
+    lookups) each get the whole result, with no gather."""
+    scores, labels, total, n = [], [], 0.0, 0
+    count = 0
+    for batch in batches:
+        if max_batches is not None and count >= max_batches:
+            break
+        batch = batch.to(device, non_blocking=True)
+        logits = logits_of(batch)
+        y = batch.labels.to(logits.dtype)
+        total += float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
+        n += y.numel()
+        scores.append(logits.cpu())
+        labels.append(y.cpu())
+        count += 1
+    if n == 0:
+        return EvalResult(float("nan"), float("nan"), 0, 0)
+    return EvalResult(total / n, auc(torch.cat(scores), torch.cat(labels)), n, count)
+
+
 class Trainer:
     """A model, its optimizers and the training step; device-agnostic.
 
@@ -171,26 +193,10 @@ class Trainer:
         self.step += 1
         return loss.detach(), logits.detach()
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
         """Loss and AUC over ``batches`` (at most ``max_batches``)."""
         self.model.eval()
-        scores, labels, total, n = [], [], 0.0, 0
-        count = 0
-        for batch in batches:
-            if max_batches is not None and count >= max_batches:
-                break
-            batch = batch.to(self.device, non_blocking=True)
-            logits = self.model(batch)
-            y = batch.labels.to(logits.dtype)
-            total += float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
-            n += y.numel()
-            scores.append(logits.cpu())
-            labels.append(y.cpu())
-            count += 1
-        if n == 0:
-            return EvalResult(float("nan"), float("nan"), 0, 0)
-        return EvalResult(total / n, auc(torch.cat(scores), torch.cat(labels)), n, count)
+        return evaluate_batches(self.model, batches, device=self.device, max_batches=max_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizers and step."""
@@ -279,106 +285,50 @@ def _saved_attention_resolved(state: dict[str, Any], schema: DatasetSchema) -> N
         state["model_config"] = {**saved, "attention": features}
 
 
-def reader_options(config: TrainConfig) -> dict[str, Any]:
-    """The :class:`readers.source.ReaderConfig` fields a run's options set (shuffle and seed
-    aside, which differ between the training part and the held-out part)."""
-    return {"batch_size": config.batch_size, "read_ahead": config.read_ahead,
-            "verify": config.verify, "on_error": config.on_error}  # fmt: skip
+class LocalEngine:
+    """One process's step engine (:class:`trainer.loop.StepEngine`): a :class:`Trainer` over
+    parameter tables, or over hybrid-store tables (``store="hybrid"``).
 
+    Args:
+        config: the run (its model resolved).
+        schema: the schema it reads and builds the model with.
+        resume_state: the checkpoint the run resumes (the stores reopen at its step).
+    """
 
-class _Run:
-    """The state of one ``train`` call (kept out of the public API)."""
+    world_size = 1
+    writer = True
 
-    def __init__(self, config: TrainConfig, *, progress: bool, log: TextIO) -> None:
-
-        self.config, self.progress, self.log = config, progress, log
-        self.schema: DatasetSchema = read_schema(config)
+    def __init__(
+        self, config: TrainConfig, schema: DatasetSchema, *, resume_state: dict[str, Any] | None
+    ) -> None:
+        self.config, self.schema = config, schema
         self.device = torch.device(config.device)
-        # read (and checked to be this run's) before the stores open: they reopen at the step
-        # of the dense checkpoint
-        self.resume_state = self._read_checkpoint() if config.resume else None
-        if self.resume_state is not None:
-            _saved_attention_resolved(self.resume_state, self.schema)
-            check_resume(self.resume_state, config, path=self.checkpoint_path)
-        table_factory = None
+        self.resume_state = resume_state
         self.stores: list[Any] = []
-        if config.store == "hybrid":
-            table_factory = self._store_factory()
-        model = DLRM.from_schema(self.schema, model_config(config), table_factory=table_factory)
+        table_factory = self._store_factory() if config.store == "hybrid" else None
+        model = DLRM.from_schema(schema, model_config(config), table_factory=table_factory)
         self.trainer = Trainer(model, optimizer=config.optimizer, lr=config.lr, device=self.device)
-        self._make_loaders()
-        self.log_ = RunLog(config, device=self.device)
-        self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
+        self._losses: list[float] = []
 
-    # -- data ---------------------------------------------------------------------------------
-    def _make_loaders(self) -> None:
-        from readers.dataset import ParquetBatchDataset, StatefulLoader
-        from readers.source import ReaderConfig
+    @property
+    def step(self) -> int:
+        return self.trainer.step
 
-        cfg = self.config
-        reader = ReaderConfig(**reader_options(cfg), shuffle=cfg.shuffle, seed=cfg.seed)
-        eval_reader = ReaderConfig(**reader_options(cfg), shuffle=False)
-        common = {"schema": self.schema, "transforms": cfg.preprocess, "fitted": cfg.fitted,
-                  "dedup": cfg.dedup}  # fmt: skip
-        self.eval_ds = ParquetBatchDataset(cfg.dataset, config=eval_reader, **common)
-        self.eval_stream: ServiceStream | None = None
-        if cfg.preprocess is not None:
-            from readers.fitted import fitted_holdout_mismatch
+    # -- the step -----------------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        loss, logits = self.trainer.train_step(batch)
+        self._losses.append(float(loss))
+        return logits
 
-            why = fitted_holdout_mismatch(
-                cfg.dataset, eval_fraction=cfg.eval_fraction, seed=cfg.seed, fitted=cfg.fitted
-            )
-            if why is not None:
-                _log.warning("%s", why)
-        if cfg.service is not None:
-            self._make_service_streams()
-            return
-        train_ds = ParquetBatchDataset(cfg.dataset, config=reader, **common)
-        train, held = holdout_splits(
-            train_ds.source.splits,
-            session_key=self.schema.session_key,
-            fraction=cfg.eval_fraction,
-            seed=cfg.seed,
-        )
-        # the readers read `source.splits`; restrict each dataset to its part's rows
-        train_ds.source.splits = train
-        self.eval_ds.source.splits = held
-        self.train_splits, self.eval_splits = len(train), len(held)
-        self.loader = StatefulLoader(
-            train_ds, num_workers=cfg.workers, pin_memory=self.device.type == "cuda"
-        )
+    def pending_losses(self) -> list[float]:
+        losses, self._losses = self._losses, []
+        return losses
 
-    def _make_service_streams(self) -> None:
-        """Train on the server's training part and evaluate on its held-out part, divided as
-        :func:`holdout_splits` divides this dataset in-process (the streams check that the
-        server's parts span as many row groups; the server checks the batch size)."""
-        cfg = self.config
-        train, held = holdout_splits(
-            self.eval_ds.source.splits,
-            session_key=self.schema.session_key,
-            fraction=cfg.eval_fraction,
-            seed=cfg.seed,
-        )
-        self.train_splits, self.eval_splits = len(train), len(held)
-        holdout = Holdout(cfg.eval_fraction, seed=cfg.seed) if held else None
-        common = {"batch_size": cfg.batch_size}
-        self.loader = ServiceStream(cfg.service, holdout=holdout, splits=len(train), **common)
-        if holdout is not None:
-            part = holdout.other()
-            self.eval_stream = ServiceStream(cfg.service, holdout=part, splits=len(held), **common)
+    def after_step(self) -> None:
+        return None
 
-    def _loader_epoch(self) -> int:
-        if self.config.service is not None:
-            return self.loader.current_epoch
-        return self.loader.dataset.epoch
-
-    def _eval_batches(self) -> Iterator[Batch]:
-        if self.config.service is not None:
-            return iter(()) if self.eval_stream is None else self.eval_stream.read_epoch(0)
-        if not self.eval_ds.source.splits:
-            return iter(())
-        self.eval_ds.set_epoch(0)
-        return iter(self.eval_ds)
+    def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None) -> EvalResult:
+        return self.trainer.evaluate(batches, max_batches=max_batches)
 
     # -- hybrid store --------------------------------------------------------------------------
     def _store_factory(self) -> Any:
@@ -398,7 +348,7 @@ class _Run:
                 # the store may have committed a later step than the dense checkpoint (a crash
                 # between the two): it rolls back to the checkpoint's step
                 at = self.resume_state["trainer"]["step"]
-                checkpoint = self.checkpoint_path
+                checkpoint = checkpoint_file(cfg.checkpoint)
                 st = StoreTable.resume(
                     path, table, step=at, lr=lr, device=device, checkpoint=checkpoint
                 )
@@ -417,38 +367,25 @@ class _Run:
         return factory
 
     # -- checkpoints --------------------------------------------------------------------------
-    @property
-    def checkpoint_path(self) -> Path | None:
-        c = self.config.checkpoint
-        return None if c is None else checkpoint_file(c)
-
-    def save(self) -> Path | None:
-        path = self.checkpoint_path
-        if path is None:
-            return None
-        if self.saved_step == self.trainer.step:  # the last in-loop checkpoint, at the end
-            return path
+    def save(self, state: dict[str, Any]) -> Path:
+        cfg = self.config
+        assert cfg.checkpoint is not None
+        path = checkpoint_file(cfg.checkpoint)
         self._check_finite()
+        step = self.trainer.step
         # every store commits this step, then the rest is saved: after a crash in between the
         # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
         for store in self.stores:
             try:
-                store.checkpoint(self.trainer.step)
+                store.checkpoint(step)
             except OSError as exc:
                 msg = (
                     f"{store.root}: cannot write the embedding store's checkpoint of step "
-                    f"{self.trainer.step}: {exc.strerror or exc}; the previous checkpoint is kept"
+                    f"{step}: {exc.strerror or exc}; the previous checkpoint is kept"
                 )
                 raise RecpipeError(msg) from None
-        state = {
-            "trainer": self.trainer.state_dict(),
-            "reader": self.loader.state_dict(),
-            "rng": rng_state(),
-            **self.log_.state_dict(),
-        }
-        save_checkpoint(state, path)
-        self.saved_step = self.trainer.step
-        _log.debug("checkpoint at step %d: %s", self.trainer.step, path)
+        layout = {"kind": "local", "world_size": 1, "store": cfg.store}
+        save_checkpoint({"trainer": self.trainer.state_dict(), "layout": layout, **state}, path)
         return path
 
     def _check_finite(self) -> None:
@@ -457,22 +394,12 @@ class _Run:
             if not bool(torch.isfinite(param).all()):
                 msg = (
                     f"step {self.trainer.step}: the model's {name} is not finite; it is not "
-                    f"saved{self._lr_hint()}"
+                    f"saved{divergence_hint(self.config, None)}"
                 )
                 raise RecpipeError(msg)
 
-    def _lr_hint(self) -> str:
-        return divergence_hint(self.config, self.saved_step)
-
-    def _read_checkpoint(self) -> dict[str, Any] | None:
-        """The saved training state, or ``None`` when there is no checkpoint file yet."""
-        path = self.checkpoint_path
-        return None if path is None else load_checkpoint(path, map_location=self.device)
-
-    def restore(self) -> bool:
-        state, path = self.resume_state, self.checkpoint_path
-        if state is None:
-            return False
+    def restore(self, state: dict[str, Any]) -> None:
+        path = checkpoint_file(self.config.checkpoint or ".")
         for store in self.stores:
             at = store.stats().last_checkpoint_step
             if at != state["trainer"]["step"]:
@@ -482,137 +409,37 @@ class _Run:
                 )
                 raise RecpipeError(msg)
         self.trainer.load_state_dict(state["trainer"])
-        self.loader.load_state_dict(state["reader"])
-        set_rng_state(state["rng"])
-        self.log_.load_state_dict(state, step=self.trainer.step)
-        self.saved_step = self.trainer.step
-        return True
 
-    def _planned_steps(self, target_steps: int | None, target_epochs: int | None) -> int | None:
-        """The run's last step, for the progress bar: ``steps``, or the batches of
-        ``epochs`` epochs (known in-process: ``len()`` of each epoch's loader)."""
-        if target_steps is not None:
-            return target_steps
-        if self.config.service is not None or target_epochs is None:
-            return None
-        dataset = self.loader.dataset
-        workers = self.loader.num_workers
-        return sum(dataset.num_batches(num_workers=workers, epoch=e) for e in range(target_epochs))
+    def close(self, *, failing: bool) -> None:
+        del failing
+        for store in self.stores:
+            store.close()
 
-    # -- the loop -----------------------------------------------------------------------------
-    def run(self) -> TrainResult:
-        from recpipe.progress import progress_bar
 
-        cfg, log = self.config, self.log_
-        if cfg.resume and self.restore():
-            _log.info("resumed from step %d (%s)", self.trainer.step, self.checkpoint_path)
-        target_steps, target_epochs = run_targets(cfg)
-        start_step = self.trainer.step
-        _log.info(
-            "training on %s: %d row groups with training rows, %d with held-out rows; dedup %s",
-            cfg.dataset if cfg.service is None else cfg.service,
-            self.train_splits,
-            self.eval_splits,
-            "on" if cfg.dedup else "off",
+def layout_refusal(
+    state: Mapping[str, Any], *, path: Path, world_size: int, towers: bool = False
+) -> str | None:
+    """Why a checkpoint written in another layout cannot resume in this one (``None``: it
+    can, as far as the layout goes; a towers engine then checks the plan and ranks itself).
+    ``towers``: this run trains towers. A multi-rank job's checkpoint resumes in one process
+    through its own engine (``recpipe train`` does that), not through :func:`train`."""
+    kind = state.get("kind") or (state.get("layout") or {}).get("kind", "local")
+    if towers != (kind == "towers"):
+        was = "a towers run" if kind == "towers" else "a run without towers"
+        fix = "with `--towers` and its plan" if kind == "towers" else "without `--towers`"
+        return f"{path}: written by {was}; resume it {fix}, or start afresh with --overwrite"
+    if kind == "distributed" and world_size == 1 and not towers:
+        return (
+            f"{path}: written by a {state.get('world_size')}-rank job; `recpipe train --resume` "
+            "continues it in one process (the job's engine on a world of one: "
+            "trainer.distributed.run.train_rank with Comm.single), or at any `--nproc`"
         )
-        self.bar = bar = progress_bar(
-            total=self._planned_steps(target_steps, target_epochs),
-            initial=start_step,
-            unit="step",
-            desc="train",
-            file=sys.stderr,
-            disable=not self.progress,
-            dynamic_ncols=True,
+    if kind == "local" and world_size > 1:
+        return (
+            f"{path}: written by one process (its tables are whole parameter tables, not "
+            f"sharded rows); resume it without `--nproc`, or start afresh with --overwrite"
         )
-        t0 = time.perf_counter()
-        samples0 = log.samples
-        done = self._finished(target_steps, target_epochs)
-        empty_passes = 0
-        last = t0
-        try:
-            log.open_sinks()
-            while not done:
-                empty_passes += 1
-                for batch in self.loader:
-                    empty_passes = 0
-                    loss, logits = self.trainer.train_step(batch)
-                    if not math.isfinite(value := float(loss)):
-                        msg = (
-                            f"step {self.trainer.step}: the training loss is {value}; training "
-                            f"stopped{self._lr_hint()}"
-                        )
-                        raise RecpipeError(msg)
-                    log.losses.append(value)
-                    log.add_batch(batch, logits, samples=batch.batch_size)
-                    step = self.trainer.step
-                    bar.update(1)
-                    now = time.perf_counter()
-                    train_s = now - t0 - log.eval_s  # evaluations are not training time
-                    rate = (log.samples - samples0) / max(train_s, 1e-9)
-                    memory = peak_memory_bytes(self.device)
-                    window_auc = None
-                    if step % cfg.log_every == 0 or step == target_steps:
-                        window_auc = log.window.auc()
-                        bar.set_postfix(
-                            loss=f"{np.mean(log.losses[-20:]):.4f}",
-                            auc=f"{window_auc:.3f}",
-                            sps=f"{rate:,.0f}",
-                            mem=format_bytes(memory),
-                            refresh=False,
-                        )
-                    record = log.train_record(
-                        step=step, epoch=self._loader_epoch(), auc=window_auc,
-                        samples_per_s=rate, step_s=now - last, memory=memory, wall_s=train_s,
-                    )  # fmt: skip
-                    log.record({**record, "loss": log.losses[-1]})
-                    last = now
-                    if cfg.eval_every and step % cfg.eval_every == 0:
-                        last += self._evaluate(step)  # the next step_s leaves it out
-                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                        self.save()
-                    if target_steps is not None and step >= target_steps:
-                        break
-                done = self._finished(target_steps, target_epochs)
-                if empty_passes >= 2 and not done:
-                    msg = f"{cfg.dataset}: the training split yields no batches"
-                    raise DataError(msg)
-            wall = time.perf_counter() - t0 - log.eval_s  # train_wall_s
-            if not log.evaluated_at(self.trainer.step):
-                self._evaluate(self.trainer.step)
-            path = self.save()
-        except BaseException:
-            self._close(failing=True)
-            raise
-        self._close(failing=False)
-        return log.result(
-            steps=self.trainer.step, samples0=samples0, wall=wall, checkpoint=path,
-            train_splits=self.train_splits, eval_splits=self.eval_splits,
-        )  # fmt: skip
-
-    def _close(self, *, failing: bool) -> None:
-        """Close the progress bar, the metrics and the stores; when the run is already failing,
-        an error closing them is logged, not raised over the first one."""
-        closers = [self.bar.close, self.log_.close, *(s.close for s in self.stores)]
-        for close in closers:
-            try:
-                close()
-            except Exception:
-                if not failing:
-                    raise
-                _log.debug("closing after the error above failed too", exc_info=True)
-
-    def _finished(self, target_steps: int | None, target_epochs: int | None) -> bool:
-        if target_steps is not None:
-            return self.trainer.step >= target_steps
-        return self._loader_epoch() >= target_epochs
-
-    def _evaluate(self, step: int) -> float:
-        """Evaluate on the held-out data; the seconds it took."""
-        t0 = time.perf_counter()
-        result = self.trainer.evaluate(self._eval_batches(), max_batches=self.config.eval_batches)
-        seconds = time.perf_counter() - t0
-        self.log_.add_eval(step, result, epoch=self._loader_epoch(), seconds=seconds)
-        return seconds
+    return None
 
 
 def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = None) -> TrainResult:
@@ -628,7 +455,28 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
     Returns:
         The run's :class:`TrainResult`; :func:`trainer.runlog.format_summary` renders it.
     """
+    from trainer.loop import run_loop
+    from trainer.streams import open_stream
+
     config = resolve_model(config)
     set_threads(config)
     with claim_checkpoint(config.checkpoint, resume=config.resume, overwrite=config.overwrite):
-        return _Run(config, progress=progress, log=log or sys.stderr).run()
+        schema = read_schema(config)
+        state = None
+        if config.resume and config.checkpoint is not None:
+            path = checkpoint_file(config.checkpoint)
+            state = load_checkpoint(path, map_location=config.device)
+        if state is not None:
+            why = layout_refusal(state, path=path, world_size=1)
+            if why is not None:
+                raise RecpipeError(why)
+            _saved_attention_resolved(state, schema)
+            check_resume(state, config, path=path)
+        engine = LocalEngine(config, schema, resume_state=state)
+        stream = open_stream(config, schema, device=engine.device)
+        _log.info(
+            "training on %s: %d row groups with training rows, %d with held-out rows; dedup %s",
+            config.dataset if config.service is None else config.service, *stream.splits,
+            "on" if config.dedup else "off",
+        )  # fmt: skip
+        return run_loop(config, engine, stream, resume_state=state, progress=progress)

@@ -318,7 +318,9 @@ def test_trains_from_the_reader_service_and_resumes(dataset, tmp_path):
 
     from readers.service import DatasetProducer, ReaderServer, ServiceConfig
 
-    producer = DatasetProducer(str(dataset), batch_size=256, dedup=True)
+    # the server reads as the trainer's config asks (shuffled, seed 0): a client refuses a
+    # server that reads another stream
+    producer = DatasetProducer(str(dataset), batch_size=256, dedup=True, shuffle=True, seed=0)
     config = ServiceConfig(readers=0, report_every_s=0, heartbeat_s=0.5)
     server = ReaderServer(producer, config=config, log=io.StringIO()).start()
     try:

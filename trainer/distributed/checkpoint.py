@@ -33,13 +33,72 @@ from trainer.checkpoint import save_checkpoint as save_state
 from trainer.distributed.comm import Comm
 from trainer.distributed.exchange import ShardedEmbeddings
 
-__all__ = ["CHECKPOINT_FILE", "load_sparse", "read_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "load_sparse",
+    "read_checkpoint",
+    "read_part",
+    "save_checkpoint",
+    "save_parts",
+]
 
 KIND = "distributed"
 
 
 def _rank_file(folder: Path, rank: int, world_size: int) -> Path:
     return folder / f"rank-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def save_parts(
+    root: str | os.PathLike[str],
+    *,
+    comm: Comm,
+    area: str,
+    step: int,
+    part: Mapping[str, Any],
+    doc: Mapping[str, Any],
+) -> Path:
+    """A collective checkpoint at ``step``: every rank writes its ``part`` to
+    ``root/area/step-N/rank-R-of-W.pt``; once all have, rank 0 writes ``checkpoint.pt`` (``doc``
+    with ``area`` naming that folder) and removes the older folders of ``area``.
+
+    Returns:
+        the path of ``checkpoint.pt``.
+    """
+    root = Path(root)
+    folder = root / area / f"step-{step:09d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_state(dict(part), _rank_file(folder, comm.rank, comm.world_size))
+    comm.barrier(what="the checkpoint's barrier")
+    path = root / CHECKPOINT_FILE
+    if comm.rank == 0:
+        save_state({**doc, area: str(folder.relative_to(root))}, path)
+        for old in (root / area).iterdir():
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+    comm.barrier(what="the checkpoint's barrier")
+    return path
+
+
+def read_part(
+    root: str | os.PathLike[str], state: Mapping[str, Any], area: str, *, rank: int,
+    world_size: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Rank ``rank``'s part of the checkpoint ``state`` (saved by :func:`save_parts` at
+    ``world_size`` ranks), checked to be of its step.
+
+    Raises:
+        RecpipeError: the part is missing or of another step.
+    """
+    path = _rank_file(Path(root) / state[area], rank, world_size)
+    part = load_checkpoint(path)
+    if part is None:
+        msg = f"{path}: rank {rank}'s part of the checkpoint is missing"
+        raise RecpipeError(msg)
+    if part.get("step") != state["step"]:
+        msg = f"{path}: rows of step {part.get('step')!r}, the checkpoint is at {state['step']}"
+        raise RecpipeError(msg)
+    return part
 
 
 def save_checkpoint(
@@ -56,29 +115,11 @@ def save_checkpoint(
     Returns:
         the path of ``checkpoint.pt``.
     """
-    root = Path(root)
-    folder = root / "sparse" / f"step-{step:09d}"
-    folder.mkdir(parents=True, exist_ok=True)
     rows = {"step": step, "rank": comm.rank, "world_size": comm.world_size,
             "rows": sparse.owned_rows()}  # fmt: skip
-    save_state(rows, _rank_file(folder, comm.rank, comm.world_size))
-    comm.barrier(what="the checkpoint's barrier")
-    path = root / CHECKPOINT_FILE
-    if comm.rank == 0:
-        doc = {
-            **state,
-            "kind": KIND,
-            "step": step,
-            "world_size": comm.world_size,
-            "sparse": str(folder.relative_to(root)),
-            "hot": dict(zip(sparse.names, sparse.hot_sets(), strict=True)),
-        }
-        save_state(doc, path)
-        for old in (root / "sparse").iterdir():
-            if old != folder:
-                shutil.rmtree(old, ignore_errors=True)
-    comm.barrier(what="the checkpoint's barrier")
-    return path
+    doc = {**state, "kind": KIND, "step": step, "world_size": comm.world_size,
+           "hot": dict(zip(sparse.names, sparse.hot_sets(), strict=True))}  # fmt: skip
+    return save_parts(root, comm=comm, area="sparse", step=step, part=rows, doc=doc)
 
 
 def read_checkpoint(root: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -103,19 +144,11 @@ def load_sparse(
 ) -> None:
     """Give this rank the rows it owns of the checkpoint ``state`` (saved at any world size)
     and reinstall the saved hot sets (collective)."""
-    folder = Path(root) / state["sparse"]
     saved = int(state["world_size"])
-    parts = []
-    for rank in range(saved):
-        path = _rank_file(folder, rank, saved)
-        part = load_checkpoint(path)
-        if part is None:
-            msg = f"{path}: rank {rank}'s rows of the checkpoint are missing"
-            raise RecpipeError(msg)
-        if part.get("step") != state["step"]:
-            msg = f"{path}: rows of step {part.get('step')!r}, the checkpoint is at {state['step']}"
-            raise RecpipeError(msg)
-        parts.append(part["rows"])
+    parts = [
+        read_part(root, state, "sparse", rank=rank, world_size=saved)["rows"]
+        for rank in range(saved)
+    ]
     sparse.load_owned_rows(parts)
     hot = state.get("hot", {})
     sparse.set_hot([hot[name].copy() if name in hot else [] for name in sparse.names])

@@ -15,18 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+from typing import Any
 
 from recpipe.config_cli import Option, add_config_options, add_quiet_option
+from trainer.cli_common import train_options
 from trainer.config import ModelConfig, TrainConfig
 from trainer.distributed import launch
 from trainer.towers.config import PartitionConfig, TowersConfig
 
-__all__ = ["register_cli", "run_train"]
+__all__ = ["add_towers_arguments", "register_cli", "run_train"]
 
-_TRAIN_OPTIONS = (
-    "dataset", "dedup", "steps", "epochs", "batch_size", "lr", "optimizer", "eval_fraction",
-    "eval_batches", "device", "seed", "workers", "preprocess",
-)  # fmt: skip
 _MODEL_OPTIONS = ("embedding_dim", "num_embeddings", "hash_ids", "pooling", "bottom_mlp", "top_mlp")
 
 
@@ -122,61 +121,68 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
             "only the tower modules' outputs across hosts. --batch-size is per rank."
         ),
     )
-    parser.add_argument("--towers", required=True, metavar="FILE",
-                        help="the tower plan (recpipe towers partition --out FILE)")  # fmt: skip
-    run_options = add_config_options(
-        parser,
-        TrainConfig,
-        include=_TRAIN_OPTIONS,
-        overrides={
-            "dataset": Option(help="clustered dataset directory"),
-            "dedup": Option(choices={"on": True, "off": False}),
-            "preprocess": Option(metavar="FILE"),
-            "optimizer": Option(choices={"adagrad": "adagrad", "sgd": "sgd"}),
-        },
-        exclusive=[("steps", "epochs")],
-    )
-    tower_options = add_config_options(
-        parser.add_argument_group("towers"),
-        TowersConfig,
-        exclude=("towers",),
-        overrides={"ranks_per_host": Option(metavar="L")},
-        owner=parser,
-    )
-    model_options = add_config_options(
-        parser.add_argument_group("model"), ModelConfig, include=_MODEL_OPTIONS, owner=parser
-    )
+    run_options, model_options = train_options(parser)
+    tower_options = add_towers_arguments(parser, required=True)
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
     add_quiet_option(parser)
     launch.add_distributed_arguments(parser, exchange=False)
 
     def build(args: argparse.Namespace) -> int:
-        model = model_options.build(args, attention="none")
-        config = run_options.build(args, model=model)
+        config = run_options.build(args, model=model_options.build(args))
         towers = tower_options.build(args, towers=args.towers)
         return run_train((config, towers), args)
 
     parser.set_defaults(func=build)
 
 
+def add_towers_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> Any:
+    """``--towers FILE`` and the towers' options (:class:`trainer.towers.config.TowersConfig`):
+    with a plan, ``recpipe train`` trains a towered DLRM through the same loop (SPTT on ranks).
+    Returns the options' builder."""
+    from trainer.towers.config import TowersConfig
+
+    group = parser.add_argument_group("towers (DMT: with --towers FILE)")
+    group.add_argument(
+        "--towers", required=required, default=None, metavar="FILE",
+        help="train a towered DLRM on this tower plan (`recpipe towers partition --out FILE`): "
+        "in one process the towers are model structure only; with --nproc tower t's tables "
+        "live on host t and SPTT moves the data (no attention pooling: towers pool only)",
+    )  # fmt: skip
+    return add_config_options(
+        group, TowersConfig, exclude=("towers",),
+        overrides={"ranks_per_host": Option(metavar="L")}, owner=parser,
+    )  # fmt: skip
+
+
 def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespace) -> int:
-    """Train (launching torchrun's workers with ``--nproc``), print the summary, write
-    ``--json``; the exit code. A worker of ``--nproc`` enters here too."""
+    """Train a towered DLRM (``recpipe train --towers``, or its alias ``recpipe towers train``;
+    launching torchrun's workers with ``--nproc``), print the summary, write ``--json``; the
+    exit code. A worker of ``--nproc`` enters here too."""
+    from trainer.checkpoint import claim_checkpoint
+    from trainer.cli_common import claim_for_workers, with_saved_settings
     from trainer.distributed.comm import destroy, init_from_env, launched_by_torchrun
     from trainer.outputs import check_train_outputs
     from trainer.runlog import format_summary, summary_dict
     from trainer.towers.run import checked_plan, train_towers
+    from trainer.train import set_threads
 
     config, towers = configs
     check_train_outputs(config, json=args.json, reads=[towers.towers])
+    config = with_saved_settings(config, args)
     checked_plan(config, towers)  # before any worker starts
+    config = replace(config, model=replace(config.model, attention="none"))  # towers pool only
+    set_threads(config)
     timeout_s = launch.distributed_config(args).timeout_s
     if launch.requested(args) and not launched_by_torchrun():
         worker = argparse.Namespace(
             nproc=None, quiet=args.quiet, json=args.json,
             distributed=launch.distributed_config(args),
+            towers_command=getattr(args, "towers_command", None),
         )  # fmt: skip
-        launch.launch_workers(launch.launch_config(args), worker, configs, module="trainer.towers")
+        with claim_for_workers(config, args):
+            launch.launch_workers(
+                launch.launch_config(args), worker, (config, towers), module="trainer.towers"
+            )
         return 0
     if launched_by_torchrun():
         comm = init_from_env(device=config.device, timeout_s=timeout_s)
@@ -187,8 +193,12 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
         if comm.rank != 0:
             return 0
     else:
-        result, summary = train_towers(config, towers, progress=not args.quiet)
-    print(format_summary(config, result).replace("recpipe train", "recpipe towers train", 1))
+        with claim_checkpoint(config.checkpoint, resume=config.resume, overwrite=config.overwrite):
+            result, summary = train_towers(config, towers, progress=not args.quiet)
+    text = format_summary(config, result)
+    if getattr(args, "towers_command", None) == "train":  # the alias names itself
+        text = text.replace("recpipe train", "recpipe towers train", 1)
+    print(text)
     rows = summary.lines()
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))

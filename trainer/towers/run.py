@@ -1,21 +1,23 @@
-"""``recpipe towers partition`` and ``recpipe towers train``: the work behind the commands.
+"""``recpipe towers partition`` and towered training (``recpipe train --towers``): the work
+behind the commands.
 
 * :func:`partition`: a short training run (or a checkpoint) -> mean ``R Rᵀ`` -> affinities ->
   the partitioner (:mod:`trainer.towers.partition`).
-* :func:`train_towers`: train a :class:`~trainer.towers.model.TowerDLRM`. In one process the
-  towers are model structure only; on several ranks (torchrun) the tables sit on their tower's
-  host and SPTT moves the data (:mod:`trainer.towers.sptt`). Readers: one global stream cut
-  into equal ranges per rank (:class:`readers.ranks.RankBatchDataset`), as in
-  ``recpipe train --nproc``.
+* :func:`train_towers`: train a :class:`~trainer.towers.model.TowerDLRM` through the one loop
+  (:mod:`trainer.loop`) as :class:`TowersEngine`: checkpoints, resume, periodic evaluation,
+  metrics and the reader service as any run. In one process the towers are model structure
+  only; on several ranks (torchrun) the tables sit on their tower's host and SPTT moves the
+  data (:mod:`trainer.towers.sptt`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
-import sys
-import time
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,14 +26,17 @@ from recpipe.errors import RecpipeError
 from trainer.config import ModelConfig, TrainConfig
 from trainer.distributed.comm import Comm
 from trainer.distributed.settings import check_same_settings, job_settings
-from trainer.metrics import PredictionWindow, peak_memory_bytes
-from trainer.runlog import TrainResult, batch_dedup_factor
+from trainer.runlog import EvalResult, TrainResult
 from trainer.towers.config import PartitionConfig, TowerPlan, TowersConfig, load_plan
 from trainer.towers.model import FlopCount, TowerDLRM, model_tables
 from trainer.towers.partition import Partition, affinity_from_gram, partition_features
 from trainer.towers.sptt import CollectiveTraffic
 
+if TYPE_CHECKING:
+    from recpipe.batch import Batch
+
 __all__ = [
+    "TowersEngine",
     "TowersSummary",
     "checked_plan",
     "describe_partition",
@@ -195,30 +200,36 @@ def _ranks_per_host(options: TowersConfig, world: int) -> int:
     return int(local) if local else world
 
 
-class _Run:
-    """One rank's ``train_towers`` call."""
+class TowersEngine:
+    """One rank's step engine for a towered DLRM (:class:`trainer.loop.StepEngine`). In one
+    process the towers are model structure only (a :class:`DistributedTrainer` on a world of
+    one); on several ranks the tables sit on their tower's host and SPTT moves the data.
+
+    Checkpoints: every rank writes its own part (its tables' rows, its tower, the head, the
+    optimizers) under ``CK/towers/step-N/``; rank 0 writes ``checkpoint.pt`` last, naming the
+    folder. A towers checkpoint resumes with the same plan on the same number of ranks.
+    """
 
     def __init__(self, config: TrainConfig, options: TowersConfig, comm: Comm, *,
-                 progress: bool) -> None:  # fmt: skip
-        from readers.dataset import dataset_schema
+                 schema: Any) -> None:  # fmt: skip
         from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 
         if config.optimizer not in ("sgd", "adagrad"):
             msg = f"`optimizer` must be 'sgd' or 'adagrad' with towers (row-wise for the tables), got {config.optimizer!r}"
             raise RecpipeError(msg)
-        if config.service is not None or config.store != "module" or config.resume:
-            msg = "`service`, `store` 'hybrid' and `resume` are not supported by `recpipe towers train` yet"
+        if config.store != "module":
+            msg = "`store` 'hybrid' with towers: not supported yet (the towers' tables are sharded rows)"
             raise RecpipeError(msg)
-        self.config, self.options, self.comm = config, options, comm
-        self.progress = progress and comm.rank == 0
-        self.schema = dataset_schema(config.dataset)
+        self.config, self.options, self.comm, self.schema = config, options, comm, schema
+        self.world_size, self.writer = comm.world_size, comm.rank == 0
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
-        plan = checked_plan(config, options, schema=self.schema)
+        plan = checked_plan(config, options, schema=schema)
+        self.plan = plan
         mcfg = model_config(config)
-        tables = model_tables(self.schema, mcfg, plan.features)
+        tables = model_tables(schema, mcfg, plan.features)
         mcfg = replace(mcfg, tables=tables)
         factory = sharded_table_factory(optimizer=config.optimizer, device=self.device)
-        model = TowerDLRM.from_schema(self.schema, mcfg, plan=plan,
+        model = TowerDLRM.from_schema(schema, mcfg, plan=plan,
                                       towers=options.module_config(), table_factory=factory)  # fmt: skip
         self.model = model
         self.per_host = _ranks_per_host(options, comm.world_size)
@@ -237,90 +248,114 @@ class _Run:
             self.trainer = SPTTTrainer(model, layout=layout, groups=groups,
                                        optimizer=config.optimizer, lr=config.lr,
                                        device=self.device, schedule=options.schedule)  # fmt: skip
-        self._make_loaders()
+        self.samples = 0  # training samples of this process (the traffic's denominator)
+        self.summary: TowersSummary | None = None
 
-    def _make_loaders(self) -> None:
-        from readers.holdout import holdout_splits
-        from readers.ranks import RankBatchDataset, RankLoader
-        from readers.source import DatasetSource, ReaderConfig
+    @property
+    def step(self) -> int:
+        return int(self.trainer.step)
+
+    # -- the step ----------------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        _, logits = self.trainer.train_step(batch, reduce_loss=False)
+        self.samples += batch.batch_size * self.world_size
+        return logits
+
+    def pending_losses(self) -> list[float]:
+        return self.trainer.pending_losses()
+
+    def after_step(self) -> None:
+        return None
+
+    def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None) -> EvalResult:
+        """Every rank scores the same held-out batches; what the evaluation moves is not
+        counted as training traffic."""
+        from trainer.train import evaluate_batches
+
+        trainer = self.trainer
+        if self.schedule == "local":
+            trainer.module.eval()
+
+            def logits_of(batch: Batch) -> torch.Tensor:
+                trainer.sparse.prepare(batch, train=False)
+                return trainer.module(batch)
+        else:
+            trainer.model.eval()
+
+            def logits_of(batch: Batch) -> torch.Tensor:
+                return trainer.forward(batch, train=False)
+
+        traffic = copy.deepcopy(trainer.traffic.by_name) if self.schedule != "local" else None
+        try:
+            return evaluate_batches(logits_of, batches, device=self.device,
+                                    max_batches=max_batches)  # fmt: skip
+        finally:
+            if traffic is not None:
+                trainer.traffic.by_name = traffic
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _own_state(self) -> dict[str, Any]:
+        trainer = self.trainer
+        sparse = trainer.sparse
+        return {
+            "step": self.step,
+            "model": (trainer.module if self.schedule == "local" else trainer.model).state_dict(),
+            "optimizers": [opt.state_dict() for opt in trainer.optimizers],
+            "rows": None if sparse is None else sparse.owned_rows(),
+        }
+
+    def save(self, state: dict[str, Any]) -> Path:
+        from trainer.distributed.checkpoint import save_parts
 
         cfg, comm = self.config, self.comm
-        splits = DatasetSource(cfg.dataset, schema=self.schema).splits
-        train, held = holdout_splits(splits, session_key=self.schema.session_key,
-                                     fraction=cfg.eval_fraction, seed=cfg.seed)  # fmt: skip
-        common = {"schema": self.schema, "transforms": cfg.preprocess, "dedup": cfg.dedup,
-                  "rank": comm.rank, "world_size": comm.world_size}  # fmt: skip
-        reader = ReaderConfig(batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed)
-        self.train_ds = RankBatchDataset(cfg.dataset, config=reader, splits=train, **common)
-        self.eval_ds = RankBatchDataset(cfg.dataset, config=ReaderConfig(batch_size=cfg.batch_size),
-                                        splits=held, **common)  # fmt: skip
-        self.splits = (len(train), len(held))
-        self.loader = RankLoader(self.train_ds, num_workers=cfg.workers)
+        assert cfg.checkpoint is not None
+        layout = {"kind": "towers", "world_size": comm.world_size,
+                  "ranks_per_host": self.per_host, "towers": [list(t) for t in self.plan.towers],
+                  "schedule": self.schedule, "store": cfg.store}  # fmt: skip
+        return save_parts(cfg.checkpoint, comm=comm, area="towers", step=self.step,
+                          part=self._own_state(),
+                          doc={**state, "layout": layout, "step": self.step})  # fmt: skip
 
-    def run(self) -> tuple[TrainResult, TowersSummary]:
-        from recpipe.progress import progress_bar
+    def restore(self, state: dict[str, Any]) -> None:
+        from trainer.checkpoint import checkpoint_file
+        from trainer.distributed.checkpoint import read_part
 
-        cfg, comm, trainer = self.config, self.comm, self.trainer
-        steps = cfg.steps
-        epochs = cfg.epochs if cfg.steps is None else None
-        if steps is None and epochs is None:
-            epochs = 1
-        bar = progress_bar(total=steps, unit="step", desc="towers", file=sys.stderr,
-                   disable=not self.progress, dynamic_ncols=True)  # fmt: skip
-        window = PredictionWindow(cfg.log_window)
-        losses: list[float] = []
-        factors: list[float] = []
-        samples, t0 = 0, time.perf_counter()
-        while not self._done(steps, epochs):
-            got = 0
-            for batch in self.loader:
-                got += 1
-                factors.append(batch_dedup_factor(batch))
-                _, logits = trainer.train_step(batch, reduce_loss=False)
-                window.add(logits, batch.labels)
-                samples += batch.batch_size * comm.world_size
-                bar.update(1)
-                if trainer.step % 10 == 0:
-                    losses += trainer.pending_losses()
-                    bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", refresh=False)
-                if steps is not None and trainer.step >= steps:
-                    break
-            if not got:
-                msg = (
-                    f"{cfg.dataset}: the training split yields no batch of {cfg.batch_size} rows "
-                    f"per rank for {comm.world_size} ranks"
-                )
-                raise RecpipeError(msg)
-        losses += trainer.pending_losses()
-        wall = time.perf_counter() - t0
-        bar.close()
-        summary = self._summary(samples)  # before the evaluation's collectives
-        t_eval = time.perf_counter()
-        self.eval_ds.set_epoch(0)
-        ev = trainer.evaluate(iter(self.eval_ds), max_batches=cfg.eval_batches)
-        eval_wall = time.perf_counter() - t_eval
-        result = TrainResult(
-            steps=trainer.step, samples=samples, losses=losses, train_auc=window.auc(),
-            evals=[(trainer.step, ev)] if ev.samples else [],
-            samples_per_s=samples / wall if wall > 0 else float("nan"),
-            peak_memory_bytes=peak_memory_bytes(self.device),
-            dedup_factor=float(np.mean(factors)) if factors else 1.0, train_wall_s=wall,
-            train_splits=self.splits[0], eval_splits=self.splits[1], eval_wall_s=eval_wall,
-            eval_runs=1,
-        )  # fmt: skip
-        return result, summary
+        comm, cfg = self.comm, self.config
+        path = checkpoint_file(cfg.checkpoint or ".")
+        layout = state.get("layout") or {}
+        towers = [list(t) for t in self.plan.towers]
+        if (
+            layout.get("kind") != "towers"
+            or layout.get("world_size") != comm.world_size
+            or (layout.get("towers") != towers or layout.get("ranks_per_host") != self.per_host)
+        ):
+            msg = (
+                f"{path}: written by {_written_by(layout)}; this run trains towers {towers} on "
+                f"{comm.world_size} ranks ({self.per_host} per host): resume it as it was "
+                "written, or start afresh with --overwrite"
+            )
+            raise RecpipeError(msg)
+        part = read_part(cfg.checkpoint or ".", state, "towers", rank=comm.rank,
+                         world_size=comm.world_size)  # fmt: skip
+        trainer = self.trainer
+        (trainer.module if self.schedule == "local" else trainer.model).load_state_dict(
+            part["model"]
+        )
+        for opt, saved in zip(trainer.optimizers, part["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+        if trainer.sparse is not None and part["rows"] is not None:
+            trainer.sparse.load_owned_rows([part["rows"]])
+        trainer.step = int(part["step"])
 
-    def _done(self, steps: int | None, epochs: int | None) -> bool:
-        if steps is not None:
-            return self.trainer.step >= steps
-        return self.loader.epoch >= epochs
-
-    def _summary(self, samples: int) -> TowersSummary:
+    def close(self, *, failing: bool) -> None:
+        """The summary (the traffic summed over ranks: collective; skipped when failing)."""
+        if failing:
+            return
         traffic = {}
         if self.schedule != "local":
             traffic = self.trainer.traffic.merged(self.comm)
         model = self.model
-        return TowersSummary(
+        self.summary = TowersSummary(
             world_size=self.comm.world_size,
             ranks_per_host=self.per_host,
             schedule=self.schedule,
@@ -329,8 +364,20 @@ class _Run:
             compression=sum(model.plan.sizes) / sum(model.vectors),
             flops=model.flops(),
             traffic=traffic,
-            samples=samples,
+            samples=self.samples,
         )
+
+
+def _written_by(layout: Mapping[str, Any]) -> str:
+    kind = layout.get("kind", "local")
+    if kind == "towers":
+        return (
+            f"a towers run (towers {layout.get('towers')} on {layout.get('world_size')} ranks, "
+            f"{layout.get('ranks_per_host')} per host)"
+        )
+    if kind == "ranks":
+        return f"a {layout.get('world_size')}-rank run without towers"
+    return "a one-process run without towers"
 
 
 def train_towers(
@@ -353,8 +400,25 @@ def train_towers(
     Returns:
         The run (the losses of the global batches) and what the towers moved and computed.
     """
+    from readers.dataset import dataset_schema
+    from trainer.checkpoint import check_resume, checkpoint_file, load_checkpoint
+    from trainer.loop import run_loop
+    from trainer.streams import open_stream
+
     comm = comm or Comm.single(config.device)
     if comm.world_size > 1:  # before any other collective
         check_same_settings(comm, job_settings(config, options, towers=options.towers))
-    run = _Run(config, options, comm, progress=progress)
-    return run.run()
+    schema = dataset_schema(config.dataset)
+    state = None
+    if config.resume and config.checkpoint is not None:
+        path = checkpoint_file(config.checkpoint)
+        state = load_checkpoint(path)
+        if state is not None:
+            check_resume(state, config, path=path, world_size=comm.world_size)
+    engine = TowersEngine(config, options, comm, schema=schema)
+    stream = open_stream(config, schema, rank=comm.rank, world_size=comm.world_size,
+                         device=engine.device)  # fmt: skip
+    result = run_loop(config, engine, stream, resume_state=state, progress=progress,
+                      desc="towers")  # fmt: skip
+    assert engine.summary is not None
+    return result, engine.summary
