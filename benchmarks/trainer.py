@@ -515,6 +515,7 @@ def saved_bytes_counter(model: Any, scope: list[Any]) -> Iterator[dict[str, int]
         values = out.values() if isinstance(out, dict) else [out]
         for v in values:
             t = getattr(v, "values", v) if not isinstance(v, torch.Tensor) else v
+            t = t() if callable(t) else t  # a jagged type's values() (JaggedEmbeddings: a field)
             if isinstance(t, torch.Tensor):
                 add(t, "scope_outputs")
 
@@ -551,7 +552,7 @@ def measure_memory(
     per_on, per_off = out["on"]["total"] / b, out["off"]["total"] / b
     budget = budget_mib * 2**20
     wanted = set(model.attention.features) if model.attention is not None else None
-    history = next((g for g in on[0].ikjts.values() if wanted and wanted <= set(g.keys)), None)
+    history = next((g for g in on[0].ikjts.values() if wanted and wanted <= set(g.keys())), None)
     return {
         "activation_memory_ratio": emb_off / emb_on,
         "embedding_attention_bytes_on": emb_on,

@@ -238,7 +238,7 @@ def _fed_values(
                 values = batch.dense[:, dense[f]].numpy().astype(np.float64)
                 values = values[~np.isnan(values)]
             else:
-                values = jagged[f].values.to(torch.int64).numpy()
+                values = jagged[f].values().to(torch.int64).numpy()
             con.register("recpipe_chunk", pa.table({"v": values}))
             try:
                 con.execute(f"INSERT INTO recpipe_fed_{j} SELECT v FROM recpipe_chunk")

@@ -275,22 +275,22 @@ class Pipeline:
         return dense
 
     def _apply_kjt(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        touched = [k for k in kjt.keys if k in self._sparse]
+        touched = [k for k in kjt.keys() if k in self._sparse]
         if not touched:
             return kjt
         features = kjt.to_dict()
         for key in touched:
             jt = features[key]
-            values, offsets = self.apply_jagged(key, jt.values, jt.offsets)
+            values, offsets = self.apply_jagged(key, jt.values(), jt.offsets())
             features[key] = JaggedTensor(values, offsets, validate=False)
-        return KeyedJaggedTensor.from_jagged_dict(features, stride=kjt.stride)
+        return KeyedJaggedTensor.from_jagged_dict(features, stride=kjt.stride())
 
     def _apply_partial(
         self, name: str, group: PartialInverseKeyedJaggedTensor
     ) -> PartialInverseKeyedJaggedTensor:
         """Run each key's steps once on the packed ids its windows read (element-wise steps only:
         a step that changes lengths cannot run on ids shared by several rows)."""
-        for key in group.keys:
+        for key in group.keys():
             steps = self._sparse.get(key, ())
             for step in steps:
                 if not step.elementwise:
@@ -316,7 +316,7 @@ class Pipeline:
             return batch
         ikjts = {}
         for name, group in batch.ikjts.items():
-            if not any(k in self._sparse for k in group.keys):
+            if not any(k in self._sparse for k in group.keys()):
                 ikjts[name] = group
                 continue
             if isinstance(group, PartialInverseKeyedJaggedTensor):

@@ -87,10 +87,10 @@ class Batch:
         if not isinstance(self.kjt, KeyedJaggedTensor):
             msg = f"`kjt` must be a KeyedJaggedTensor, got {type(self.kjt).__name__}"
             raise DataError(msg)
-        if self.kjt.keys and self.kjt.stride != b:
-            msg = f"`kjt` has stride {self.kjt.stride} but the batch has {b} rows (`dense`)"
+        if self.kjt.keys() and self.kjt.stride() != b:
+            msg = f"`kjt` has stride {self.kjt.stride()} but the batch has {b} rows (`dense`)"
             raise DataError(msg)
-        seen = {key: "kjt" for key in self.kjt.keys}
+        seen = {key: "kjt" for key in self.kjt.keys()}
         for name, group in self.ikjts.items():
             if not isinstance(group, InverseKeyedJaggedTensor | PartialInverseKeyedJaggedTensor):
                 msg = f"`ikjts[{name!r}]` must be an IKJT, got {type(group).__name__}"
@@ -98,7 +98,7 @@ class Batch:
             if group.batch_size != b:
                 msg = f"`ikjts[{name!r}]` has batch size {group.batch_size}, the batch {b} rows"
                 raise DataError(msg)
-            for key in group.keys:
+            for key in group.keys():
                 if key in seen:
                     msg = f"feature {key!r} is in both `{seen[key]}` and `ikjts[{name!r}]`"
                     raise DataError(msg)
@@ -112,7 +112,7 @@ class Batch:
     @property
     def sparse_keys(self) -> tuple[str, ...]:
         """Every sparse feature: the plain ones, then each group's, in group order."""
-        return self.kjt.keys + tuple(k for group in self.ikjts.values() for k in group.keys)
+        return (*self.kjt.keys(), *(k for group in self.ikjts.values() for k in group.keys()))
 
     def to_plain(self) -> Batch:
         """The same batch without dedup: every group expanded into one KJT (key order as

@@ -109,11 +109,11 @@ class InverseKeyedJaggedTensor(_DedupFields):
 
     def _init(self, unique: KeyedJaggedTensor, inverse: torch.Tensor, *, validate: bool) -> None:
         if validate:
-            if not unique.keys:
+            if not unique.keys():
                 msg = "`keys` of an InverseKeyedJaggedTensor must name at least one key, got []"
                 raise DataError(msg)
             inverse = as_index_tensor(inverse, name="inverse_lookup", device=unique.device)
-            _check_row_indices(inverse, unique.stride, name="inverse_lookup")
+            _check_row_indices(inverse, unique.stride(), name="inverse_lookup")
         self._unique = unique
         self._inverse = inverse
 
@@ -137,13 +137,13 @@ class InverseKeyedJaggedTensor(_DedupFields):
             kjt: the batch, B rows per key.
             keys: the group; rows are merged only when all of these lists are equal.
         """
-        group = kjt.select(kjt.keys if keys is None else keys)
-        if not group.keys:
+        group = kjt.select(kjt.keys() if keys is None else keys)
+        if not group.keys():
             msg = "`keys` must name at least one key of the group, got []"
             raise DataError(msg)
         features = group.to_dict()
         unique_rows, inverse = dedup_rows(
-            [jt.values for jt in features.values()], [jt.offsets for jt in features.values()]
+            [jt.values() for jt in features.values()], [jt.offsets() for jt in features.values()]
         )
         unique = group.index_select(unique_rows, validate=False)
         return cls.from_unique(unique, inverse, validate=False)
@@ -156,7 +156,7 @@ class InverseKeyedJaggedTensor(_DedupFields):
         """
         _check_group(features)
         jts = list(features.values())
-        unique_rows, inverse = dedup_rows([jt.values for jt in jts], [jt.offsets for jt in jts])
+        unique_rows, inverse = dedup_rows([jt.values() for jt in jts], [jt.offsets() for jt in jts])
         unique = KeyedJaggedTensor.from_jagged_dict(
             {key: jt.index_select(unique_rows, validate=False) for key, jt in features.items()},
             stride=unique_rows.numel(),
@@ -186,26 +186,22 @@ class InverseKeyedJaggedTensor(_DedupFields):
         keys, values, offsets = arrow_list_arrays(columns)
         return cls.from_arrays(keys, values, offsets, validate=validate)
 
-    # -- fields --------------------------------------------------------------------------------
-    @property
-    def keys(self) -> tuple[str, ...]:
+    # -- fields (methods where TorchRec's KJT has a method of that name) -----------------------
+    def keys(self) -> list[str]:
         """The group's feature names."""
-        return self._unique.keys
+        return self._unique.keys()
 
-    @property
     def values(self) -> torch.Tensor:
         """Values of the unique rows, key-major."""
-        return self._unique.values
+        return self._unique.values()
 
-    @property
     def lengths(self) -> torch.Tensor:
         """``[len(keys) * U]`` lengths of the unique rows, key-major."""
-        return self._unique.lengths
+        return self._unique.lengths()
 
-    @property
     def offsets(self) -> torch.Tensor:
         """``[len(keys) * U + 1]`` offsets of the unique rows."""
-        return self._unique.offsets
+        return self._unique.offsets()
 
     @property
     def inverse_lookup(self) -> torch.Tensor:
@@ -225,14 +221,14 @@ class InverseKeyedJaggedTensor(_DedupFields):
     @property
     def num_unique(self) -> int:
         """Unique rows, U."""
-        return self._unique.stride
+        return self._unique.stride()
 
     @property
     def num_expanded_values(self) -> int:
         """Values of the expanded batch (what :meth:`to_kjt` would hold)."""
         if self.num_unique == 0:
             return 0
-        row_totals = self.lengths.view(len(self.keys), self.num_unique).sum(0)  # (U,)
+        row_totals = self.lengths().view(len(self.keys()), self.num_unique).sum(0)  # (U,)
         return int(row_totals[self._inverse].sum())
 
     # -- operations ----------------------------------------------------------------------------
@@ -306,9 +302,9 @@ class InverseKeyedJaggedTensor(_DedupFields):
 
     def __repr__(self) -> str:
         return (
-            f"InverseKeyedJaggedTensor(keys={list(self.keys)!r}, batch_size={self.batch_size}, "
-            f"num_unique={self.num_unique}, values={quote(self.values)}, "
-            f"lengths={quote(self.lengths)}, inverse_lookup={quote(self._inverse)})"
+            f"InverseKeyedJaggedTensor(keys={self.keys()!r}, batch_size={self.batch_size}, "
+            f"num_unique={self.num_unique}, values={quote(self.values())}, "
+            f"lengths={quote(self.lengths())}, inverse_lookup={quote(self._inverse)})"
         )
 
 
@@ -382,7 +378,7 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         packed, win_offsets, win_lengths = [], [], []
         base = 0
         for jt in features.values():
-            vals, offs, lens = partial_dedup(jt.values, jt.offsets)
+            vals, offs, lens = partial_dedup(jt.values(), jt.offsets())
             packed.append(vals)
             win_offsets.append(offs + base if base else offs)
             win_lengths.append(lens)
@@ -400,7 +396,7 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         cls, kjt: KeyedJaggedTensor, keys: Sequence[str] | None = None
     ) -> PartialInverseKeyedJaggedTensor:
         """Pack the features ``keys`` (all by default) of ``kjt``."""
-        return cls.from_jagged(kjt.select(kjt.keys if keys is None else keys).to_dict())
+        return cls.from_jagged(kjt.select(kjt.keys() if keys is None else keys).to_dict())
 
     @classmethod
     def from_arrays(
@@ -422,13 +418,11 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         keys, values, offsets = arrow_list_arrays(columns)
         return cls.from_arrays(keys, values, offsets, validate=validate)
 
-    # -- fields --------------------------------------------------------------------------------
-    @property
-    def keys(self) -> tuple[str, ...]:
+    # -- fields (methods where TorchRec's KJT has a method of that name) -----------------------
+    def keys(self) -> list[str]:
         """Feature names."""
-        return self._keys
+        return list(self._keys)
 
-    @property
     def values(self) -> torch.Tensor:
         """``[P]`` packed values."""
         return self._values

@@ -2,7 +2,12 @@
 
 Both are small value classes in the layout of TorchRec's ``sparse/jagged_tensor.py``: a flat
 ``values`` tensor and per-row ``lengths``/``offsets``, named constructors, derived fields computed
-once when missing, exact ``equals``, and ``to(device)``/``pin_memory()``. The row gathers run in
+once when missing, exact ``equals``, and ``to(device)``/``pin_memory()``. The fields TorchRec
+reads through methods are methods here too, with TorchRec's names and return types
+(``kjt.values()``, ``kjt.keys()`` a list, ``kjt.lengths()``, ``kjt.offsets()``, ``kjt.stride()``,
+``kjt.length_per_key()``, ``kjt.offset_per_key()``, ``jt.values()``, ...), so code written for
+TorchRec runs unchanged on a recpipe batch; recpipe's own fields (``batch_size``,
+``num_values``, ``device``, ``dtype``) are properties. The row gathers run in
 :func:`recpipe.kernels.jagged_index_select` (autograd-aware); nothing here loops over rows.
 
 The deduplicated forms live in :mod:`recpipe.ikjt`; conversion to and from TorchRec in
@@ -83,32 +88,53 @@ def _check_values(values: Any, *, name: str = "values") -> torch.Tensor:
 
 
 class _ValuesFields:
-    """``num_values``/``device``/``dtype`` of a type whose ``values`` property is its storage."""
+    """``num_values``/``device``/``dtype`` of a type whose ``values()`` is its storage."""
 
     __slots__ = ()
 
     if TYPE_CHECKING:
 
-        @property
         def values(self) -> torch.Tensor: ...
 
     @property
     def num_values(self) -> int:
-        """Number of stored values (the first dimension of ``values``)."""
-        return self.values.shape[0]
+        """Number of stored values (the first dimension of ``values()``)."""
+        return self.values().shape[0]
 
     @property
     def device(self) -> torch.device:
         """Device of the values."""
-        return self.values.device
+        return self.values().device
 
     @property
     def dtype(self) -> torch.dtype:
         """Dtype of the values."""
-        return self.values.dtype
+        return self.values().dtype
 
 
-class JaggedTensor(_ValuesFields):
+class _NoWeights:
+    """TorchRec's weight accessors on a type that has no weights (recpipe's jagged types)."""
+
+    __slots__ = ()
+
+    def weights_or_none(self) -> None:
+        """``None``: recpipe's jagged types carry no per-value weights (TorchRec's accessor)."""
+        return None
+
+    def weights(self) -> torch.Tensor:
+        """TorchRec's accessor; always raises, as recpipe's jagged types carry no weights.
+
+        Raises:
+            DataError: always.
+        """
+        msg = (
+            f"a recpipe {type(self).__name__} has no weights; "
+            "hint: check `weights_or_none()` first, as for an unweighted TorchRec tensor"
+        )
+        raise DataError(msg)
+
+
+class JaggedTensor(_ValuesFields, _NoWeights):
     """One jagged feature: B rows of variable length over a flat ``values`` tensor.
 
     Row ``i`` is ``values[offsets[i]:offsets[i + 1]]``; ``lengths`` are derived (once) from the
@@ -206,22 +232,27 @@ class JaggedTensor(_ValuesFields):
             values = values.to(dtype)
         return cls.from_lengths(values, lengths.to(values.device))
 
-    # -- fields --------------------------------------------------------------------------------
-    @property
+    # -- fields (TorchRec's accessor methods) --------------------------------------------------
     def values(self) -> torch.Tensor:
         """``[N]`` or ``[N, D]`` values of all rows, back to back."""
         return self._values
 
-    @property
     def offsets(self) -> torch.Tensor:
         """``[B + 1]`` int64 row boundaries."""
         return self._offsets
 
-    @property
     def lengths(self) -> torch.Tensor:
-        """``[B]`` int64 row lengths (derived from ``offsets`` on first use, then cached)."""
+        """``[B]`` int64 row lengths (derived from ``offsets()`` on first use, then cached)."""
         if self._lengths is None:
             self._lengths = self._offsets[1:] - self._offsets[:-1]
+        return self._lengths
+
+    def offsets_or_none(self) -> torch.Tensor:
+        """``offsets()``: always stored here (TorchRec's accessor)."""
+        return self._offsets
+
+    def lengths_or_none(self) -> torch.Tensor | None:
+        """The lengths when already known, else ``None`` (TorchRec's accessor)."""
         return self._lengths
 
     @property
@@ -232,7 +263,7 @@ class JaggedTensor(_ValuesFields):
     # -- operations ----------------------------------------------------------------------------
     def to_dense_list(self) -> list[torch.Tensor]:
         """One tensor per row (views into ``values``, no copy)."""
-        return list(torch.split(self._values, self.lengths.tolist()))
+        return list(torch.split(self._values, self.lengths().tolist()))
 
     def index_select(self, indices: torch.Tensor, *, validate: bool = True) -> JaggedTensor:
         """Rows ``indices`` (repeats allowed) as a new JaggedTensor; differentiable in values.
@@ -297,7 +328,7 @@ def _check_row_indices(indices: torch.Tensor, num_rows: int, *, name: str) -> No
         raise DataError(msg)
 
 
-class KeyedJaggedTensor(_ValuesFields):
+class KeyedJaggedTensor(_ValuesFields, _NoWeights):
     """Several jagged features over the same B rows, key-major (TorchRec's KJT layout).
 
     ``lengths`` holds ``len(keys) * B`` entries: all B rows of the first key, then all B rows
@@ -446,12 +477,12 @@ class KeyedJaggedTensor(_ValuesFields):
             rows = f"`stride` {stride!r} rows" if stride is not None else "the same number of rows"
             msg = f"every feature must have {rows}, got rows per key {sizes}"
             raise DataError(msg)
-        _check_same_dtype({k: jt.values for k, jt in features.items()})
+        _check_same_dtype({k: jt.values() for k, jt in features.items()})
         if len(jts) == 1:
-            values, lengths = jts[0].values, jts[0].lengths
+            values, lengths = jts[0].values(), jts[0].lengths()
         else:
-            values = torch.cat([jt.values for jt in jts])
-            lengths = torch.cat([jt.lengths for jt in jts])
+            values = torch.cat([jt.values() for jt in jts])
+            lengths = torch.cat([jt.lengths() for jt in jts])
         return cls(keys, values, lengths, stride=jts[0].batch_size, validate=False)
 
     @classmethod
@@ -492,49 +523,60 @@ class KeyedJaggedTensor(_ValuesFields):
         keys, values, offsets = arrow_list_arrays(columns)
         return cls.from_arrays(keys, values, offsets, validate=validate)
 
-    # -- fields --------------------------------------------------------------------------------
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Feature names, in storage order."""
-        return self._keys
+    # -- fields (TorchRec's accessor methods) --------------------------------------------------
+    def keys(self) -> list[str]:
+        """Feature names, in storage order (a new list, as TorchRec's ``keys()``)."""
+        return list(self._keys)
 
-    @property
     def values(self) -> torch.Tensor:
         """``[N]`` (or ``[N, D]``) values of every key, key-major."""
         return self._values
 
-    @property
     def lengths(self) -> torch.Tensor:
         """``[len(keys) * B]`` int64 lengths, key-major."""
         return self._lengths
 
-    @property
     def offsets(self) -> torch.Tensor:
         """``[len(keys) * B + 1]`` int64 offsets (computed once from the lengths)."""
         if self._offsets is None:
             self._offsets = lengths_to_offsets(self._lengths)
         return self._offsets
 
-    @property
+    def lengths_or_none(self) -> torch.Tensor:
+        """``lengths()``: always stored here (TorchRec's accessor)."""
+        return self._lengths
+
+    def offsets_or_none(self) -> torch.Tensor | None:
+        """The offsets when already computed, else ``None`` (TorchRec's accessor)."""
+        return self._offsets
+
     def stride(self) -> int:
         """Rows per key, B."""
         return self._stride
 
-    batch_size = stride
+    def stride_per_key(self) -> list[int]:
+        """B for every key: one stride for all keys (TorchRec's accessor)."""
+        return [self._stride] * len(self._keys)
+
+    def variable_stride_per_key(self) -> bool:
+        """``False``: every key has B rows (TorchRec's accessor)."""
+        return False
 
     @property
+    def batch_size(self) -> int:
+        """Rows per key, B (the same as ``stride()``)."""
+        return self._stride
+
     def offset_per_key(self) -> list[int]:
-        """Where each key's values start in ``values``, plus the end (``len(keys) + 1``)."""
+        """Where each key's values start in ``values()``, plus the end (``len(keys) + 1``)."""
         if self._offset_per_key is None:
             bounds = torch.arange(len(self._keys) + 1, device=self.device) * self._stride
-            self._offset_per_key = self.offsets[bounds].tolist()
+            self._offset_per_key = self.offsets()[bounds].tolist()
         return self._offset_per_key
 
-    @property
     def length_per_key(self) -> list[int]:
         """Number of values of each key."""
-        opk = self.offset_per_key
-        return [b - a for a, b in itertools.pairwise(opk)]
+        return [b - a for a, b in itertools.pairwise(self.offset_per_key())]
 
     # -- per key -------------------------------------------------------------------------------
     def key_index(self, key: str) -> int:
@@ -549,9 +591,10 @@ class KeyedJaggedTensor(_ValuesFields):
         """The B rows of ``key`` as a JaggedTensor (views of ``values``; offsets rebased)."""
         k = self.key_index(key)
         b = self._stride
-        start, end = self.offset_per_key[k], self.offset_per_key[k + 1]
+        opk = self.offset_per_key()
+        start, end = opk[k], opk[k + 1]
         lengths = self._lengths[k * b : (k + 1) * b]
-        offsets = self.offsets[k * b : (k + 1) * b + 1] - start
+        offsets = self.offsets()[k * b : (k + 1) * b + 1] - start
         return JaggedTensor(self._values[start:end], offsets, lengths=lengths, validate=False)
 
     def __contains__(self, key: object) -> bool:
@@ -570,7 +613,7 @@ class KeyedJaggedTensor(_ValuesFields):
         idx = [self.key_index(key) for key in keys]
         b = self._stride
         if idx and idx == list(range(idx[0], idx[0] + len(idx))):
-            opk = self.offset_per_key
+            opk = self.offset_per_key()
             values = self._values[opk[idx[0]] : opk[idx[-1] + 1]]
             lengths = self._lengths[idx[0] * b : (idx[-1] + 1) * b]
             return KeyedJaggedTensor(keys, values, lengths, stride=b, validate=False)
@@ -587,20 +630,20 @@ class KeyedJaggedTensor(_ValuesFields):
         if not kjts:
             msg = "`kjts` must hold at least one KeyedJaggedTensor, got []"
             raise DataError(msg)
-        strides = sorted({k.stride for k in kjts if k.keys})
+        strides = sorted({k.stride() for k in kjts if k.keys()})
         if len(strides) > 1:
             msg = f"`kjts` must share one stride, got strides {strides}"
             raise DataError(msg)
-        keys = tuple(key for k in kjts for key in k.keys)
+        keys = tuple(key for k in kjts for key in k.keys())
         _check_keys(keys)
-        parts = [k for k in kjts if k.keys]
+        parts = [k for k in kjts if k.keys()]
         if not parts:
             return kjts[0]
         if len(parts) == 1:
             return parts[0]
-        _check_same_dtype({",".join(k.keys): k.values for k in parts})
-        values = torch.cat([k.values for k in parts])
-        lengths = torch.cat([k.lengths for k in parts])
+        _check_same_dtype({",".join(k.keys()): k.values() for k in parts})
+        values = torch.cat([k.values() for k in parts])
+        lengths = torch.cat([k.lengths() for k in parts])
         return KeyedJaggedTensor(keys, values, lengths, stride=strides[0], validate=False)
 
     # -- whole-batch operations ----------------------------------------------------------------
@@ -619,7 +662,7 @@ class KeyedJaggedTensor(_ValuesFields):
             _check_row_indices(rows, self._stride, name="rows")
         starts = torch.arange(len(self._keys), device=self.device) * self._stride
         indices = (starts[:, None] + rows[None, :]).reshape(-1)  # (K * M,)
-        values, offsets = jagged_index_select(self._values, self.offsets, indices)
+        values, offsets = jagged_index_select(self._values, self.offsets(), indices)
         lengths = offsets[1:] - offsets[:-1]
         return KeyedJaggedTensor(
             self._keys, values, lengths, offsets=offsets, stride=rows.numel(), validate=False

@@ -63,11 +63,11 @@ def _sparse() -> ModuleType:
 def to_torchrec(kjt: KeyedJaggedTensor) -> Any:
     """A TorchRec ``KeyedJaggedTensor`` sharing ``kjt``'s values, lengths and offsets."""
     return _sparse().KeyedJaggedTensor(
-        keys=list(kjt.keys),
-        values=kjt.values,
-        lengths=kjt.lengths,
-        offsets=kjt.offsets,
-        stride=kjt.stride,
+        keys=kjt.keys(),
+        values=kjt.values(),
+        lengths=kjt.lengths(),
+        offsets=kjt.offsets(),
+        stride=kjt.stride(),
     )
 
 
@@ -104,7 +104,7 @@ def from_torchrec(kjt: Any, *, validate: bool = True) -> KeyedJaggedTensor:
 
 def jagged_to_torchrec(jt: JaggedTensor) -> Any:
     """A TorchRec ``JaggedTensor`` sharing ``jt``'s values and offsets."""
-    return _sparse().JaggedTensor(values=jt.values, offsets=jt.offsets)
+    return _sparse().JaggedTensor(values=jt.values(), offsets=jt.offsets())
 
 
 def jagged_from_torchrec(jt: Any, *, validate: bool = True) -> JaggedTensor:
@@ -124,13 +124,13 @@ def ikjt_to_torchrec(ikjt: InverseKeyedJaggedTensor) -> Any:
     if isinstance(ikjt, PartialInverseKeyedJaggedTensor):
         msg = "TorchRec cannot express a partial IKJT (overlapping windows); pass `ikjt.to_kjt()`"
         raise DataError(msg)
-    keys = list(ikjt.keys)
+    keys = ikjt.keys()
     inverse = ikjt.inverse_lookup.unsqueeze(0).expand(len(keys), -1)  # (K, B), a view
     return _sparse().KeyedJaggedTensor(
         keys=keys,
-        values=ikjt.values,
-        lengths=ikjt.lengths,
-        offsets=ikjt.offsets,
+        values=ikjt.values(),
+        lengths=ikjt.lengths(),
+        offsets=ikjt.offsets(),
         stride=ikjt.batch_size,
         stride_per_key_per_rank=[[ikjt.num_unique] for _ in keys],
         inverse_indices=(keys, inverse),

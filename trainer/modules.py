@@ -327,14 +327,14 @@ def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, Fea
         kjt, groups = features.kjt, features.ikjts
     elif isinstance(features, InverseKeyedJaggedTensor | PartialInverseKeyedJaggedTensor):
         kjt = KeyedJaggedTensor.from_jagged_dict({}, stride=features.batch_size)
-        groups = {"+".join(features.keys): features}
+        groups = {"+".join(features.keys()): features}
     else:
         msg = (
             "`features` must be a Batch, a KeyedJaggedTensor or an InverseKeyedJaggedTensor, "
             f"got {type(features).__name__}"
         )
         raise DataError(msg)
-    group_of = {key: name for name, g in groups.items() for key in g.keys}
+    group_of = {key: name for name, g in groups.items() for key in g.keys()}
     expanded: dict[str, KeyedJaggedTensor] = {}
     out = {}
     for key in keys:
@@ -343,7 +343,7 @@ def locate_features(features: SparseInput, keys: Iterable[str]) -> dict[str, Fea
             continue
         name = group_of.get(key)
         if name is None:
-            have = [*kjt.keys, *group_of]
+            have = [*kjt.keys(), *group_of]
             msg = f"sparse feature {key!r} is not in the batch; it holds {have!r}"
             raise DataError(msg)
         group = groups[name]
@@ -420,10 +420,10 @@ def locate_windows(
             if isinstance(g, PartialInverseKeyedJaggedTensor)
         }
     elif isinstance(features, PartialInverseKeyedJaggedTensor):
-        groups = {"+".join(features.keys): features}
+        groups = {"+".join(features.keys()): features}
     else:
         groups = {}
-    group_of = {key: name for name, g in groups.items() for key in g.keys}
+    group_of = {key: name for name, g in groups.items() for key in g.keys()}
     packed, rest = {}, []
     for key in keys:
         name = group_of.get(key)
@@ -519,7 +519,7 @@ class PooledEmbeddings(nn.Module):
                 )  # (B, D): the bags of the expanded rows, gathered from the P packed rows
                 continue
             jt = found[key].jagged
-            pooled = _lookup(table, key, table.pool, jt.values, jt.offsets, mode=mode)  # (R, D)
+            pooled = _lookup(table, key, table.pool, jt.values(), jt.offsets(), mode=mode)  # (R, D)
             out[key] = expand_rows(pooled, found[key].inverse)  # (B, D)
         return out
 
@@ -615,6 +615,6 @@ class SequenceEmbeddings(nn.Module):
                 out[key] = JaggedEmbeddings(values, p.offsets, None, p.group)
                 continue
             jt = found[key].jagged
-            values = _lookup(table, key, table.rows, jt.values)  # (N, D)
-            out[key] = JaggedEmbeddings(values, jt.offsets, found[key].inverse, found[key].group)
+            values = _lookup(table, key, table.rows, jt.values())  # (N, D)
+            out[key] = JaggedEmbeddings(values, jt.offsets(), found[key].inverse, found[key].group)
         return out

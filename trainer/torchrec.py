@@ -251,9 +251,10 @@ class EmbeddingBagCollection(_Collection):
         for table, bag, names in self._tables():
             for name in names:
                 jt = rows[name].jagged
+                offsets = jt.offsets()
                 pooled = checked_lookup(
-                    lambda ids, offsets=jt.offsets, bag=bag: bag(ids, offsets),
-                    jt.values.to(torch.int64),
+                    lambda ids, offsets=offsets, bag=bag: bag(ids, offsets),
+                    jt.values().to(torch.int64),
                     check=_id_check(name, table.name, table.num_embeddings),
                 ).float()  # (R, D)
                 inverse = rows[name].inverse
@@ -410,11 +411,11 @@ class EmbeddingCollection(_Collection):
                 jt = where.jagged
                 values = checked_lookup(
                     lambda ids, emb=emb: emb(ids),
-                    jt.values.to(torch.int64),
+                    jt.values().to(torch.int64),
                     check=_id_check(feature, table.name, table.num_embeddings),
                 ).float()  # (N, D)
-                seq = JaggedEmbeddings(values, jt.offsets, where.inverse, where.group)
-                out.append((name, seq, jt.values if self._need_indices else None))
+                seq = JaggedEmbeddings(values, jt.offsets(), where.inverse, where.group)
+                out.append((name, seq, jt.values() if self._need_indices else None))
         return out
 
     def need_indices(self) -> bool:

@@ -266,20 +266,20 @@ def piece_rows(
         if hasattr(group, "inverse_lookup"):
             groups[name] = group
         else:  # a partial IKJT: its rows expanded
-            kjt = type(kjt).concat([kjt, group.to_kjt()]) if kjt.keys else group.to_kjt()
-    for key in kjt.keys:
+            kjt = type(kjt).concat([kjt, group.to_kjt()]) if kjt.keys() else group.to_kjt()
+    for key in kjt.keys():
         jt = kjt[key]
-        lengths = jt.lengths.numpy()
-        add(key, jt.values.numpy(), piece_of_row[np.repeat(np.arange(lengths.size), lengths)])
+        lengths = jt.lengths().numpy()
+        add(key, jt.values().numpy(), piece_of_row[np.repeat(np.arange(lengths.size), lengths)])
     for group in groups.values():
         inverse = group.inverse_lookup.numpy()
         wanted = piece_of_row >= 0
         pairs = distinct((piece_of_row[wanted] << _SHIFT) | inverse[wanted])
         pieces, uniq = pairs >> _SHIFT, pairs & ((1 << _SHIFT) - 1)
-        for key in group.keys:
+        for key in group.keys():
             jt = group[key]
-            pos, which = _expand_rows(jt.offsets.numpy(), uniq)
-            add(key, jt.values.numpy()[pos], pieces[which])
+            pos, which = _expand_rows(jt.offsets().numpy(), uniq)
+            add(key, jt.values().numpy()[pos], pieces[which])
     missing = sorted(set(tables.features) - found)
     if missing:
         msg = f"the batch has no feature(s) {missing!r} that the tables read"

@@ -475,27 +475,27 @@ def batch_to_frame(
     _put(tensors, widen, "labels", batch.labels, narrow)
     if batch.session_ids is not None:
         _put(tensors, widen, "session_ids", batch.session_ids, narrow)
-    _put(tensors, widen, "kjt.values", batch.kjt.values, narrow)
-    _put(tensors, widen, "kjt.lengths", batch.kjt.lengths, narrow)
+    _put(tensors, widen, "kjt.values", batch.kjt.values(), narrow)
+    _put(tensors, widen, "kjt.lengths", batch.kjt.lengths(), narrow)
     groups = []
     for i, (name, group) in enumerate(batch.ikjts.items()):
         prefix = f"g{i}."
-        _put(tensors, widen, prefix + "values", group.values, narrow)
+        _put(tensors, widen, prefix + "values", group.values(), narrow)
         if isinstance(group, InverseKeyedJaggedTensor):
             kind = "ikjt"
-            _put(tensors, widen, prefix + "lengths", group.lengths, narrow)
+            _put(tensors, widen, prefix + "lengths", group.lengths(), narrow)
             _put(tensors, widen, prefix + "inverse", group.inverse_lookup, narrow)
         else:
             kind = "partial"
             _put(tensors, widen, prefix + "win_offsets", group.window_offsets, narrow)
             _put(tensors, widen, prefix + "win_lengths", group.window_lengths, narrow)
-        groups.append({"name": name, "kind": kind, "keys": list(group.keys)})
+        groups.append({"name": name, "kind": kind, "keys": group.keys()})
     for i, tensor in enumerate(batch.extras.values()):
         _put(tensors, widen, f"x{i}", tensor, narrow)
     header = {
         **dict(meta or {}),
         "rows": batch.batch_size,
-        "kjt": {"keys": list(batch.kjt.keys), "stride": batch.kjt.stride},
+        "kjt": {"keys": batch.kjt.keys(), "stride": batch.kjt.stride()},
         "groups": groups,
         "widen": widen,
     }

@@ -145,7 +145,7 @@ def session_batch(
     dense = torch.from_numpy(rng.normal(size=(batch_size, len(schema.dense))).astype(np.float32))
     if label_signal:
         item_f = next(s.name for s in schema.sparse if s.kind == "item" and s.max_len == 1)
-        item = features[item_f].values.numpy()
+        item = features[item_f].values().numpy()
         logit = ((item % 7) - 3.0) * 0.8 + dense[:, 0].numpy()
         p = 1.0 / (1.0 + np.exp(-logit))
         labels = torch.from_numpy((rng.random(batch_size) < p).astype(np.float32))

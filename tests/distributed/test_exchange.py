@@ -329,9 +329,9 @@ def test_concat_batches_keeps_every_row(dist_dataset):
     assert torch.equal(both.dense, torch.cat([p.dense for p in parts]))
     assert torch.equal(both.labels, torch.cat([p.labels for p in parts]))
     plain, want = both.to_plain().kjt, [p.to_plain().kjt for p in parts]
-    for key in plain.keys:
-        assert torch.equal(plain[key].values, torch.cat([w[key].values for w in want]))
-        assert torch.equal(plain[key].lengths, torch.cat([w[key].lengths for w in want]))
+    for key in plain.keys():
+        assert torch.equal(plain[key].values(), torch.cat([w[key].values() for w in want]))
+        assert torch.equal(plain[key].lengths(), torch.cat([w[key].lengths() for w in want]))
     streams = [_batches(dist_dataset, world=2, rank=r, count=2) for r in range(2)]
     glued = list(global_batches(streams))
     assert len(glued) == 2 and glued[1].batch_size == 2 * streams[0][1].batch_size

@@ -179,8 +179,8 @@ def test_preprocessing_in_workers(make_dataset, tiny_schema, tmp_path):
     ]
     loader = make_dataloader(root, schema=tiny_schema, config=CFG, transforms=config, num_workers=2)
     for batch in loader:
-        assert int(batch.kjt["item_id"].values.max()) < 7
-        assert int(batch.ikjts["user_items+user_sellers"]["user_items"].lengths.max()) <= 2
+        assert int(batch.kjt["item_id"].values().max()) < 7
+        assert int(batch.ikjts["user_items+user_sellers"]["user_items"].lengths().max()) <= 2
     # the same pipeline given as Transform objects or as a TOML file
     from readers.pipeline import transform_from_config
 

@@ -234,7 +234,7 @@ def test_a_fitted_step_is_fitted_on_what_the_earlier_steps_hand_it(fitted, tmp_p
         root, config=ReaderConfig(batch_size=256), transforms=config, fitted=tmp_path / "chain.json"
     )
     size = len(vocab["item_id"]["vocab"])
-    assert all(int(b.kjt.to_dict()["item_id"].values.max()) < size for b in loader)
+    assert all(int(b.kjt.to_dict()["item_id"].values().max()) < size for b in loader)
 
 
 # -------------------------------------------------------------------------------------------

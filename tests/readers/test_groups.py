@@ -72,7 +72,7 @@ def test_loader_reads_any_groups_without_a_rebuild(regrouped, tmp_path):
             assert sorted(got.ikjts) == sorted(want.ikjts) == names
             for name in want.ikjts:
                 assert got.ikjts[name].to_kjt().equals(want.ikjts[name].to_kjt())
-            assert got.kjt.keys == want.kjt.keys
+            assert got.kjt.keys() == want.kjt.keys()
     listed = make_dataloader(bare, config=config, dedup_groups=proposed)  # groups, no partial
     assert listed.dataset.schema.dedup_groups == proposed
     assert listed.dataset.schema.dedup_partial == ()
@@ -98,8 +98,8 @@ def test_no_group_dedup_on_is_the_plain_path(regrouped, monkeypatch):
     assert len(on) == len(off) > 1
     for a, b in zip(on, off, strict=True):
         assert a.ikjts == b.ikjts == {}
-        assert a.kjt.keys == b.kjt.keys
-        assert a.kjt.values.equal(b.kjt.values) and a.kjt.lengths.equal(b.kjt.lengths)
+        assert a.kjt.keys() == b.kjt.keys()
+        assert a.kjt.values().equal(b.kjt.values()) and a.kjt.lengths().equal(b.kjt.lengths())
 
 
 def test_stats_reports_the_factor_of_the_groups_a_reader_gets(regrouped, tmp_path):

@@ -42,8 +42,8 @@ def test_to_plain_is_the_batch_without_dedup(batch):
 
 def test_to_moves_every_tensor(batch):
     meta = batch.to("meta", non_blocking=True)
-    tensors = [meta.dense, meta.labels, meta.session_ids, meta.kjt.values, meta.kjt.lengths]
-    tensors += [meta.ikjts["user"].inverse_lookup, meta.ikjts["user"].values]
+    tensors = [meta.dense, meta.labels, meta.session_ids, meta.kjt.values(), meta.kjt.lengths()]
+    tensors += [meta.ikjts["user"].inverse_lookup, meta.ikjts["user"].values()]
     tensors += [meta.ikjts["history"].window_offsets]
     assert {t.device.type for t in tensors} == {"meta"}
     assert batch.to("cpu").equals(batch)

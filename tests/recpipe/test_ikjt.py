@@ -75,7 +75,7 @@ def test_ikjt_expands_to_the_batch_exactly(case):
     assert ikjt.to_kjt().equals(kjt)
     unique, inverse = reference_dedup(rows_per_key)
     assert ikjt.inverse_lookup.tolist() == inverse
-    assert ikjt.num_unique == len(unique) and ikjt.batch_size == kjt.stride
+    assert ikjt.num_unique == len(unique) and ikjt.batch_size == kjt.stride()
     want = kjt_from_rows({k: [rows[u] for u in unique] for k, rows in rows_per_key.items()}, dtype)
     assert ikjt.unique.equals(want)
     stored = want.num_values
@@ -83,8 +83,8 @@ def test_ikjt_expands_to_the_batch_exactly(case):
     assert ikjt.num_expanded_values == kjt.num_values
     arrays = InverseKeyedJaggedTensor.from_arrays(
         list(rows_per_key),
-        [kjt[k].values.numpy() for k in kjt.keys],
-        [kjt[k].offsets.numpy() for k in kjt.keys],
+        [kjt[k].values().numpy() for k in kjt.keys()],
+        [kjt[k].offsets().numpy() for k in kjt.keys()],
     )
     assert arrays.equals(ikjt)
 
@@ -92,9 +92,9 @@ def test_ikjt_expands_to_the_batch_exactly(case):
 def test_ikjt_layout_matches_docstring():
     rows = {"liked_items": [[7, 3], [7, 3], [7, 3], [5]], "liked_sellers": [[1], [1], [2], [2]]}
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(rows))
-    assert ikjt.keys == ("liked_items", "liked_sellers")
-    assert ikjt.values.tolist() == [7, 3, 7, 3, 5, 1, 2, 2]
-    assert ikjt.lengths.tolist() == [2, 2, 1, 1, 1, 1]
+    assert ikjt.keys() == ["liked_items", "liked_sellers"]
+    assert ikjt.values().tolist() == [7, 3, 7, 3, 5, 1, 2, 2]
+    assert ikjt.lengths().tolist() == [2, 2, 1, 1, 1, 1]
     assert ikjt.inverse_lookup.tolist() == [0, 0, 1, 2]
     assert ikjt.dedup_factor == 11 / 8
     assert [r.tolist() for r in ikjt["liked_sellers"].to_dense_list()] == [[1], [2], [2]]
@@ -107,7 +107,7 @@ def test_out_of_step_rows_are_not_merged():
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(rows))
     assert ikjt.num_unique == 3 and ikjt.dedup_factor == 1.0
     only_a = InverseKeyedJaggedTensor.from_kjt(kjt_from_rows(rows), keys=["a"])
-    assert only_a.num_unique == 2 and only_a.keys == ("a",)
+    assert only_a.num_unique == 2 and only_a.keys() == ["a"]
 
 
 def test_ikjt_edge_cases():
@@ -129,15 +129,15 @@ def test_ikjt_map_keeps_the_inverse_and_commutes_with_expansion():
     assert hashed.to_kjt().equals(kjt.map_values(lambda v: v % 7))
 
     def truncate(jt: JaggedTensor) -> JaggedTensor:  # keep the first two ids of each row
-        keep = torch.clamp(jt.lengths, max=2)
+        keep = torch.clamp(jt.lengths(), max=2)
         out = JaggedTensor.from_lengths(torch.empty(int(keep.sum()), dtype=jt.dtype), keep)
         rows = torch.repeat_interleave(torch.arange(jt.batch_size), keep)
-        src = jt.offsets[rows] + torch.arange(out.num_values) - out.offsets[rows]
-        return JaggedTensor.from_lengths(jt.values[src], keep)
+        src = jt.offsets()[rows] + torch.arange(out.num_values) - out.offsets()[rows]
+        return JaggedTensor.from_lengths(jt.values()[src], keep)
 
     cut = ikjt.map_jagged(truncate, keys=["a"])
     assert cut.to_kjt().equals(kjt.map_jagged(truncate, keys=["a"]))
-    assert cut.to_kjt()["a"].lengths.tolist() == [2, 2, 1]
+    assert cut.to_kjt()["a"].lengths().tolist() == [2, 2, 1]
 
 
 def test_ikjt_to_kjt_gradient_accumulates_over_duplicates():
@@ -145,7 +145,7 @@ def test_ikjt_to_kjt_gradient_accumulates_over_duplicates():
     ikjt = InverseKeyedJaggedTensor(
         ["seq"], values, torch.tensor([2, 1]), torch.tensor([0, 1, 0, 0])
     )
-    ikjt.to_kjt().values.sum().backward()
+    ikjt.to_kjt().values().sum().backward()
     assert values.grad[:, 0].tolist() == [3.0, 3.0, 1.0]
 
 
@@ -158,7 +158,7 @@ def test_ikjt_equals_to_and_pin_memory():
     )
     assert not ikjt.equals(other) and other.to_kjt().equals(ikjt.to_kjt())
     meta = ikjt.to("meta")
-    assert meta.inverse_lookup.device.type == "meta" and meta.values.device.type == "meta"
+    assert meta.inverse_lookup.device.type == "meta" and meta.values().device.type == "meta"
     assert ikjt.to("cpu") is ikjt and ikjt.pin_memory().equals(ikjt)
 
 
@@ -189,7 +189,7 @@ def test_ikjt_errors():
 def test_partial_layout_matches_docstring():
     kjt = kjt_from_rows({"history": [[1, 2, 3], [1, 2, 3], [2, 3, 4], [8]]})
     p = PartialInverseKeyedJaggedTensor.from_kjt(kjt)
-    assert p.values.tolist() == [1, 2, 3, 4, 8]
+    assert p.values().tolist() == [1, 2, 3, 4, 8]
     assert p.window_offsets.tolist() == [0, 0, 1, 4]
     assert p.window_lengths.tolist() == [3, 3, 3, 1]
     assert p.dedup_factor == 2.0 and p.batch_size == 4
@@ -227,14 +227,14 @@ def test_partial_ikjt_expands_exactly(case):
     assert p.num_values <= kjt.num_values
     assert p.dedup_factor == pytest.approx(kjt.num_values / p.num_values if p.num_values else 1.0)
     same = PartialInverseKeyedJaggedTensor.from_arrays(
-        list(kjt.keys), [kjt[k].values for k in kjt.keys], [kjt[k].offsets for k in kjt.keys]
+        kjt.keys(), [kjt[k].values() for k in kjt.keys()], [kjt[k].offsets() for k in kjt.keys()]
     )
     assert same.equals(p)
 
 
 def test_partial_ikjt_to_pin_and_errors():
     p = PartialInverseKeyedJaggedTensor.from_kjt(kjt_from_rows({"h": [[1, 2], [2, 3]]}))
-    assert p.to("meta").values.device.type == "meta" and p.pin_memory().equals(p)
+    assert p.to("meta").values().device.type == "meta" and p.pin_memory().equals(p)
     with pytest.raises(DataError, match=r"window 1 .* outside the 3 values"):
         PartialInverseKeyedJaggedTensor(
             ["h"], torch.arange(3), torch.tensor([0, 2]), torch.tensor([2, 2])

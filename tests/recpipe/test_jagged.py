@@ -21,8 +21,8 @@ ROWS = [[7, 3], [], [5], [9, 9, 1]]
 
 def test_jagged_layout_matches_docstring():
     jt = JaggedTensor.from_lengths(torch.tensor([7, 3, 5, 9, 9, 1]), torch.tensor([2, 0, 1, 3]))
-    assert jt.offsets.tolist() == [0, 2, 2, 3, 6]
-    assert jt.offsets.dtype == torch.int64
+    assert jt.offsets().tolist() == [0, 2, 2, 3, 6]
+    assert jt.offsets().dtype == torch.int64
     assert jt.batch_size == 4 and jt.num_values == 6
     assert [r.tolist() for r in jt.to_dense_list()] == ROWS
 
@@ -31,8 +31,8 @@ def test_jagged_constructors_agree():
     a = JaggedTensor.from_dense_list([torch.tensor(r, dtype=torch.int64) for r in ROWS])
     b = JaggedTensor.from_offsets(torch.tensor([7, 3, 5, 9, 9, 1]), torch.tensor([0, 2, 2, 3, 6]))
     assert a.equals(b)
-    assert a.lengths.tolist() == [2, 0, 1, 3]
-    assert not a.equals(JaggedTensor.from_offsets(b.values.to(torch.int32), b.offsets))
+    assert a.lengths().tolist() == [2, 0, 1, 3]
+    assert not a.equals(JaggedTensor.from_offsets(b.values().to(torch.int32), b.offsets()))
 
 
 def test_jagged_empty_and_2d():
@@ -41,14 +41,14 @@ def test_jagged_empty_and_2d():
     vals = torch.arange(12, dtype=torch.float32).reshape(6, 2)
     jt = JaggedTensor.from_lengths(vals, torch.tensor([2, 0, 1, 3]))
     out = jt.index_select(torch.tensor([3, 1, 0]))
-    assert out.offsets.tolist() == [0, 3, 3, 5]
-    assert torch.equal(out.values, torch.cat([vals[3:6], vals[0:2]]))
+    assert out.offsets().tolist() == [0, 3, 3, 5]
+    assert torch.equal(out.values(), torch.cat([vals[3:6], vals[0:2]]))
 
 
 def test_jagged_index_select_is_differentiable():
     vals = torch.ones(6, 3, requires_grad=True)
     jt = JaggedTensor.from_lengths(vals, torch.tensor([2, 0, 1, 3]))
-    jt.index_select(torch.tensor([0, 0, 2])).values.sum().backward()
+    jt.index_select(torch.tensor([0, 0, 2])).values().sum().backward()
     assert vals.grad[:, 0].tolist() == [2, 2, 1, 0, 0, 0]
 
 
@@ -82,7 +82,7 @@ def test_jagged_to_and_pin_memory():
     jt = JaggedTensor.from_lengths(torch.arange(3), torch.tensor([1, 2]))
     assert jt.to("cpu") is jt
     meta = jt.to("meta")
-    assert meta.device.type == "meta" and meta.offsets.device.type == "meta"
+    assert meta.device.type == "meta" and meta.offsets().device.type == "meta"
     assert jt.pin_memory().equals(jt)
 
 
@@ -91,42 +91,42 @@ def test_jagged_to_and_pin_memory():
 
 def test_kjt_layout_matches_docstring():
     kjt = kjt_from_rows({"user_items": [[7, 3], [], [5]], "item_id": [[9], [9], [1, 4]]})
-    assert kjt.keys == ("user_items", "item_id")
-    assert kjt.stride == kjt.batch_size == 3
-    assert kjt.values.tolist() == [7, 3, 5, 9, 9, 1, 4]
-    assert kjt.lengths.tolist() == [2, 0, 1, 1, 1, 2]
-    assert kjt.offsets.tolist() == [0, 2, 2, 3, 4, 5, 7]
-    assert kjt.offset_per_key == [0, 3, 7] and kjt.length_per_key == [3, 4]
+    assert kjt.keys() == ["user_items", "item_id"]
+    assert kjt.stride() == kjt.batch_size == 3
+    assert kjt.values().tolist() == [7, 3, 5, 9, 9, 1, 4]
+    assert kjt.lengths().tolist() == [2, 0, 1, 1, 1, 2]
+    assert kjt.offsets().tolist() == [0, 2, 2, 3, 4, 5, 7]
+    assert kjt.offset_per_key() == [0, 3, 7] and kjt.length_per_key() == [3, 4]
     item = kjt["item_id"]
-    assert item.offsets.tolist() == [0, 1, 2, 4]
+    assert item.offsets().tolist() == [0, 1, 2, 4]
     assert [r.tolist() for r in item.to_dense_list()] == [[9], [9], [1, 4]]
     assert "item_id" in kjt and "nope" not in kjt
 
 
 def test_kjt_constructors_agree():
     kjt = kjt_from_rows({"a": [[1], [2, 3]], "b": [[], [4]]})
-    by_offsets = KeyedJaggedTensor.from_offsets(["a", "b"], kjt.values, kjt.offsets)
+    by_offsets = KeyedJaggedTensor.from_offsets(["a", "b"], kjt.values(), kjt.offsets())
     by_dict = KeyedJaggedTensor.from_jagged_dict(kjt.to_dict())
     assert kjt.equals(by_offsets) and kjt.equals(by_dict)
-    assert KeyedJaggedTensor.from_lengths(["a", "b"], kjt.values, kjt.lengths).equals(kjt)
+    assert KeyedJaggedTensor.from_lengths(["a", "b"], kjt.values(), kjt.lengths()).equals(kjt)
 
 
 def test_kjt_from_arrays_shares_numpy_memory_for_one_key():
     values = np.arange(10, dtype=np.int64)
     offsets = np.array([2, 5, 5, 9])  # a sliced Arrow column: offsets do not start at 0
     kjt = KeyedJaggedTensor.from_arrays(["x"], [values], [offsets])
-    assert kjt.values.tolist() == [2, 3, 4, 5, 6, 7, 8]
-    assert kjt.lengths.tolist() == [3, 0, 4]
+    assert kjt.values().tolist() == [2, 3, 4, 5, 6, 7, 8]
+    assert kjt.lengths().tolist() == [3, 0, 4]
     values[3] = 33
-    assert kjt.values[1].item() == 33  # same memory
+    assert kjt.values()[1].item() == 33  # same memory
 
 
 def test_kjt_from_arrow_slices_nulls_and_chunks():
     col = pa.array([[1, 2], None, [3], [4, 5, 6]], type=pa.list_(pa.int64())).slice(1)
     big = pa.chunked_array([pa.array([[1], [2]], type=pa.large_list(pa.int32()))] * 1)
     kjt = KeyedJaggedTensor.from_arrow({"x": col, "y": pa.array([[7], [], [8, 9]])})
-    assert kjt.lengths.tolist() == [0, 1, 3, 1, 0, 2]
-    assert kjt.values.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert kjt.lengths().tolist() == [0, 1, 3, 1, 0, 2]
+    assert kjt.values().tolist() == [3, 4, 5, 6, 7, 8, 9]
     assert KeyedJaggedTensor.from_arrow({"y": big}).dtype == torch.int32
     with pytest.raises(DataError, match="null ids"):
         KeyedJaggedTensor.from_arrow({"x": pa.array([[1, None]])})
@@ -137,7 +137,7 @@ def test_kjt_from_arrow_slices_nulls_and_chunks():
 def test_kjt_select_split_concat():
     kjt = kjt_from_rows({"a": [[1], [2, 3]], "b": [[], [4]], "c": [[5], [6]]})
     ab, c = kjt.split([["a", "b"], ["c"]])
-    assert ab.values.data_ptr() == kjt.values.data_ptr()  # adjacent keys: a view
+    assert ab.values().data_ptr() == kjt.values().data_ptr()  # adjacent keys: a view
     assert ab.equals(kjt_from_rows({"a": [[1], [2, 3]], "b": [[], [4]]}))
     assert KeyedJaggedTensor.concat([ab, c]).equals(kjt)
     ca = kjt.select(["c", "a"])
@@ -153,12 +153,12 @@ def test_kjt_select_split_concat():
 def test_kjt_map_values_and_map_jagged():
     kjt = kjt_from_rows({"a": [[1, 2, 3], [4]], "b": [[5], []]})
     hashed = kjt.map_values(lambda v: v % 2)
-    assert hashed.values.tolist() == [1, 0, 1, 0, 1] and hashed.lengths.equal(kjt.lengths)
+    assert hashed.values().tolist() == [1, 0, 1, 0, 1] and hashed.lengths().equal(kjt.lengths())
 
     def first_only(jt: JaggedTensor) -> JaggedTensor:
-        keep = torch.minimum(jt.lengths, torch.ones_like(jt.lengths))
-        idx = jt.offsets[:-1][keep.bool()]
-        return JaggedTensor.from_lengths(jt.values[idx], keep)
+        keep = torch.minimum(jt.lengths(), torch.ones_like(jt.lengths()))
+        idx = jt.offsets()[:-1][keep.bool()]
+        return JaggedTensor.from_lengths(jt.values()[idx], keep)
 
     cut = kjt.map_jagged(first_only, keys=["a"])
     assert cut.equals(kjt_from_rows({"a": [[1], [4]], "b": [[5], []]}))
@@ -185,19 +185,19 @@ def test_kjt_errors_name_the_argument():
 
 def test_kjt_empty_batch_and_no_keys():
     empty = kjt_from_rows({"a": [], "b": []})
-    assert empty.stride == 0 and empty.offset_per_key == [0, 0, 0]
+    assert empty.stride() == 0 and empty.offset_per_key() == [0, 0, 0]
     assert empty["b"].batch_size == 0
     assert empty.index_select(torch.empty(0, dtype=torch.int64)).equals(empty)
     none = KeyedJaggedTensor.from_jagged_dict({}, stride=4)
-    assert none.keys == () and none.stride == 4
-    assert KeyedJaggedTensor.concat([none, kjt_from_rows({"a": [[1]] * 4})]).stride == 4
+    assert none.keys() == [] and none.stride() == 4
+    assert KeyedJaggedTensor.concat([none, kjt_from_rows({"a": [[1]] * 4})]).stride() == 4
 
 
 def test_kjt_to_and_pin_memory_keep_layout():
     kjt = kjt_from_rows({"a": [[1], [2, 3]], "b": [[], [4]]})
     meta = kjt.to("meta", non_blocking=True)
-    assert meta.values.device.type == "meta" and meta.lengths.device.type == "meta"
-    assert meta.keys == kjt.keys and meta.stride == 2
+    assert meta.values().device.type == "meta" and meta.lengths().device.type == "meta"
+    assert meta.keys() == kjt.keys() and meta.stride() == 2
     assert kjt.to(torch.device("cpu")) is kjt
     assert kjt.pin_memory().equals(kjt)
 

@@ -54,13 +54,13 @@ def test_kjt_round_trip_shares_tensors(case):
     rows, dtype = case
     kjt = kjt_from_rows(rows, dtype)
     tr = to_torchrec(kjt)
-    assert tr.keys() == list(kjt.keys) and tr.stride() == kjt.stride
-    assert tr.values().data_ptr() == kjt.values.data_ptr()
-    assert tr.lengths().data_ptr() == kjt.lengths.data_ptr()
+    assert tr.keys() == kjt.keys() and tr.stride() == kjt.stride()
+    assert tr.values().data_ptr() == kjt.values().data_ptr()
+    assert tr.lengths().data_ptr() == kjt.lengths().data_ptr()
     back = from_torchrec(tr)
-    assert back.equals(kjt) and back.values.data_ptr() == kjt.values.data_ptr()
-    for key in kjt.keys:
-        assert torch.equal(tr[key].values(), kjt[key].values)
+    assert back.equals(kjt) and back.values().data_ptr() == kjt.values().data_ptr()
+    for key in kjt.keys():
+        assert torch.equal(tr[key].values(), kjt[key].values())
 
 
 def test_from_torchrec_of_a_torchrec_built_kjt():
@@ -70,7 +70,7 @@ def test_from_torchrec_of_a_torchrec_built_kjt():
         lengths=torch.tensor([2, 0, 1, 2], dtype=torch.int32),
     )
     kjt = from_torchrec(tr)
-    assert kjt.lengths.dtype == torch.int64
+    assert kjt.lengths().dtype == torch.int64
     assert kjt.equals(kjt_from_rows({"a": [[1, 2], []], "b": [[3], [4, 5]]}))
 
 
@@ -89,7 +89,7 @@ def test_ikjt_round_trip_and_inverse_expansion(case):
     ikjt = InverseKeyedJaggedTensor.from_kjt(kjt)
     tr = ikjt_to_torchrec(ikjt)
     assert tr.variable_stride_per_key() and tr.stride() == ikjt.batch_size
-    assert tr.stride_per_key() == [ikjt.num_unique] * len(ikjt.keys)
+    assert tr.stride_per_key() == [ikjt.num_unique] * len(ikjt.keys())
     assert ikjt_from_torchrec(tr).equals(ikjt)
     # expanding TorchRec's unique rows with its own inverse_indices gives our to_kjt()
     inv_keys, inverse = tr.inverse_indices()
@@ -97,7 +97,7 @@ def test_ikjt_round_trip_and_inverse_expansion(case):
     for key in inv_keys:
         unique = jagged_from_torchrec(tr[key])
         expanded[key] = unique.index_select(inverse[inv_keys.index(key)])
-    assert KeyedJaggedTensor.from_jagged_dict(expanded, stride=kjt.stride).equals(ikjt.to_kjt())
+    assert KeyedJaggedTensor.from_jagged_dict(expanded, stride=kjt.stride()).equals(ikjt.to_kjt())
     assert ikjt.to_kjt().equals(kjt)
 
 

@@ -62,7 +62,7 @@ def _backward_grads(module, inputs, weights):
 
 def test_batch_helper_deduplicates(batch):
     assert all(g.num_unique < g.batch_size for g in batch.ikjts.values())
-    assert batch.to_plain().kjt.stride == 64
+    assert batch.to_plain().kjt.stride() == 64
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_hash_ids_maps_raw_ids_into_the_table():
 def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, dedup, bad_id):
     """Regression: torch's index error named neither the table, the feature nor the id."""
     kjt = batch.to_plain().kjt
-    lists = {k: kjt[k].to_dense_list() for k in kjt.keys}
+    lists = {k: kjt[k].to_dense_list() for k in kjt.keys()}
     lists["user_items"][5] = torch.tensor([3, bad_id, 4])  # in a dedup group
     rebuilt = KeyedJaggedTensor.from_jagged_dict(
         {k: JaggedTensor.from_dense_list(v, dtype=torch.int64) for k, v in lists.items()}
@@ -111,7 +111,7 @@ def test_id_outside_the_table_names_table_feature_and_id(small_schema, batch, de
     if dedup:
         groups = {g: InverseKeyedJaggedTensor.from_kjt(rebuilt, g.split("+")) for g in batch.ikjts}
         grouped = [k for g in groups for k in g.split("+")]
-        plain_keys = [k for k in rebuilt.keys if k not in grouped]
+        plain_keys = [k for k in rebuilt.keys() if k not in grouped]
         inputs = Batch(
             dense=batch.dense, labels=batch.labels, kjt=rebuilt.select(plain_keys), ikjts=groups
         )
@@ -187,7 +187,7 @@ def test_shared_table_accumulates_both_features(small_schema, batch):
     # every looked-up id of both features got gradient
     plain = batch.to_plain().kjt
     counts = torch.bincount(
-        torch.cat([plain["user_items"].values, plain["item_id"].values]) % 50, minlength=50
+        torch.cat([plain["user_items"].values(), plain["item_id"].values()]) % 50, minlength=50
     ).double()
     torch.testing.assert_close(grads_p["tables.items.weight"][:, 0], counts)
 

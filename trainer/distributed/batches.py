@@ -21,18 +21,18 @@ __all__ = ["concat_batches", "global_batches"]
 
 
 def _concat_kjt(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    keys = kjts[0].keys
-    if any(k.keys != keys for k in kjts):
-        msg = f"the batches' plain features differ: {[k.keys for k in kjts]!r}"
+    keys = kjts[0].keys()
+    if any(k.keys() != keys for k in kjts):
+        msg = f"the batches' plain features differ: {[k.keys() for k in kjts]!r}"
         raise DataError(msg)
     if not keys:
-        return KeyedJaggedTensor.from_jagged_dict({}, stride=sum(k.stride for k in kjts))
+        return KeyedJaggedTensor.from_jagged_dict({}, stride=sum(k.stride() for k in kjts))
     parts = [k.to_dict() for k in kjts]
     return KeyedJaggedTensor.from_jagged_dict(
         {
             key: JaggedTensor.from_lengths(
-                torch.cat([p[key].values for p in parts]),
-                torch.cat([p[key].lengths for p in parts]),
+                torch.cat([p[key].values() for p in parts]),
+                torch.cat([p[key].lengths() for p in parts]),
                 validate=False,
             )
             for key in keys

@@ -445,7 +445,7 @@ class ShardedEmbeddings:
         them (the model's lookups then need no search)."""
         features = [f for table in self.tables for f in table.config.features]
         found = locate_features(batch, features)
-        values = [found[f].jagged.values for f in features]
+        values = [found[f].jagged.values() for f in features]
         ids = [v.detach().to("cpu", torch.int64) for v in values]
         per_table = [len(table.config.features) for table in self.tables]
         uniq, inverse = _unique_per_table(ids, per_table)

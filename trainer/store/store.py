@@ -270,7 +270,7 @@ class EmbeddingStore:
         Safe to call from a loader thread ahead of the step (see the module docstring).
 
         Args:
-            ids: int64 [n] ids, any values, duplicates allowed (e.g. ``ikjt.values``).
+            ids: int64 [n] ids, any values, duplicates allowed (e.g. ``ikjt.values()``).
         """
         import torch
 

@@ -322,7 +322,7 @@ class SPTTTrainer:
         parts, counts = [], []
         for dest in range(layout.world_size):
             sub = kjt.select(layout.features_of(dest))
-            payload = torch.cat([sub.lengths.to(torch.int64), sub.values.to(torch.int64)])
+            payload = torch.cat([sub.lengths().to(torch.int64), sub.values().to(torch.int64)])
             parts.append(payload)
             counts.append(payload.numel())
         ranks = list(range(layout.world_size))
@@ -355,7 +355,7 @@ class SPTTTrainer:
 
     def lookup(self, bags: KeyedJaggedTensor, *, train: bool) -> torch.Tensor:
         """Step 2: the pooled ``[G·B, n_g, N]`` embeddings of this rank's features."""
-        rows, dim = bags.stride, self.model.config.embedding_dim
+        rows, dim = bags.stride(), self.model.config.embedding_dim
         if self.local is None or self.sparse is None:
             return torch.zeros(rows, 0, dim, device=self.device)
         self.sparse.prepare(bags, train=train)

@@ -89,7 +89,7 @@ def test_features_no_table_reads_cost_nothing_and_missing_ones_are_refused(tiny_
         piece_of_row=np.zeros(8, np.int64),
     )
     assert set(index.table_of_row[got.row].tolist()) == {0}
-    assert got.row.size == np.unique(batch.kjt["item_id"].values.numpy()).size
+    assert got.row.size == np.unique(batch.kjt["item_id"].values().numpy()).size
     with pytest.raises(DataError, match="no feature"):
         piece_rows(
             batch,

@@ -56,7 +56,7 @@ def batches(draw: st.DrawFn) -> Batch:
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     big = draw(st.booleans())
     plain = _kjt(["p0", "p1"][: draw(st.integers(0, 2))], b, gen, big=big)
-    if not plain.keys:
+    if not plain.keys():
         plain = KeyedJaggedTensor(
             [], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), stride=b
         )
@@ -97,7 +97,7 @@ def test_narrowing_is_exact_and_saves_bytes() -> None:
     for data in (narrow, wide):
         decoded = frame_to_batch(decode_frame(data, max_frame_bytes=MAX))
         assert decoded.equals(batch)
-        assert decoded.kjt.values.dtype == torch.int64
+        assert decoded.kjt.values().dtype == torch.int64
 
 
 def test_nan_and_special_floats_travel_bit_exactly() -> None:
@@ -107,7 +107,7 @@ def test_nan_and_special_floats_travel_bit_exactly() -> None:
     decoded = _roundtrip(batch)
     assert torch.equal(decoded.dense.view(torch.int32), dense.view(torch.int32))
     assert torch.equal(decoded.labels.view(torch.int32), batch.labels.view(torch.int32))
-    assert torch.equal(decoded.kjt.values.view(torch.int32), kjt.values.view(torch.int32))
+    assert torch.equal(decoded.kjt.values().view(torch.int32), kjt.values().view(torch.int32))
 
 
 def test_values_outside_int32_stay_int64() -> None:
