@@ -382,7 +382,7 @@ def dedup_batch(
         moved.update(partial)
     if not moved:
         return batch
-    rest = [k for k in kjt.keys if k not in moved]
+    rest = [k for k in kjt.keys() if k not in moved]
     plain = (
         kjt.select(rest)
         if rest
