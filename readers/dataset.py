@@ -544,6 +544,11 @@ class StatefulLoader:
         see :meth:`ParquetBatchDataset.num_batches`."""
         return self.dataset.num_batches(num_workers=self.num_workers)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return int(self.dataset.epoch)
+
     def state_dict(self) -> dict[str, Any]:
         """Position right after the last batch this loader handed out."""
         dataset = self.dataset

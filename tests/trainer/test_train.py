@@ -338,3 +338,14 @@ def test_trains_from_the_reader_service_and_resumes(dataset, tmp_path):
     assert full.final_eval.samples == 256
     with pytest.raises(DataError, match="must be HOST:PORT"):
         train(_config(dataset, service="nowhere", steps=1), progress=False)
+
+
+def test_on_error_skip_trains_and_resumes_through_the_library_loader(dataset, tmp_path):
+    """`on_error="skip"` reads through the library's loader (the rank stream refuses skipping
+    row groups): it trains, evaluates and resumes exactly."""
+    kw = {"steps": 4, "on_error": "skip", "eval_batches": 1}
+    full = train(_config(dataset, tmp_path / "full", **kw), progress=False)
+    train(_config(dataset, tmp_path / "split", **{**kw, "steps": 2}), progress=False)
+    resumed = train(_config(dataset, tmp_path / "split", resume=True, **kw), progress=False)
+    assert full.steps == resumed.steps == 4 and full.final_eval.samples > 0
+    assert resumed.resumed_from == 2 and resumed.losses == full.losses
