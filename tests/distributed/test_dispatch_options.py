@@ -19,7 +19,9 @@ def test_dispatch_and_alpha_reach_the_distributed_config():
         "contiguous",
         1.0,
     )
-    options = distributed_config(_parse("--dispatch", "esd", "--alpha", "0.25"))
+    options = distributed_config(
+        _parse("--dispatch", "esd", "--alpha", "0.25", "--cache-rows", "64")
+    )
     assert (options.dispatch, options.alpha) == ("esd", 0.25)
     assert distributed_config(_parse("--dispatch", "round-robin")).dispatch == "round-robin"
 

@@ -63,11 +63,16 @@ class DistributedConfig:
         count_steps: steps whose id accesses are counted before R is chosen.
         hot_budget_rows: most hot rows the cost model may choose.
         timeout_s: collective timeout: a rank that hangs makes the others fail after it.
-        probe_repeats: timed steps per size when fitting the cost model at start-up, spread
-            over up to 3 rotated visits of every size (each size keeps the slowest rank's
-            fastest step of its fastest visit).
+        probe_repeats: timed steps per size when fitting the cost model (after the counted
+            steps), spread over up to 3 rotated visits of every size (each size keeps the
+            slowest rank's fastest step of its fastest visit). Unset: chosen with the sizes so
+            that the probe moves at most 5% of the run's planned exchange (at most 7 repeats
+            and 65,536 rows; no probe where even the smallest exceeds it). Set, or
+            ``probe_rows`` set: the probe runs as asked, over that bound too (the summary
+            says so), and also with a fixed ``hot_rows``.
         probe_rows: the largest size probed: hot rows of the all-reduce, ids per rank of the
-            all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it).
+            all-to-all (each is probed at 1/64, 1/16, 1/4 and all of it). Unset: chosen
+            within the bound, as ``probe_repeats``.
         dispatch: which rows of each global batch each rank trains on: ``contiguous`` (rank r
             its own part of the stream), or a dispatch policy of ``readers.dispatch``: ``esd``
             (embedding-aware: the least transfer cost), ``laia`` (cache locality), ``random``,
@@ -93,8 +98,8 @@ class DistributedConfig:
     count_steps: int = 20
     hot_budget_rows: int = 65536
     timeout_s: float = 300.0
-    probe_repeats: int = 7
-    probe_rows: int = 65536
+    probe_repeats: int | None = None
+    probe_rows: int | None = None
     dispatch: Literal["contiguous", "esd", "laia", "random", "round-robin"] = "contiguous"
     alpha: float = 1.0
     cache_rows: int = 0
@@ -119,6 +124,8 @@ class DistributedConfig:
             msg = f"`hot_rows` must be 'auto' or a non-negative integer, got {self.hot_rows!r}"
             raise RecpipeError(msg)
         for name in ("count_steps", "hot_budget_rows", "probe_repeats", "probe_rows"):
+            if name.startswith("probe") and getattr(self, name) is None:
+                continue
             if not _positive_int(getattr(self, name)):
                 msg = f"`{name}` must be a positive integer, got {getattr(self, name)!r}"
                 raise RecpipeError(msg)
@@ -132,6 +139,14 @@ class DistributedConfig:
         if self.cache_rows and self.hot_rows not in ("auto", 0):
             msg = (
                 f"`hot_rows` {self.hot_rows!r} with `cache_rows`: a job with caches has no hot set"
+            )
+            raise RecpipeError(msg)
+        if self.dispatch in ("esd", "laia") and not self.cache_rows:
+            msg = (
+                f"`--dispatch {self.dispatch}` without `--cache-rows`: {self.dispatch} places "
+                "samples by the rows each rank's embedding cache holds, and the ranks have no "
+                "caches; hint: give every rank one (`--cache-rows ROWS`), or dispatch without "
+                "caches (`--dispatch random`, `round-robin` or `contiguous`)"
             )
             raise RecpipeError(msg)
         self.bandwidths = tuple(float(b) for b in self.bandwidths)

@@ -22,6 +22,14 @@ smallest minimum (exact: no convexity assumed) among the R whose saving over no 
 the lines' slope errors) must stay positive. A gain the probe's own noise could explain buys a
 hot set's all-reduce on every step for nothing, and the probe (one table, synthetic ids)
 misses costs of the real job, so doubt falls on the side of no hot set.
+
+**The probe's size.** A probe at the largest sizes moves far more than a short job exchanges
+(``PROBE_ROWS`` with 7 repeats on 2 ranks: about 1.2 GB, a third of it the hot-lookup sweep's
+all-reduce, which grows with W²). :func:`probe_plan` therefore picks the largest
+:class:`ProbePlan` whose bytes (:meth:`ProbePlan.bytes`, counted as the exchange counts its own:
+bytes sent to other ranks plus bytes all-reduced, and the hot sets' rows gathered) stay within
+``PROBE_SHARE`` (5%) of the run's planned exchange, or none. :func:`fallback_reason` says when
+a fit is too poor to choose R with (``POOR_FIT_R2``); the trainer then takes R = 0.
 """
 
 from __future__ import annotations
@@ -39,11 +47,26 @@ from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, Shard
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.store import CostCoefficients, HotPlan
 
-__all__ = ["CostFit", "LineFit", "choose_num_hot", "fit_costs"]
+__all__ = [
+    "CostFit",
+    "LineFit",
+    "ProbePlan",
+    "choose_num_hot",
+    "fallback_reason",
+    "fit_costs",
+    "probe_plan",
+]
 
 PROBE_ROWS: tuple[int, ...] = (1024, 4096, 16384, 65536)
 #: standard errors a hot set's predicted saving must exceed (:func:`choose_num_hot`)
 CONFIDENCE = 2.0
+#: most of the planned run's exchange (bytes) the probe may move (:func:`probe_plan`)
+PROBE_SHARE = 0.05
+#: below this r² (the worst line's), the fit is not used to choose R (:func:`fallback_reason`):
+#: with four sizes, r² < 0.5 puts a slope within 1.41 standard errors of zero
+#: (t = r·√(n−2)/√(1−r²)), so not even its sign is sure, let alone a saving of 2 errors
+POOR_FIT_R2 = 0.5
+_GRAD_BYTES = 8  # gradients travel in float64 (exchange.GRAD_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -97,6 +120,10 @@ class CostFit:
         backend: its backend.
         baseline_s: a step of the all-reduce probe's lookups without a hot set (what the
             all-reduce probe costs besides the all-reduce).
+        probe_bytes: bytes the probe moved, every rank together, counted as
+            :meth:`ProbePlan.bytes` counts them (the exchange's own counters, and the hot
+            sets' rows gathered).
+        probe_s: seconds the probe took (this rank).
     """
 
     all_reduce: LineFit
@@ -105,6 +132,8 @@ class CostFit:
     world_size: int
     backend: str = "gloo"
     baseline_s: float = 0.0
+    probe_bytes: int = 0
+    probe_s: float = 0.0
 
     @property
     def c_ar(self) -> float:
@@ -165,6 +194,89 @@ class CostFit:
         r = np.asarray(num_hot, dtype=np.float64)
         a2a = accesses * np.asarray(rho) * self.c_a2a_se
         return np.sqrt(a2a * a2a + (r * self.c_ar_se) ** 2)
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """The sizes and repeats of a cost probe (:func:`fit_costs`).
+
+    Attributes:
+        top: the largest size: hot rows of the all-reduce sweep, ids per rank of the lookup
+            sweeps; each sweep times 1/64, 1/16, 1/4 and all of it.
+        repeats: timed steps per size, over all visits.
+        hot_lookups: ids looked up per step of the all-reduce sweep.
+        rounds: visits of every size (at most ``repeats``).
+        warm: untimed steps after every change of size.
+    """
+
+    top: int = PROBE_ROWS[-1]
+    repeats: int = 7
+    hot_lookups: int = 64
+    rounds: int = 3
+    warm: int = 2
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(max(self.top // k, 1) for k in (64, 16, 4, 1))
+
+    @property
+    def visits(self) -> int:
+        return max(min(self.rounds, self.repeats), 1)
+
+    @property
+    def calls(self) -> int:
+        """Timed steps per visit (at least ``repeats`` per size over the visits)."""
+        return max(-(-self.repeats // self.visits), 1)
+
+    def bytes(self, *, dim: int, world: int, itemsize: int = 4) -> int:
+        """Bytes the probe moves, every rank together, counted as the exchange counts its own
+        (:class:`~trainer.distributed.exchange.ExchangeStats`: bytes sent to other ranks,
+        bytes all-reduced): a cold id's request, gradient and row when another rank owns it
+        (chance (W−1)/W: an expectation), every rank's all-reduced hot gradients and masks,
+        the counts messages; and, at most, every hot set's rows (with their optimizer state)
+        and keys gathered by the other ranks at each visit."""
+        w, steps = world, self.visits * (self.warm + self.calls)
+        cold_id = (w - 1) * (8 + (_GRAD_BYTES + itemsize) * dim)  # all ranks, per id per rank
+        hot_row = w * (dim + 1) * _GRAD_BYTES  # all-reduced by every rank
+        gathered = (w - 1) * ((dim + 1) * itemsize + 16)
+        sizes = self.sizes
+        ar = [max(r, self.hot_lookups) for r in sizes]
+        hot_sets = sum(w * s for s in sizes) + sum(ar)
+        per_visit_steps = (
+            sum(sizes) * cold_id  # the cold sweep
+            + hot_sets * hot_row  # the hot-lookup sweep (W·s rows) and the all-reduce sweep
+            + self.hot_lookups * cold_id  # the all-reduce sweep's baseline: no hot set
+            + (3 * len(sizes) + 1) * w * (w - 1) * 8  # counts
+        )
+        return int(steps * per_visit_steps + self.visits * hot_sets * gathered)
+
+
+def probe_plan(budget_bytes: float, *, dim: int, world: int, itemsize: int = 4) -> ProbePlan | None:
+    """The largest probe within ``budget_bytes`` (:meth:`ProbePlan.bytes`), or ``None`` when
+    even the smallest exceeds it.
+
+    The largest size is halved from ``PROBE_ROWS[-1]`` (65,536) to 1,024 at 7 repeats, then to
+    256 at 3 repeats (one timed step per visit), then 256 at 1 repeat (one visit): the sizes
+    shrink before the repeats do, since a line over small sizes is still a line, and the
+    fastest of several visits is what keeps other load out of it. ``hot_lookups`` is
+    ``top // 16`` up to 64, so the all-reduce sweep's sizes stay distinct.
+    """
+    ladder = [(PROBE_ROWS[-1] >> k, 7) for k in range(7)]  # 65,536 .. 1,024
+    ladder += [(1024, 3), (512, 3), (256, 3), (256, 1)]
+    for top, repeats in ladder:
+        plan = ProbePlan(top=top, repeats=repeats, hot_lookups=min(64, top // 16))
+        if plan.bytes(dim=dim, world=world, itemsize=itemsize) <= budget_bytes:
+            return plan
+    return None
+
+
+def fallback_reason(fit: CostFit, *, min_r2: float = POOR_FIT_R2) -> str | None:
+    """Why ``fit`` should not choose R (``None``: it may): its worst line's r² below
+    ``min_r2`` (or not a number)."""
+    r2 = fit.r2
+    if r2 >= min_r2:
+        return None
+    return f"poor fit (r² {r2:.3f} < {min_r2:g})"
 
 
 _Step = Callable[[], float]
@@ -289,8 +401,15 @@ def fit_costs(
         rounds: visits of every size (at most ``repeats``).
         warm: untimed steps after every change of size.
     """
+    started = perf_counter()
     world = comm.world_size
     probe = _Probe(comm, dim=dim, dtype=dtype)
+    gathered = [0]  # rows entering a hot set (the same on every rank)
+
+    def set_hot(ids: np.ndarray) -> None:
+        gathered[0] += int(ids.size - np.isin(ids, probe.sparse.tables[0].hot_ids).sum())
+        probe.sparse.set_hot([ids])
+
     rounds = max(min(rounds, repeats), 1)
     calls = max(-(-repeats // rounds), 1)  # at least `repeats` timed steps per size
 
@@ -303,7 +422,7 @@ def fit_costs(
     def all_hot(rows: int, step: _Step) -> Callable[[], _Step]:
         def setup() -> _Step:  # every rank's lookups of this size, and nothing more, hot
             every = [np.arange(rows, dtype=np.int64) + (r << 40) for r in range(world)]
-            probe.sparse.set_hot([np.concatenate(every)])
+            set_hot(np.concatenate(every))
             return step
 
         return setup
@@ -313,7 +432,7 @@ def fit_costs(
 
     def hot_set(rows: int) -> Callable[[], _Step]:
         def setup() -> _Step:
-            probe.sparse.set_hot([np.arange(rows, dtype=np.int64)])
+            set_hot(np.arange(rows, dtype=np.int64))
             return looked_up
 
         return setup
@@ -321,6 +440,11 @@ def fit_costs(
     sizes = [max(r, hot_lookups) for r in ar_rows]
     base, *ar = timed([hot_set(0), *(hot_set(r) for r in sizes)])  # base: no hot set
     backend = "local" if world == 1 else ("nccl" if comm.device.type == "cuda" else "gloo")
+    stats = probe.sparse.stats
+    moved = torch.tensor([stats.a2a_bytes + stats.allreduce_bytes], dtype=torch.int64)
+    comm.all_reduce(moved, what="the cost probe's bytes")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    gather_bytes = (world - 1) * gathered[0] * ((dim + 1) * itemsize + 16)
     return CostFit(
         all_reduce=LineFit.of(sizes, ar),
         all_to_all=LineFit.of(a2a_rows, cold),
@@ -328,6 +452,8 @@ def fit_costs(
         world_size=world,
         backend=backend,
         baseline_s=base,
+        probe_bytes=int(moved.item()) + gather_bytes,
+        probe_s=perf_counter() - started,
     )
 
 

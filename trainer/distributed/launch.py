@@ -62,7 +62,7 @@ def _hot_rows(text: str) -> str | int:
 
 def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool = True) -> None:
     """Add the multi-rank options to the ``recpipe train`` parser: the fields of
-    :class:`~trainer.distributed.config.LaunchConfig` and eight of
+    :class:`~trainer.distributed.config.LaunchConfig` and ten of
     :class:`~trainer.distributed.config.DistributedConfig` (:mod:`recpipe.config_cli`; its
     ``exact_dense`` as ``--fast-dense``, which turns it off, and ``--exact-dense``, a no-op).
 
@@ -101,6 +101,8 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
                 "alpha",
                 "cache_rows",
                 "bandwidths",
+                "probe_rows",
+                "probe_repeats",
             )
             if exchange
             else ("timeout_s",)
@@ -111,6 +113,8 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
             "cache_rows": Option(metavar="ROWS"),
             "bandwidths": Option(metavar="B[,B...]"),
             "count_steps": Option(metavar="S"),
+            "probe_rows": Option(metavar="ROWS"),
+            "probe_repeats": Option(metavar="N"),
             "timeout_s": Option(flag="--dist-timeout", metavar="SEC"),
         },
         owner=parser,

@@ -7,10 +7,10 @@ of :mod:`trainer.loop`.
     train -> the run's stream (trainer.streams): step t's global batch cut across the ranks,
              in process or from `recpipe serve` (one client per rank) -> DistributedTrainer
     start-up: every rank's settings and dataset compared (one digest each: refused, naming the
-    setting, where they differ); fit the cost model on the job's group (collectives timed at
-    several sizes)
-    first --count-steps steps: count accesses; then choose R (cost model or --hot-rows) and
-    reshard; every --checkpoint-every steps and at the end: a collective checkpoint
+    setting, where they differ)
+    first --count-steps steps: count accesses; then fit the cost model on the job's group
+    (collectives timed at several sizes, within 5% of the run's exchange the counted steps
+    measure), choose R (cost model, R = 0 where its fit is poor, or --hot-rows) and reshard; every --checkpoint-every steps and at the end: a collective checkpoint
     at the end (and every --eval-every steps): every rank scores all held-out rows
 
 Rank 0 shows progress and writes the checkpoint's dense part, the summary and the metrics.
@@ -34,7 +34,16 @@ from trainer.distributed.cache import RECORD_KINDS
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
 from trainer.distributed.comm import Comm
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.costs import CostFit, choose_num_hot, fit_costs
+from trainer.distributed.costs import (
+    PROBE_ROWS,
+    PROBE_SHARE,
+    CostFit,
+    ProbePlan,
+    choose_num_hot,
+    fallback_reason,
+    fit_costs,
+    probe_plan,
+)
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.settings import check_same_settings, job_settings
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
@@ -63,8 +72,21 @@ class DistributedSummary:
         world_size: ranks.
         hot_rows: R after the hot set was chosen.
         rho: share of the counted accesses the hot set serves.
-        cost_model_r2: the worse r² of the two fitted lines.
+        cost_model_r2: the worst r² of the fitted lines.
         c_ar, c_a2a: the fitted coefficients (seconds per hot row, per cold access).
+        cost_model: what became of the cost model, as the summary line says it (``""``: not
+            fitted, e.g. resumed after R was chosen, or a job with caches).
+        cost_model_fallback: what R was taken instead of the model's choice (``""``: none):
+            ``"R = 0"`` when the fit was poor (``costs.POOR_FIT_R2``) or the probe not run.
+        planned_exchange_bytes: the run's exchange without a hot set, every rank together:
+            the counted steps' bytes (sent to other ranks, and all-reduced) per step times the
+            run's steps (``--steps``, or the epochs' steps where the reader knows them; else
+            the counted steps). ``None``: not measured (no probe was planned).
+        probe_bound_bytes: the most the probe may move (``costs.PROBE_SHARE`` of the planned
+            exchange; explicit ``--probe-rows``/``--probe-repeats`` are not held to it).
+        probe_bytes: bytes the probe moved, every rank together (0: not run).
+        probe_rows, probe_repeats: the probe's largest size and its repeats (0: not run).
+        probe_s: seconds the probe took (rank 0).
         exchange: the exchange counters summed over ranks.
         remainder_rows: rows of the last epoch no rank was given (counted, not lost).
         cache_rows: rows of each rank's cache (0: no caches, the 2FP exchange).
@@ -85,6 +107,14 @@ class DistributedSummary:
     cost_model_r2: float = float("nan")
     c_ar: float = float("nan")
     c_a2a: float = float("nan")
+    cost_model: str = ""
+    cost_model_fallback: str = ""
+    planned_exchange_bytes: int | None = None
+    probe_bound_bytes: int | None = None
+    probe_bytes: int = 0
+    probe_rows: int = 0
+    probe_repeats: int = 0
+    probe_s: float = 0.0
     exchange: ExchangeStats = field(default_factory=ExchangeStats)
     remainder_rows: int = 0
     cache_rows: int = 0
@@ -120,12 +150,28 @@ class DistributedSummary:
         return [
             ("ranks", f"{self.world_size}"),
             ("hot rows", f"{self.hot_rows:,} (serving {self.rho:.1%} of counted accesses)"),
-            ("cost model", f"C_ar {self.c_ar:.3g} s/row, C_a2a {self.c_a2a:.3g} s/access, "
-                           f"r² {self.cost_model_r2:.3f}"),
+            ("cost model", self.cost_model or "not fitted"),
+            ("cost probe", self._probe_line()),
             ("all-to-all", f"{ex.cold_rows:,} rows ({ex.remote_rows:,} remote), "
                            f"{ex.a2a_bytes / 2**20:.1f} MiB"),
             ("remainder", f"{self.remainder_rows:,} rows of the last epoch not dealt"),
         ]  # fmt: skip
+
+    def _probe_line(self) -> str:
+        if self.probe_bound_bytes is None or self.planned_exchange_bytes is None:
+            return "not run"
+        bound = (f"bound {_mib(self.probe_bound_bytes)} ({PROBE_SHARE:.0%} of the planned "
+                 f"exchange, {_mib(self.planned_exchange_bytes)})")  # fmt: skip
+        if not self.probe_rows:
+            return f"not run; {bound}"
+        over = ", exceeded: --probe-rows/--probe-repeats given"
+        return (f"{_mib(self.probe_bytes)} moved in {self.probe_s:.2f} s (sizes up to "
+                f"{self.probe_rows:,} rows, {self.probe_repeats} repeats); {bound}"
+                f"{over if self.probe_bytes > self.probe_bound_bytes else ''}")  # fmt: skip
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def check_config(config: TrainConfig) -> None:
@@ -264,24 +310,73 @@ class RankEngine:
 
     # -- hot set ---------------------------------------------------------------------------------
     def fit_costs(self) -> None:
-        """Fit the cost model on the job's group (no caches: they have no hot set)."""
-        if self.options.cache_rows:
+        """Fit the cost model on the job's group (collective; when R is chosen, after the
+        counted steps, whose exchange gives the planned run's): the largest probe within
+        ``costs.PROBE_SHARE`` of the run's planned exchange (:func:`costs.probe_plan`; none
+        fits: no fit), or the one ``--probe-rows``/``--probe-repeats`` ask for. Nothing with
+        caches (no hot set) or with ``--hot-rows R`` and no probe option (nothing to choose)."""
+        opts, summary, comm = self.options, self.summary, self.comm
+        explicit = opts.probe_rows is not None or opts.probe_repeats is not None
+        if opts.cache_rows:
             return
-        top = self.options.probe_rows
-        sizes = [max(top // k, 1) for k in (64, 16, 4, 1)]
-        self.fit = fit_costs(self.comm, dim=self.config.model.embedding_dim, ar_rows=sizes,
-                             a2a_rows=sizes, repeats=self.options.probe_repeats)  # fmt: skip
-        self.summary.cost_model_r2 = self.fit.r2
-        self.summary.c_ar, self.summary.c_a2a = self.fit.c_ar, self.fit.c_a2a
+        if opts.hot_rows != "auto" and not explicit:
+            summary.cost_model = f"not fitted (`--hot-rows` {opts.hot_rows} given)"
+            return
+        totals = self.trainer.sparse.stats.as_tensor()
+        comm.all_reduce(totals, what="the counted steps' exchange")
+        counted = ExchangeStats.from_tensor(totals)
+        steps = max(counted.steps // comm.world_size, 1)
+        planned = (counted.a2a_bytes + counted.allreduce_bytes) * self._planned_steps(steps)
+        summary.planned_exchange_bytes = planned // steps
+        bound = summary.probe_bound_bytes = int(PROBE_SHARE * planned // steps)
+        dim = self.config.model.embedding_dim
+        plan: ProbePlan | None
+        if explicit:
+            plan = ProbePlan(top=opts.probe_rows or PROBE_ROWS[-1], repeats=opts.probe_repeats or 7)
+        else:
+            plan = probe_plan(bound, dim=dim, world=comm.world_size)
+        if plan is None:
+            least = ProbePlan(top=256, repeats=1, hot_lookups=16)
+            summary.cost_model = (
+                f"not fitted: the smallest probe would move "
+                f"{_mib(least.bytes(dim=dim, world=comm.world_size))}, over its bound"
+            )
+            return
+        self.fit = fit = fit_costs(comm, dim=dim, ar_rows=plan.sizes, a2a_rows=plan.sizes,
+                                   repeats=plan.repeats, hot_lookups=plan.hot_lookups)  # fmt: skip
+        summary.probe_rows, summary.probe_repeats = plan.top, plan.repeats
+        summary.probe_bytes, summary.probe_s = fit.probe_bytes, fit.probe_s
+        summary.cost_model_r2, summary.c_ar, summary.c_a2a = fit.r2, fit.c_ar, fit.c_a2a
+        summary.cost_model = (f"C_ar {fit.c_ar:.3g} s/row, C_a2a {fit.c_a2a:.3g} s/access, "
+                              f"r² {fit.r2:.3f}")  # fmt: skip
+        poor = fallback_reason(fit)
+        if poor is not None:
+            summary.cost_model = f"{poor}; {summary.cost_model}"
+
+    def _planned_steps(self, counted: int) -> int:
+        """The run's steps (``--steps``, else its epochs' where the reader knows them, else
+        ``counted``)."""
+        from trainer.runlog import run_targets
+
+        steps, epochs = run_targets(self.config)
+        if steps is None and epochs is not None and self.stream is not None:
+            steps = self.stream.planned_steps(epochs)
+        return max(steps or counted, counted)
 
     def _choose_hot_set(self) -> None:
         sparse, opts = self.trainer.sparse, self.options
         candidates = sparse.gather_counts()
-        if opts.hot_rows == "auto":
-            plan = choose_num_hot(candidates, self.fit)
-            num_hot = plan.num_hot
-        else:
+        self.fit_costs()
+        if opts.hot_rows != "auto":
             num_hot = int(opts.hot_rows)
+        elif self.fit is not None and fallback_reason(self.fit) is None:
+            num_hot = choose_num_hot(candidates, self.fit).num_hot
+        else:  # no fit, or a poor one: no hot set (the 2FP exchange alone)
+            num_hot = 0
+            why, _, fitted = self.summary.cost_model.partition("; ")
+            self.summary.cost_model_fallback = "R = 0"
+            self.summary.cost_model = (f"{why}, fell back to R = 0 (no hot set)"
+                                       + (f"; {fitted}" if fitted else ""))  # fmt: skip
         sparse.reshard(num_hot)
         self.hot_chosen = True
         rho = candidates.rho()
@@ -394,7 +489,6 @@ def train_rank(
         "rank %d of %d on %s: %d row groups with training rows, %d with held-out rows",
         comm.rank, comm.world_size, engine.device, *stream.splits,
     )  # fmt: skip
-    engine.fit_costs()
     result = run_loop(config, engine, stream, resume_state=state, progress=progress)
     return result, engine.summary
 
