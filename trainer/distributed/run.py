@@ -166,7 +166,8 @@ class DistributedSummary:
             return f"not run; {bound}"
         over = ", exceeded: --probe-rows/--probe-repeats given"
         return (f"{_mib(self.probe_bytes)} moved in {self.probe_s:.2f} s (sizes up to "
-                f"{self.probe_rows:,} rows, {self.probe_repeats} repeats); {bound}"
+                f"{self.probe_rows:,} rows, {self.probe_repeats} repeat"
+            f"{'' if self.probe_repeats == 1 else 's'}); {bound}"
                 f"{over if self.probe_bytes > self.probe_bound_bytes else ''}")  # fmt: skip
 
 
