@@ -77,8 +77,9 @@ class StepEngine(Protocol):
         """The global mean losses of the steps since the last call, in order (collective)."""
         ...
 
-    def after_step(self) -> None:
-        """Work between steps (ranks: choose the hot set once its accesses are counted)."""
+    def after_step(self) -> float:
+        """Work between steps (ranks: probe the links and choose the hot set once the accesses
+        are counted); the seconds it took, which the loop leaves out of the training time."""
         ...
 
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None) -> EvalResult:
@@ -165,6 +166,7 @@ class _Loop:
         self.unreduced: list[dict[str, Any]] = []  # metrics records waiting for their loss
         self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
         self.bar: Any = None
+        self.between_s = 0.0  # seconds of the engine's work between steps (not training)
 
     # -- checkpoints --------------------------------------------------------------------------
     def _restore(self, state: dict[str, Any]) -> None:
@@ -241,7 +243,8 @@ class _Loop:
                     step = engine.step
                     bar.update(1)
                     now = time.perf_counter()
-                    train_s = now - t0 - log.eval_s  # evaluations are not training time
+                    # evaluations and the engine's work between steps are not training time
+                    train_s = now - t0 - log.eval_s - self.between_s
                     rate = (log.samples - samples0) / max(train_s, 1e-9)
                     memory = peak_memory_bytes(engine.device)
                     logged = step % cfg.log_every == 0 or step == target_steps
@@ -258,7 +261,9 @@ class _Loop:
                             loss=f"{np.mean(log.losses[-20:]):.4f}", auc=f"{window_auc:.3f}",
                             sps=f"{rate:,.0f}", mem=format_bytes(memory), refresh=False,
                         )  # fmt: skip
-                    engine.after_step()
+                    between = engine.after_step()
+                    self.between_s += between
+                    last += between  # the next step_s leaves it out
                     if cfg.eval_every and step % cfg.eval_every == 0:
                         last += self._evaluate(step)  # the next step_s leaves it out
                     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -274,7 +279,7 @@ class _Loop:
                     msg = f"{cfg.dataset}: the training split yields no batch of {rows} rows{per}"
                     raise DataError(msg)
             self._reduce_losses()
-            wall = time.perf_counter() - t0 - log.eval_s  # train_wall_s
+            wall = time.perf_counter() - t0 - log.eval_s - self.between_s  # train_wall_s
             if not log.evaluated_at(engine.step):
                 self._evaluate(engine.step)
             path = self.save()

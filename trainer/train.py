@@ -324,8 +324,8 @@ class LocalEngine:
         losses, self._losses = self._losses, []
         return losses
 
-    def after_step(self) -> None:
-        return None
+    def after_step(self) -> float:
+        return 0.0
 
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None) -> EvalResult:
         return self.trainer.evaluate(batches, max_batches=max_batches)

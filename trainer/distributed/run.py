@@ -19,6 +19,7 @@ Rank 0 shows progress and writes the checkpoint's dense part, the summary and th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -293,9 +294,13 @@ class RankEngine:
     def pending_losses(self) -> list[float]:
         return self.trainer.pending_losses()  # all-reduced: every rank sees the same values
 
-    def after_step(self) -> None:
-        if not self.hot_chosen and self.trainer.step >= self.count_until:
-            self._choose_hot_set()
+    def after_step(self) -> float:
+        """Once the accesses are counted: probe the links, choose R, reshard; the seconds."""
+        if self.hot_chosen or self.trainer.step < self.count_until:
+            return 0.0
+        start = time.perf_counter()
+        self._choose_hot_set()
+        return time.perf_counter() - start
 
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None) -> EvalResult:
         """Every rank scores the same held-out batches (one process's): the lookups are

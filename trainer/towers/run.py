@@ -264,8 +264,8 @@ class TowersEngine:
     def pending_losses(self) -> list[float]:
         return self.trainer.pending_losses()
 
-    def after_step(self) -> None:
-        return None
+    def after_step(self) -> float:
+        return 0.0
 
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None) -> EvalResult:
         """Every rank scores the same held-out batches; what the evaluation moves is not
