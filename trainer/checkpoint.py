@@ -57,6 +57,7 @@ __all__ = [
     "checksum_file",
     "claim_checkpoint",
     "dataset_identity",
+    "global_batch_change",
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",
@@ -436,6 +437,26 @@ def _as_field(value: Any) -> Any:
     return tuple(_as_field(v) for v in value) if isinstance(value, list) else value
 
 
+def global_batch_change(
+    state: Mapping[str, Any], config: TrainConfig, *, path: Path, world_size: int = 1
+) -> str | None:
+    """The warning for a resume at another global batch size (``batch_size`` per rank times
+    the ranks) than the checkpoint's, or ``None``: such a run goes on from the same row of the
+    epoch, but its steps are not the ones an uninterrupted run would have taken."""
+    saved = state.get("config") or {}
+    saved_world = int(state.get("world_size") or (state.get("layout") or {}).get("world_size") or 1)
+    was = int(saved.get("batch_size") or 0) * saved_world
+    now = config.batch_size * world_size
+    if was == now:
+        return None
+    return (
+        f"{path}: trained on global batches of {was} rows ({saved.get('batch_size')} per rank x "
+        f"{saved_world}); this run reads {now} ({config.batch_size} x {world_size}): it goes on "
+        "from the same row of the epoch, but its steps are not the ones an uninterrupted run "
+        "would have taken"
+    )
+
+
 def check_resume(
     state: Mapping[str, Any],
     config: TrainConfig,
@@ -450,7 +471,7 @@ def check_resume(
     A job resumes at another number of ranks, in process or from a reader service, with any
     ``workers``; with the same global batch (``batch_size`` per rank times the ranks) it takes
     the steps an uninterrupted run takes, with another it goes on from the same row of the
-    epoch (logged as a warning). Only a run reading with
+    epoch (:func:`global_batch_change` says so). Only a run reading with
     ``on_error="skip"`` (the library's loader, whose position is its workers') must resume
     with its ``workers`` and its source. ``multi_rank`` is accepted for older callers.
 
@@ -464,15 +485,6 @@ def check_resume(
         msg = f"{path}: records no settings of its run: not a checkpoint of `recpipe train`"
         raise RecpipeError(msg)
     given = asdict(config)
-    saved_world = int(state.get("world_size") or (state.get("layout") or {}).get("world_size") or 1)
-    was_global = int(saved.get("batch_size") or 0) * saved_world
-    if was_global != config.batch_size * world_size:
-        _log.warning(
-            "%s: trained on global batches of %d rows (%s per rank x %d); this run reads %d "
-            "(%d x %d): it goes on from the same row of the epoch, but its steps are not the ones "
-            "an uninterrupted run would have taken", path, was_global, saved.get("batch_size"),
-            saved_world, config.batch_size * world_size, config.batch_size, world_size,
-        )  # fmt: skip
     library = saved.get("on_error", "raise") != "raise" or config.on_error != "raise"
     same = [n for n in _SAME_RUN if n != "batch_size" and (library or n != "workers")]
     pairs = [(name, saved.get(name), given[name]) for name in same]

@@ -32,6 +32,7 @@ from trainer.checkpoint import (
     check_resume,
     checkpoint_file,
     claim_checkpoint,
+    global_batch_change,
     load_checkpoint,
     save_checkpoint,
 )
@@ -472,6 +473,8 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
                 raise RecpipeError(why)
             _saved_attention_resolved(state, schema)
             check_resume(state, config, path=path)
+            if (note := global_batch_change(state, config, path=path)) is not None:
+                _log.warning("%s", note)
         engine = LocalEngine(config, schema, resume_state=state)
         stream = open_stream(config, schema, device=engine.device)
         _log.info(

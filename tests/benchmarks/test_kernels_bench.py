@@ -73,7 +73,7 @@ def test_kernels_benchmark_gpu_section_in_simulator(tmp_path, capsys):
         "select_kernel_word", "select_kernel_row", "add_kernel_word", "add_kernel_row",
     ):  # fmt: skip
         assert gpu[f"{name}_ms"] > 0 and gpu[f"{name}_vs_torch_copy"] > 0, name
-    assert "_known_layout" in gpu["known_layout_note"] and gpu["select_layout"] == "word"
+    assert "_known_layout" in gpu["known_layout_note"] and gpu["select_layout"] == "row"
     printed = capsys.readouterr().out
     assert "jagged_index_select" in printed and "by batch rows" in printed
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from recpipe.errors import RecpipeError
-from trainer.checkpoint import check_resume, checkpoint_file
+from trainer.checkpoint import check_resume, checkpoint_file, global_batch_change
 from trainer.config import TrainConfig
 from trainer.distributed.cache import RECORD_KINDS
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
@@ -485,8 +485,11 @@ def train_rank(
     if config.resume and config.checkpoint is not None:
         state = read_checkpoint(config.checkpoint)
         if state is not None:
-            check_resume(state, config, path=checkpoint_file(config.checkpoint),
-                         world_size=comm.world_size)  # fmt: skip
+            path = checkpoint_file(config.checkpoint)
+            check_resume(state, config, path=path, world_size=comm.world_size)
+            note = global_batch_change(state, config, path=path, world_size=comm.world_size)
+            if note is not None and comm.rank == 0:
+                _log.warning("%s", note)
     engine = RankEngine(config, options, comm, schema=schema, resume_state=state)
     stream = open_stream(config, schema, rank=comm.rank, world_size=comm.world_size,
                          device=engine.device, cut=engine.cut())  # fmt: skip

@@ -13,6 +13,7 @@ behind the commands.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +45,8 @@ __all__ = [
     "partition",
     "train_towers",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 def model_config(config: TrainConfig) -> ModelConfig:
@@ -401,7 +404,12 @@ def train_towers(
         The run (the losses of the global batches) and what the towers moved and computed.
     """
     from readers.dataset import dataset_schema
-    from trainer.checkpoint import check_resume, checkpoint_file, load_checkpoint
+    from trainer.checkpoint import (
+        check_resume,
+        checkpoint_file,
+        global_batch_change,
+        load_checkpoint,
+    )
     from trainer.loop import run_loop
     from trainer.streams import open_stream
 
@@ -415,6 +423,9 @@ def train_towers(
         state = load_checkpoint(path)
         if state is not None:
             check_resume(state, config, path=path, world_size=comm.world_size)
+            note = global_batch_change(state, config, path=path, world_size=comm.world_size)
+            if note is not None and comm.rank == 0:
+                _log.warning("%s", note)
     engine = TowersEngine(config, options, comm, schema=schema)
     stream = open_stream(config, schema, rank=comm.rank, world_size=comm.world_size,
                          device=engine.device)  # fmt: skip
