@@ -291,6 +291,34 @@ ETL = Table(
             reference="report",
         ),
         Row(
+            "`spark_driver_rss_growth` (`--spark-scaleout`: the Python driver's peak RSS building "
+            "the larger input / the smaller; the JVM driver's heap beside it)",
+            "spark_scaleout.spark_driver_rss_growth",
+            lambda d: (
+                "{v} ("
+                + "; ".join(
+                    f"{num(int(n))} requests: {v['python_driver_peak_rss_mb']:.0f} MB, JVM heap "
+                    f"{v['jvm_heap_peak_mb'] / 1024:.2f} GB"
+                    for n, v in d["spark_scaleout"]["rss"].items()
+                )
+                + "; local mode: that JVM runs the tasks too)"
+            ),
+            target=Target("<=", 1.2),
+        ),
+        Row(
+            "standalone Spark cluster build, 1 worker / 2 workers (`--spark-scaleout`, seconds)",
+            None,
+            lambda d: (
+                " / ".join(
+                    f"{v['s']:.1f} s"
+                    for v in d["spark_scaleout"]["build_spark_standalone"].values()
+                )
+                + f" at {num(d['spark_scaleout']['requests'])} requests, one round each on a shared "
+                "2-core box (says nothing of scaling there)"
+            ),
+            reference="report",
+        ),
+        Row(
             "scale: seconds per million input rows per engine (`--scale`), and its growth from "
             "the smallest size to the largest",
             None,
