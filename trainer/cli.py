@@ -54,19 +54,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=build)
 
 
-def rank_checkpoint_options(config: TrainConfig) -> Any:
-    """With ``--resume`` of a multi-rank job's checkpoint, the job's exchange options (one
-    process continues it on a world of one); else ``None``."""
-    if not config.resume or config.checkpoint is None:
+def rank_checkpoint_options(state: dict[str, Any] | None) -> Any:
+    """For a multi-rank job's checkpoint ``state`` (read by ``--resume``), the job's exchange
+    options (one process continues it on a world of one); else ``None``."""
+    if state is None or state.get("kind") != "distributed":
         return None
     from dataclasses import fields
 
-    from trainer.checkpoint import checkpoint_file, load_checkpoint
     from trainer.distributed.config import DistributedConfig
 
-    state = load_checkpoint(checkpoint_file(config.checkpoint))
-    if state is None or state.get("kind") != "distributed":
-        return None
     saved = state.get("options") or {}
     known = {f.name for f in fields(DistributedConfig)}
     return DistributedConfig(**{k: v for k, v in saved.items() if k in known})
@@ -80,7 +76,7 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     from trainer.train import resolve_model, set_threads, train
 
     check_train_outputs(config, json=args.json)
-    config = with_saved_settings(config, args)
+    config, saved = with_saved_settings(config, args)
     # the features --attention auto names and the thread count, as the summary shows them; a
     # torchrun worker of --nproc resolves its own (its share of the node's cores)
     config = resolve_model(config)
@@ -93,7 +89,7 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
             return 0
         result, summary = ran
     else:
-        options = rank_checkpoint_options(config)
+        options = rank_checkpoint_options(saved)
         if options is None:
             result = train(config, progress=not args.quiet)
         else:  # a multi-rank job's checkpoint goes on here: its engine on a world of one

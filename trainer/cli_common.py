@@ -51,26 +51,29 @@ def train_options(parser: argparse.ArgumentParser) -> tuple[Any, Any]:
     return run_options, model_options
 
 
-def with_saved_settings(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+def with_saved_settings(
+    config: TrainConfig, args: argparse.Namespace
+) -> tuple[TrainConfig, dict[str, Any] | None]:
     """With ``--resume``, ``config`` with the model's and the run's settings of its checkpoint,
-    except the options written on the command line (a contradiction is then refused by name).
-    Only the command line's own process merges (torchrun workers get the merged config)."""
+    except the options written on the command line (a contradiction is then refused by name),
+    and the checkpoint's state as read (``None``: none read). Only the command line's own
+    process merges (torchrun workers get the merged config)."""
     explicit = getattr(args, "explicit", None)
     if not config.resume or config.checkpoint is None or explicit is None:
-        return config
+        return config, None
     from trainer.checkpoint import checkpoint_file, load_checkpoint, settings_from_checkpoint
 
     try:
         state = load_checkpoint(checkpoint_file(config.checkpoint))
     except Exception:  # unreadable: the run's own checks name it
-        return config
+        return config, None
     if state is None:
-        return config
+        return config, None
     world = 1
     if distributed.requested(args):
         launch = distributed.launch_config(args)
         world = (launch.nproc or 1) * launch.nnodes
-    return settings_from_checkpoint(state, config, explicit=explicit, world_size=world)
+    return settings_from_checkpoint(state, config, explicit=explicit, world_size=world), state
 
 
 @contextlib.contextmanager

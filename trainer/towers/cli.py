@@ -168,7 +168,7 @@ def run_train(configs: tuple[TrainConfig, TowersConfig], args: argparse.Namespac
 
     config, towers = configs
     check_train_outputs(config, json=args.json, reads=[towers.towers])
-    config = with_saved_settings(config, args)
+    config, _ = with_saved_settings(config, args)
     checked_plan(config, towers)  # before any worker starts
     config = replace(config, model=replace(config.model, attention="none"))  # towers pool only
     set_threads(config)
