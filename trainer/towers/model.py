@@ -28,7 +28,7 @@ from recpipe.batch import Batch
 from recpipe.errors import RecpipeError
 from trainer.config import ModelConfig, TableConfig
 from trainer.models import DLRM, _mlp, attention_features, default_tables
-from trainer.modules import TableFactory, table_seed
+from trainer.modules import TableFactory, dedup_batch, table_seed
 from trainer.towers.config import TowerModuleConfig, TowerPlan
 from trainer.towers.modules import TowerModule, build_tower
 
@@ -158,7 +158,7 @@ class TowerDLRM(DLRM):
                 f"(it would pool {list(attention_features(schema, config))!r} by attention)"
             )
             raise RecpipeError(msg)
-        return cls(
+        model = cls(
             len(schema.dense_names),
             model_tables(schema, config),
             config=config,
@@ -166,6 +166,8 @@ class TowerDLRM(DLRM):
             towers=towers or TowerModuleConfig(),
             table_factory=table_factory,
         )
+        model.set_dedup_groups(schema.dedup_groups, schema.dedup_partial)
+        return model
 
     @property
     def passthrough(self) -> bool:
@@ -186,7 +188,10 @@ class TowerDLRM(DLRM):
         return self.interact(x0, vectors)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """``[B]`` logits of a batch (deduplicated or plain)."""
+        """``[B]`` logits of a batch (deduplicated or plain: a plain batch's dedup groups are
+        deduplicated first, as :meth:`DLRM.forward <trainer.models.DLRM.forward>` does)."""
+        if self.dedup_groups or self.dedup_partial:
+            batch = dedup_batch(batch, self.dedup_groups, self.dedup_partial)
         pooled = self.ebc(batch)
         outputs = [m(self.tower_input(pooled, t)) for t, m in enumerate(self.towers)]
         return self.head(batch.dense, outputs)

@@ -5,9 +5,12 @@ rank order. Tower ``t``'s tables live on host ``t`` (:class:`~trainer.towers.lay
 One step, every rank calling the same collectives in the same order::
 
     1. sparse a2a (world)   each rank sends every feature's ids to the rank holding its table:
-                            counts first, then lengths + ids (int64). Rank g now holds its
-                            features' bags for all G·B rows (sources in rank order)
-    2. local lookup         pooled [G·B, n_g, N] (the tables' 2FP exchange on a world of one)
+                            counts first, then lengths + ids (int64); a dedup group's features
+                            go as their unique rows plus the group's [B] inverse lookup (see
+                            below). Rank g now holds its features' bags for all G·B rows
+                            (sources in rank order)
+    2. local lookup         pooled [G·B, n_g, N] (the tables' 2FP exchange on a world of one),
+                            a dedup group's bags pooled once per unique row
     3. peer permute         rows reordered by (destination local rank l', peer order of l')
     4. host a2a (host)      chunk l' -> local rank l': every rank of host t now holds all n_t
                             features of tower t for its peers' T·B rows
@@ -22,6 +25,14 @@ gradients over the host's ranks (the only ranks that hold that tower), and updat
 tables with the pooled rows' gradients of all G·B rows. Only steps 1 and 7 cross hosts; a tower
 module with compression r shrinks step 7's bytes (and its gradients') by exactly r.
 
+Dedup survives step 1. A rank's features of a dedup group travel as the unique rows of those
+features alone (the group's unique rows deduplicated again on the features the destination
+holds, numbered by first occurrence) and their ``[B]`` inverse lookup: the ids on the wire shrink
+with the dedup factor. With ``--dedup off`` the ranks send the B plain rows and the destination
+deduplicates each source's rows of the same features the same way (the model's dedup groups,
+:meth:`~trainer.models.DLRM.set_dedup_groups`), so the two compute the same unique rows, the
+same sums and, on the CPU, the same losses bit for bit. Partial groups travel expanded.
+
 ``schedule="flat"`` runs the flat model-parallel path instead: steps 1-2, then one world a2a of
 the pooled embeddings straight back to the ranks their rows belong to (TorchRec's table-wise
 sharding). With pass-through towers both deliver the same pooled numbers, bit for bit.
@@ -34,31 +45,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from recpipe.batch import Batch
 from recpipe.errors import RecpipeError
+from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import JaggedTensor, KeyedJaggedTensor
 from trainer.config import DEFAULT_LR
+from trainer.distributed.batches import concat_batches
 from trainer.distributed.comm import Comm
 from trainer.distributed.dense import global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings
 from trainer.distributed.shard import SparseOptimizer
 from trainer.distributed.trainer import PendingLosses, evaluate_on_ranks
-from trainer.modules import PooledEmbeddings
+from trainer.modules import PooledEmbeddings, dedup_batch
 from trainer.runlog import EvalResult
 from trainer.towers.layout import SPTTLayout
 from trainer.towers.model import TowerDLRM
 from trainer.train import make_optimizers
 
-if TYPE_CHECKING:
-    from recpipe.batch import Batch
-
-__all__ = ["COLLECTIVES", "SPTTGroups", "SPTTTrainer", "Schedule", "Traffic"]
+__all__ = ["COLLECTIVES", "RoutedIds", "SPTTGroups", "SPTTTrainer", "Schedule", "Traffic"]
 
 Schedule = Literal["sptt", "flat"]
 
@@ -205,6 +216,83 @@ class Traffic:
         self.by_name = {name: CollectiveTraffic() for name in COLLECTIVES}
 
 
+@dataclass
+class RoutedIds:
+    """What step 1 sent, to every rank (this one included), summed over calls.
+
+    Attributes:
+        rows: bag rows (one per feature and row sent: B per plain feature, the unique rows of
+            a dedup group's features).
+        ids: the ids of those rows.
+        inverse: inverse-lookup entries (B per dedup group and destination).
+    """
+
+    rows: int = 0
+    ids: int = 0
+    inverse: int = 0
+
+    def add(self, other: RoutedIds) -> None:
+        self.rows += other.rows
+        self.ids += other.ids
+        self.inverse += other.inverse
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A run of one destination's features on the wire: B plain rows each (``group`` None),
+    or the unique rows of one dedup group's features with their ``[B]`` inverse lookup."""
+
+    keys: tuple[str, ...]
+    group: str | None = None
+
+
+def _segments(batch: Batch, features: Sequence[str]) -> list[_Segment]:
+    """How ``features`` travel for ``batch``: the plain ones (and those of partial groups,
+    expanded) together, then each dedup group's, in the batch's group order."""
+    grouped = {k: name for name, g in batch.ikjts.items()
+               if isinstance(g, InverseKeyedJaggedTensor) for k in g.keys()}  # fmt: skip
+    out = []
+    plain = tuple(f for f in features if f not in grouped)
+    if plain:
+        out.append(_Segment(plain))
+    for name in batch.ikjts:
+        keys = tuple(f for f in features if grouped.get(f) == name)
+        if keys:
+            out.append(_Segment(keys, name))
+    return out
+
+
+def _sub_group(group: InverseKeyedJaggedTensor, keys: Sequence[str]) -> InverseKeyedJaggedTensor:
+    """The unique rows of ``keys`` of a dedup group, numbered by first occurrence among the B
+    rows, and their ``[B]`` inverse lookup: what deduplicating the group's expanded ``keys``
+    gives (:meth:`InverseKeyedJaggedTensor.from_jagged`), computed on its U unique rows."""
+    sub = InverseKeyedJaggedTensor.from_jagged({k: group[k] for k in keys})  # over U rows
+    inverse = sub.inverse_lookup[group.inverse_lookup]  # (B,) into the sub's rows
+    rows, n = inverse.numel(), sub.num_unique
+    first = torch.full((n,), rows, dtype=torch.int64, device=inverse.device)
+    first.scatter_reduce_(0, inverse, torch.arange(rows, device=inverse.device), "amin")
+    order = torch.argsort(first)
+    if torch.equal(order, torch.arange(n, device=order.device)):
+        return InverseKeyedJaggedTensor.from_unique(sub.unique, inverse, validate=False)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n, device=order.device)
+    return InverseKeyedJaggedTensor.from_unique(
+        sub.unique.index_select(order, validate=False), rank[inverse], validate=False
+    )
+
+
+def _sparse_only(
+    kjt: KeyedJaggedTensor, groups: dict[str, Any], rows: int, device: torch.device
+) -> Batch:
+    """A Batch of sparse features alone (no dense features, zero labels)."""
+    return Batch(
+        dense=torch.zeros(rows, 0, device=device),
+        labels=torch.zeros(rows, device=device),
+        kjt=kjt,
+        ikjts=groups,
+    )
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of a flat tensor (``send[i]`` elements to group rank ``i``);
     backward sends the gradients back the same way (the sizes swapped). The zero-size
@@ -303,6 +391,14 @@ class SPTTTrainer:
         if any(p.requires_grad for p in self.tower.parameters()):
             self.optimizers += make_optimizers(self.tower, optimizer, lr=self.lr)
         self.traffic = Traffic(layout, self.rank)
+        self.routed = RoutedIds()  # what step 1 sent in training steps
+        self.last_routed = RoutedIds()  # ... in the last route_sparse call
+        # the model's dedup groups on this rank's features: a plain batch's rows of them are
+        # deduplicated on arrival, as a deduplicated batch's travel (see the module docstring)
+        self.dedup_groups = tuple(
+            keys for g in self.model.dedup_groups
+            if (keys := tuple(f for f in self.features if f in g))
+        )  # fmt: skip
         self._anchor = torch.zeros(0, requires_grad=True)
         self.step = 0
         self._pending = PendingLosses()
@@ -314,17 +410,42 @@ class SPTTTrainer:
         route = (comm, ranks, self.traffic)
         return _AllToAll.apply(self._anchor, x, route, send, recv, (name, f"{name}_grad"))
 
-    def route_sparse(self, batch: Batch) -> KeyedJaggedTensor:
+    def route_sparse(self, batch: Batch) -> Batch:
         """Step 1: this rank's features' bags for the global batch (``G·B`` rows, sources in
-        rank order), from every rank's micro-batch."""
-        world, layout = self.groups.world, self.layout
-        kjt = batch.to_plain().kjt
+        rank order), from every rank's micro-batch: a sparse-only :class:`Batch` whose dedup
+        groups hold the unique rows of this rank's features of each group (of the model's
+        dedup groups too when the ranks read plain batches). :attr:`last_routed` counts what
+        this rank sent."""
+        world, layout, rows = self.groups.world, self.layout, batch.batch_size
+        partial = [
+            g for g in batch.ikjts.values() if isinstance(g, PartialInverseKeyedJaggedTensor)
+        ]
+        plain = (
+            KeyedJaggedTensor.concat([batch.kjt, *(g.to_kjt() for g in partial)])
+            if partial
+            else batch.kjt
+        )
+        sent = RoutedIds()
         parts, counts = [], []
         for dest in range(layout.world_size):
-            sub = kjt.select(layout.features_of(dest))
-            payload = torch.cat([sub.lengths().to(torch.int64), sub.values().to(torch.int64)])
+            pieces: list[torch.Tensor] = []
+            for seg in _segments(batch, layout.features_of(dest)):
+                if seg.group is None:
+                    sub, head = plain.select(seg.keys), []
+                else:
+                    group = _sub_group(batch.ikjts[seg.group], seg.keys)  # type: ignore[arg-type]
+                    sub = group.unique
+                    u = torch.tensor([group.num_unique], device=group.inverse_lookup.device)
+                    head = [u, group.inverse_lookup]
+                    sent.inverse += rows
+                pieces += [*head, sub.lengths(), sub.values()]
+                sent.rows += sub.lengths().numel()
+                sent.ids += sub.values().numel()
+            payload = torch.cat([p.to(torch.int64) for p in pieces]) if pieces else (
+                torch.zeros(0, dtype=torch.int64, device=batch.dense.device))  # fmt: skip
             parts.append(payload)
             counts.append(payload.numel())
+        self.last_routed = sent
         ranks = list(range(layout.world_size))
         self.traffic.record("sparse_counts", [1] * len(ranks), ranks, 8)
         got_counts = world.all_to_all_counts(
@@ -333,29 +454,55 @@ class SPTTTrainer:
         recv = [int(c) for c in got_counts.tolist()]
         self.traffic.record("sparse_ids", counts, ranks, 8)
         got = world.all_to_all(torch.cat(parts), counts, recv, what="the sparse ids")
-        return self._bags(got.split(recv), rows=batch.batch_size)
+        segments = _segments(batch, self.features)
+        sources = [self._source_bags(chunk, segments, rows=rows, source=s)
+                   for s, chunk in enumerate(got.split(recv))]  # fmt: skip
+        return concat_batches(sources)
 
-    def _bags(self, chunks: Sequence[torch.Tensor], *, rows: int) -> KeyedJaggedTensor:
-        """This rank's features from every source's chunk (lengths, then ids, key-major)."""
-        n = len(self.features)
-        lengths, values = [], []
-        for chunk in chunks:
-            lens = chunk[: n * rows].view(n, rows)  # (n_g, B)
-            lengths.append(lens)
-            values.append(chunk[n * rows :].split(lens.sum(1).tolist()))
-        jagged = {
-            f: JaggedTensor.from_lengths(
-                torch.cat([v[i] for v in values]),
-                torch.cat([lens[i] for lens in lengths]),
-                validate=False,
+    def _source_bags(
+        self, chunk: torch.Tensor, segments: Sequence[_Segment], *, rows: int, source: int
+    ) -> Batch:
+        """This rank's features from one source's chunk (per segment: for a dedup group the
+        unique rows U and the ``[B]`` inverse, then lengths, then ids, key-major), the plain
+        rows of the model's dedup groups deduplicated (:func:`~trainer.modules.dedup_batch`)."""
+        at, plain, groups = 0, {}, {}
+        for seg in segments:
+            n, inverse = len(seg.keys), None
+            count = rows
+            if seg.group is not None:
+                count = int(chunk[at])
+                inverse = chunk[at + 1 : at + 1 + rows]
+                at += 1 + rows
+            lens = chunk[at : at + n * count].view(n, count)
+            at += n * count
+            sizes = lens.sum(1).tolist()
+            values = chunk[at : at + sum(sizes)].split(sizes)
+            at += sum(sizes)
+            jagged = {
+                k: JaggedTensor.from_lengths(v, ln, validate=False)
+                for k, v, ln in zip(seg.keys, values, lens, strict=True)
+            }
+            if inverse is None:
+                plain.update(jagged)
+            else:
+                unique = KeyedJaggedTensor.from_jagged_dict(jagged, stride=count)
+                groups[seg.group] = InverseKeyedJaggedTensor.from_unique(
+                    unique, inverse, validate=False
+                )
+        if at != chunk.numel():
+            msg = (
+                f"rank {source} sent {chunk.numel()} sparse values, rank {self.rank} read "
+                f"{at}: the ranks' batches differ in their features or dedup groups"
             )
-            for i, f in enumerate(self.features)
-        }
-        return KeyedJaggedTensor.from_jagged_dict(jagged, stride=rows * len(chunks))
+            raise RecpipeError(msg)
+        kjt = KeyedJaggedTensor.from_jagged_dict(plain, stride=rows)
+        bags = _sparse_only(kjt, groups, rows, chunk.device)
+        return dedup_batch(bags, self.dedup_groups) if self.dedup_groups else bags
 
-    def lookup(self, bags: KeyedJaggedTensor, *, train: bool) -> torch.Tensor:
-        """Step 2: the pooled ``[G·B, n_g, N]`` embeddings of this rank's features."""
-        rows, dim = bags.stride(), self.model.config.embedding_dim
+    def lookup(self, bags: Batch, *, train: bool) -> torch.Tensor:
+        """Step 2: the pooled ``[G·B, n_g, N]`` embeddings of this rank's features (a dedup
+        group's pooled once per unique row, then expanded by its inverse lookup)."""
+        rows, dim = bags.batch_size, self.model.config.embedding_dim
         if self.local is None or self.sparse is None:
             return torch.zeros(rows, 0, dim, device=self.device)
         self.sparse.prepare(bags, train=train)
@@ -451,6 +598,7 @@ class SPTTTrainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         logits = self.forward(batch, train=True)
+        self.routed.add(self.last_routed)
         loss_sum = F.binary_cross_entropy_with_logits(
             logits, batch.labels.to(logits.dtype), reduction="sum"
         )
