@@ -29,6 +29,16 @@ Figures (written to benchmarks/results/towers.json):
                               counted in the SPTT job (and the flat table-wise path's)
   compression_measured        cross-host embedding bytes of pass-through SPTT / with tower modules
   flops_per_sample            forward FLOPs per sample of each model's dense part
+  towers_dedup_bytes_ratio    cross-host bytes of SPTT's sparse all-to-all with --dedup on / off
+                              (every rank's, `--traffic-steps` steps) on session-clustered data:
+                              the bundled schema's synth (`--dedup-requests` requests, its user
+                              dedup groups), pass-through towers, a strided plan; bytes are
+                              deterministic, so one run; `dedup_traffic` holds the parts (ids,
+                              all collectives, the readers' dedup factor) and whether the two
+                              runs' losses agree bit for bit
+
+`--dedup-only` measures towers_dedup_bytes_ratio alone (about a minute) and puts it into an
+existing `--out` file, leaving the other figures as they are.
 """
 
 from __future__ import annotations
@@ -77,6 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Adagrad learning rate of the partitioner's short run (only the embeddings' "
              "alignment matters there; at the default 0.05, 300 steps barely move them)")  # fmt: skip
     add("--traffic-steps", type=int, default=2, help="SPTT steps per config counting bytes")
+    add(
+        "--dedup-requests",
+        type=int,
+        default=4000,
+        help="synthetic requests of the session-clustered data for towers_dedup_bytes_ratio",
+    )
+    add("--dedup-only", action="store_true",
+        help="measure towers_dedup_bytes_ratio only and update it in an existing --out file")  # fmt: skip
     add("--row-group-size", type=int, default=2048, help="rows per row group of the dataset")
     add("--data", type=Path, help="an existing planted dataset (skip synth)")
     add("--work", type=Path, help="working directory (default: a temp dir)")
@@ -314,7 +332,150 @@ def _launch(dataset: Path, args: dict[str, Any], plans: dict[str, str]) -> dict[
 
 
 # -------------------------------------------------------------------------------------------
+# dedup through SPTT's sparse all-to-all
+
+
+def build_clustered(work: Path, requests: int) -> Path:
+    """The bundled schema's synthetic sessions, built clustered (its user dedup groups)."""
+    from etl.build import build
+    from etl.synth import SynthConfig, generate
+    from schemas import default_schema
+
+    logs = generate(work / "raw-clustered", SynthConfig(num_requests=requests, seed=0))
+    out = work / "clustered"
+    build(logs.features, out, events=logs.events, schema=default_schema(), overwrite=True)
+    return out
+
+
+def _dedup_worker(dataset: str, args: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of the dedup job: the same `traffic_steps` SPTT steps with the readers'
+    deduplicated batches and with plain ones; every collective's bytes, the ids sent, the
+    losses."""
+    import torch
+
+    from readers.dataset import dataset_schema
+    from readers.ranks import RankBatchDataset
+    from readers.source import ReaderConfig
+    from trainer.config import ModelConfig
+    from trainer.distributed.comm import destroy, init_from_env
+    from trainer.distributed.trainer import sharded_table_factory
+    from trainer.towers.config import TowerPlan
+    from trainer.towers.layout import SPTTLayout
+    from trainer.towers.model import TowerDLRM, model_tables
+    from trainer.towers.sptt import SPTTGroups, SPTTTrainer
+
+    torch.set_num_threads(1)
+    comm = init_from_env(device="cpu", timeout_s=600.0)
+    schema = dataset_schema(dataset)
+    config = ModelConfig(embedding_dim=args["embedding_dim"], num_embeddings=args["num_embeddings"],
+                         attention="none", bottom_mlp=(32,), top_mlp=(64,), seed=0)  # fmt: skip
+    plan = TowerPlan.strided(schema.sparse_names, args["towers"])
+    layout = SPTTLayout(plan, model_tables(schema, config), comm.world_size, args["ranks_per_host"])
+    groups = SPTTGroups.create(layout, world=comm, timeout_s=600.0)
+    out: dict[str, Any] = {}
+    for name, dedup in (("on", True), ("off", False)):
+        data = RankBatchDataset(dataset, schema=schema, rank=comm.rank, world_size=comm.world_size,
+                                config=ReaderConfig(batch_size=args["batch_size"], shuffle=True,
+                                                    seed=0), dedup=dedup)  # fmt: skip
+        batches = _take(data, args["traffic_steps"])
+        torch.manual_seed(0)
+        model = TowerDLRM.from_schema(schema, config, plan=plan,
+                                      table_factory=sharded_table_factory(optimizer="adagrad"))  # fmt: skip
+        run = SPTTTrainer(model, layout=layout, groups=groups)
+        for batch in batches:
+            run.train_step(batch, reduce_loss=False)
+        losses = run.pending_losses()
+        routed = torch.tensor([run.routed.rows, run.routed.ids, run.routed.inverse])
+        routed = comm.all_reduce(routed, what="the ids sent")
+        stored = sum(g.num_values for b in batches for g in b.ikjts.values())
+        expanded = sum(g.num_expanded_values for b in batches for g in b.ikjts.values())
+        factors = comm.all_reduce(torch.tensor([stored, expanded]), what="the dedup factors")
+        out[name] = {
+            "traffic": {k: vars(v) for k, v in run.traffic.merged(groups.world).items()},
+            "routed": dict(zip(("rows", "ids", "inverse"), map(int, routed.tolist()))),
+            "losses": losses,
+            "group_values": dict(zip(("stored", "expanded"), map(int, factors.tolist()))),
+        }
+    rank = comm.rank
+    destroy()
+    return out if rank == 0 else None
+
+
+def dedup_traffic(work: Path, opts: dict[str, Any], requests: int) -> dict[str, Any]:
+    """``towers_dedup_bytes_ratio`` and its parts (see the module docstring)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    dataset = build_clustered(work, requests)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=_world(opts), run_id=f"towers-dedup-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
+    )  # fmt: skip
+    job = elastic_launch(config, _dedup_worker)(str(dataset), opts)[0]
+    return summarise_dedup(job, requests=requests, opts=opts)
+
+
+def summarise_dedup(job: dict[str, Any], *, requests: int, opts: dict[str, Any]) -> dict[str, Any]:
+    sparse = ("sparse_counts", "sparse_ids")
+
+    def cross(side: str, names: Any = None) -> int:
+        traffic = job[side]["traffic"]
+        return sum(t["cross_host"] for k, t in traffic.items() if names is None or k in names)
+
+    on, off = job["on"], job["off"]
+    values = on["group_values"]
+    samples = opts["traffic_steps"] * opts["batch_size"] * _world(opts)
+    return {
+        "towers_dedup_bytes_ratio": cross("on", sparse) / cross("off", sparse),
+        "dedup_traffic": {
+            "requests": requests,
+            "layout": f"{opts['towers']} hosts x {opts['ranks_per_host']} ranks",
+            "steps": opts["traffic_steps"],
+            "batch_size": opts["batch_size"],
+            "samples": samples,
+            "sparse_cross_host_bytes": {"on": cross("on", sparse), "off": cross("off", sparse)},
+            "all_cross_host_bytes": {"on": cross("on"), "off": cross("off")},
+            "all_bytes_ratio": cross("on") / cross("off"),
+            "ids_sent": {"on": on["routed"]["ids"], "off": off["routed"]["ids"]},
+            "ids_ratio": on["routed"]["ids"] / off["routed"]["ids"],
+            "routed": {"on": on["routed"], "off": off["routed"]},
+            "readers_dedup_factor": values["expanded"] / values["stored"] if values["stored"] else 1.0,
+            "losses_bitwise": on["losses"] == off["losses"],
+            "losses": {"on": on["losses"], "off": off["losses"]},
+            "by_collective": {"on": on["traffic"], "off": off["traffic"]},
+        },
+    }  # fmt: skip
+
+
+def run_dedup_only(args: argparse.Namespace) -> Path:
+    """``towers_dedup_bytes_ratio`` alone, put into the results already in ``args.out`` (whose
+    other figures, and the ``environment`` they were measured in, stay as they are; the dedup
+    figures carry their own)."""
+    import torch
+
+    torch.set_num_threads(1)
+    opts = _options(args)
+    with tempfile.TemporaryDirectory(prefix="recpipe-towers-dedup-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        got = dedup_traffic(work, opts, args.dedup_requests)
+    got["dedup_traffic"]["environment"] = environment()
+    if not args.out.exists():
+        return write_results(got, args.out)
+    before = json.loads(args.out.read_text())
+    args.out.write_text(json.dumps({**before, **got}, indent=1, default=float) + "\n")
+    return args.out
+
+
+# -------------------------------------------------------------------------------------------
 # the run
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    opts = {k: getattr(args, k) for k in ("groups", "features_per_group", "towers", "ranks_per_host",
+                                          "seeds", "steps", "batch_size", "embedding_dim",
+                                          "num_embeddings", "traffic_steps")}  # fmt: skip
+    opts["compressions"] = [int(c) for c in str(args.compressions).split(",") if c]
+    return opts
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,10 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from trainer.towers.run import partition
 
     torch.set_num_threads(1)
-    opts = {k: getattr(args, k) for k in ("groups", "features_per_group", "towers", "ranks_per_host",
-                                          "seeds", "steps", "batch_size", "embedding_dim",
-                                          "num_embeddings", "traffic_steps")}  # fmt: skip
-    opts["compressions"] = [int(c) for c in str(args.compressions).split(",") if c]
+    opts = _options(args)
     with tempfile.TemporaryDirectory(prefix="recpipe-towers-bench-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -369,8 +527,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"seed {seed} {key}: AUC {got['auc']:.4f}", file=sys.stderr)
         aucs["sptt"] = job["sptt"]
         flops["sptt"] = flops["flat"]
+        dedup = dedup_traffic(work, opts, args.dedup_requests)
         wall = time.perf_counter() - t0
-    return summarise(args, opts, synth, part, aucs, flops, job, wall, plot)
+    return {**summarise(args, opts, synth, part, aucs, flops, job, wall, plot), **dedup}
 
 
 def summarise(args: argparse.Namespace, opts: dict[str, Any], synth: dict[str, Any], part: Any,
@@ -442,8 +601,23 @@ def _table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _print_dedup(results: dict[str, Any]) -> None:
+    d = results["dedup_traffic"]
+    sparse = d["sparse_cross_host_bytes"]
+    print(f"towers_dedup_bytes_ratio {results['towers_dedup_bytes_ratio']:.3f}: sparse all-to-all "
+          f"{sparse['on']:,} cross-host bytes with --dedup on, {sparse['off']:,} off "
+          f"({d['samples']:,} samples; ids {d['ids_ratio']:.3f}, all collectives "
+          f"{d['all_bytes_ratio']:.3f}, readers' dedup factor {d['readers_dedup_factor']:.2f}; "
+          f"losses bitwise: {d['losses_bitwise']})")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dedup_only:
+        path = run_dedup_only(args)
+        _print_dedup(json.loads(path.read_text()))
+        print(f"wrote {path}")
+        return 0
     if args.seeds < 2:
         raise SystemExit("--seeds must be >= 2 (a standard deviation and a U test)")
     results = run(args)
@@ -455,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"learned - strided at {r}: {v['learned_minus_strided']:+.4f} (p = {v['p_greater']:.3g})"
         )
+    _print_dedup(results)
     print(f"wrote {path}")
     return 0
 
