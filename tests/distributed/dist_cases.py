@@ -377,12 +377,12 @@ def resume_reference(dataset: str, model: ModelConfig, reader_at_resume: dict, *
 
 def checkpoint_tables(root: str) -> dict:
     """Every row of a multi-rank checkpoint, merged over its rank files, sorted by id."""
-    from trainer.distributed.checkpoint import read_checkpoint
+    from trainer.distributed.checkpoint import read_checkpoint, read_part
 
     state = read_checkpoint(root)
-    folder = Path(root) / state["sparse"]
-    parts = [torch.load(p, weights_only=False)["rows"] for p in sorted(folder.glob("rank-*.pt"))]
-    assert len(parts) == state["world_size"]
+    world = state["world_size"]
+    parts = [read_part(root, state, "sparse", rank=r, world_size=world)["rows"]
+             for r in range(world)]  # fmt: skip
     out = {}
     for name in parts[0]:
         ids = torch.cat([p[name]["ids"] for p in parts])
