@@ -51,6 +51,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "readers.service", "serve preprocessed batches to trainers over TCP"),
     ("train", "trainer.cli", "train a DLRM with or without dedup"),
     ("predict", "trainer.predict", "score or evaluate a dataset with a trained model"),
+    ("export", "trainer.export", "write any checkpoint as one-process model weights"),
     ("store", "trainer.store.cli", "inspect a hybrid embedding store"),
     ("towers", "trainer.towers.cli", "partition features into towers; train a towered DLRM (SPTT)"),
 )
@@ -65,6 +66,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "fit": ("out|dataset",),
     "train": ("checkpoint", "json", "metrics", "tensorboard"),
     "predict": ("out", "json"),
+    "export": ("out",),
     "towers partition": ("out", "plot"),
     "towers train": ("json",),
 }

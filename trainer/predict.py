@@ -16,8 +16,10 @@ the logs on ``request_id``. The loss and AUC of ``--part heldout`` are the held-
 ``recpipe train`` makes at the end of a run (over all held-out batches); ``--metrics-only``
 prints them (and ``--json`` writes them) without writing predictions.
 
-Only a one-process checkpoint with its tables in the model (``recpipe train --store module``)
-can be read; a multi-rank job's checkpoint or a hybrid-store one is refused with one line.
+A one-process checkpoint with its tables in the model (``recpipe train --store module``) is
+read as it is; a checkpoint of any other layout (ranks, towers, a hybrid store) is read once
+``recpipe export`` has turned it into one file of one-process weights (``CKPT`` is then that
+file); given directly it is refused with one line.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def _refuse_unloadable(state: dict[str, Any], path: Path) -> None:
         msg = (
             f"{path}: a checkpoint of a multi-rank job ({state.get('world_size', '?')} ranks, "
             "its tables sharded over rank files under sparse/); `recpipe predict` reads a "
-            "one-process `recpipe train --checkpoint` checkpoint"
+            "one-process `recpipe train --checkpoint` checkpoint or a `recpipe export` file"
+            "\nhint: `recpipe export CKPT --out FILE` writes its one-process weights"
         )
         raise RecpipeError(msg)
     if kind is not None:
@@ -112,7 +115,8 @@ def _refuse_unloadable(state: dict[str, Any], path: Path) -> None:
         msg = (
             f"{path}: its tables live in the {store!r} embedding store under "
             f"{path.parent / 'store'}, not in the checkpoint; `recpipe predict` reads a "
-            "`recpipe train --store module` checkpoint"
+            "`recpipe train --store module` checkpoint or a `recpipe export` file"
+            "\nhint: `recpipe export CKPT --out FILE` writes its one-process weights"
         )
         raise RecpipeError(msg)
 
@@ -142,17 +146,18 @@ def load_trained_model(
             a model that does not fit ``dataset``'s features.
     """
     from trainer.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
+    from trainer.export_format import as_checkpoint, is_export, read_export
     from trainer.models import DLRM
     from trainer.train import read_schema
 
     root = Path(checkpoint)
     if root.name == CHECKPOINT_FILE and root.is_file():
         root = root.parent
-    path = checkpoint_file(root)
-    if not root.is_dir():
-        msg = f"`CKPT` {str(checkpoint)!r} is not a checkpoint directory"
+    path = root if is_export(root) else checkpoint_file(root)
+    if not root.is_dir() and not is_export(root):
+        msg = f"`CKPT` {str(checkpoint)!r} is not a checkpoint directory or a `recpipe export` file"
         raise RecpipeError(msg)
-    state = load_checkpoint(path)
+    state = as_checkpoint(read_export(path)) if is_export(root) else load_checkpoint(path)
     if state is None:
         msg = (
             f"`CKPT` {str(checkpoint)!r} holds no {CHECKPOINT_FILE} (write one with "
@@ -373,8 +378,9 @@ def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         ),
     )
     parser.add_argument(
-        "checkpoint", metavar="CKPT", help="checkpoint directory of `recpipe train`"
-    )
+        "checkpoint", metavar="CKPT",
+        help="checkpoint directory of `recpipe train`, or a file of `recpipe export`",
+    )  # fmt: skip
     parser.add_argument("dataset", metavar="DATASET", help="clustered dataset directory")
     parser.add_argument("--out", metavar="FILE", help="write the predictions to this Parquet file")
     parser.add_argument(
