@@ -249,6 +249,7 @@ WRITERS = [
     ("fit-out", ["fit", "{ds}", "--preprocess", "{prep}", "--out", "{out}/fitted.json"], None),
     ("train-checkpoint", ["train", "{ds}", *TRAIN, "--checkpoint", "{out}/ck"], None),
     ("predict", ["predict", "{checkpoint}", "{ds}", "--out", "{out}/p.parquet"], None),
+    ("export", ["export", "{checkpoint}", "--out", "{out}/model.pt"], None),
     ("towers-partition", [*PARTITION, "--out", "{out}/plan.toml"], None),
     ("towers-train", ["towers", "train", "{ds}", "--towers", "{plan}", *TRAIN,
                       "--json", "{out}/s.json"], None),
@@ -432,6 +433,7 @@ NONSENSE = [
     ("serve-dataset-proc", ["serve", PROC], PROC),
     ("train-checkpoint-proc", ["train", "{ds}", *TRAIN, "--checkpoint", PROC + "/ck"], PROC),
     ("predict-out-proc", ["predict", "{ds}", "{ds}", "--out", PROC + "/p.parquet"], PROC),
+    ("export-out-proc", ["export", "{ds}", "--out", PROC + "/model.pt"], PROC),
     ("store-proc", ["store", PROC], PROC),
     ("towers-plan-proc", ["towers", "train", "{ds}", "--towers", PROC, *TRAIN], PROC),
 ]  # fmt: skip

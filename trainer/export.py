@@ -390,12 +390,17 @@ def _check_passthrough(saved: dict[str, Any], *, path: Path) -> None:
 
 
 def _write(doc: dict[str, Any], out: Path) -> int:
+    """``torch.save`` of ``doc`` to ``out``, through a temporary file renamed into place."""
+    import io
+
     import torch
 
+    buffer = io.BytesIO()
+    torch.save(doc, buffer)  # in memory: a write error is then an OSError naming the file
     tmp = out.with_name(f".{out.name}.tmp")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(doc, tmp)
+        with open(tmp, "wb") as fh:
+            fh.write(buffer.getbuffer())
         os.replace(tmp, out)
     except OSError as exc:
         msg = f"`--out` {str(out)!r}: cannot write the export: {exc.strerror or exc}"
