@@ -86,3 +86,61 @@ def test_two_hosts_of_two_ranks_send_the_unique_rows_ids(two_by_two):
 @pytest.mark.slow
 def test_two_hosts_of_two_ranks_dedup_on_trains_bitwise_as_off(two_by_two):
     _check_losses(two_by_two)
+
+
+# -------------------------------------------------------------------------------------------
+# in this process: the wire format's pieces
+
+
+def test_a_groups_share_is_deduplicated_as_its_expanded_rows():
+    """A destination's share of a group: the rows of its features deduplicated and numbered by
+    first occurrence among the B rows, whatever order the group's unique rows come in."""
+    import torch
+
+    from recpipe.ikjt import InverseKeyedJaggedTensor
+    from recpipe.jagged import KeyedJaggedTensor
+    from trainer.towers.sptt import _sub_group
+
+    # unique rows u0..u3 (a, b): (1, 7) (2, 7) (1, 8) (3, 9); b's share merges u0 and u1
+    unique = KeyedJaggedTensor.from_lengths(
+        ["a", "b"], torch.tensor([1, 2, 1, 3, 7, 7, 8, 9]), torch.tensor([1, 1, 1, 1, 1, 1, 1, 1])
+    )
+    for inverse in ([3, 1, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1]):  # first occurrences out of order, in
+        group = InverseKeyedJaggedTensor.from_unique(unique, torch.tensor(inverse))
+        expanded = group.to_kjt()
+        for keys in (["b"], ["a"], ["a", "b"], ["b", "a"]):
+            got = _sub_group(group, keys)
+            want = InverseKeyedJaggedTensor.from_jagged({k: expanded[k] for k in keys})
+            assert got.equals(want), (inverse, keys)
+
+
+def test_one_rank_routes_dedup_on_and_off_to_the_same_unique_rows(towers_dataset):
+    """On a world of one the bags of a deduplicated batch and of its plain form are the same
+    IKJTs (a partial group travels expanded, then is deduplicated as the plain rows are)."""
+    import dataclasses
+
+    from recpipe.ikjt import PartialInverseKeyedJaggedTensor
+    from tests.distributed.dist_cases import rank_batches
+    from trainer.towers.sptt import SPTTGroups
+
+    layout = dedup_cases.make_layout(str(towers_dataset), 1, 1)
+    trainer = dedup_cases.sptt(str(towers_dataset), layout, SPTTGroups.single(), "none")
+    on = rank_batches(str(towers_dataset), rank=0, world=1, dedup=True, steps=1)[0]
+    off = rank_batches(str(towers_dataset), rank=0, world=1, dedup=False, steps=1)[0]
+    name = next(n for n, g in on.ikjts.items() if len(g.keys()) == 1)
+    windows = PartialInverseKeyedJaggedTensor.from_jagged({k: on.ikjts[name].to_kjt()[k]
+                                                          for k in on.ikjts[name].keys()})  # fmt: skip
+    partial = dataclasses.replace(on, ikjts={**on.ikjts, name: windows})
+    routed, bags = {}, {}
+    for side, batch in (("on", on), ("off", off), ("partial", partial)):
+        bags[side] = trainer.route_sparse(batch)
+        routed[side] = trainer.last_routed.ids
+        assert bags[side].batch_size == batch.batch_size
+    want = {tuple(sorted(g.keys())): g for g in bags["on"].ikjts.values()}
+    assert len(want) == len(on.ikjts)
+    for side in ("off", "partial"):
+        got = {tuple(sorted(g.keys())): g for g in bags[side].ikjts.values()}
+        assert got.keys() == want.keys(), side
+        assert all(got[k].equals(want[k]) for k in want), side
+        assert bags[side].kjt.equals(bags["on"].kjt), side
+    assert routed["on"] < routed["partial"] < routed["off"] == off.kjt.values().numel()
