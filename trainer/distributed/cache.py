@@ -44,7 +44,7 @@ from trainer.distributed.exchange import (
     ShardedEmbeddings,
     _group_order,
 )
-from trainer.distributed.shard import SparseOptimizer, owner_of
+from trainer.distributed.shard import SparseOptimizer, owner_of, pack_rows, unpack_state
 from trainer.store.index import IdIndex
 
 if TYPE_CHECKING:
@@ -100,12 +100,14 @@ class _Cache:
     """One rank's cached copies: a pool of slots (values, state, version, dirty, last use), and
     per table an id index whose entries point at slots (-1: not cached)."""
 
-    def __init__(self, n_tables: int, *, dim: int, dtype: torch.dtype, with_state: bool) -> None:
-        self.dim, self.dtype, self.with_state = dim, dtype, with_state
+    def __init__(
+        self, n_tables: int, *, dim: int, dtype: torch.dtype, state_shape: tuple[int, ...] | None
+    ) -> None:
+        self.dim, self.dtype = dim, dtype
         self.index = [IdIndex() for _ in range(n_tables)]
         self.slot_of = [np.zeros(0, dtype=np.int64) for _ in range(n_tables)]
         self.values = torch.zeros(0, dim, dtype=dtype)
-        self.state = torch.zeros(0, dtype=dtype) if with_state else None
+        self.state = None if state_shape is None else torch.zeros(0, *state_shape, dtype=dtype)
         self.used = np.zeros(0, dtype=np.bool_)
         self.table = np.zeros(0, dtype=np.int64)
         self.ids = np.zeros(0, dtype=np.int64)
@@ -137,7 +139,7 @@ class _Cache:
         grow = size - have
         self.values = torch.cat([self.values, self.values.new_zeros(grow, self.dim)])
         if self.state is not None:
-            self.state = torch.cat([self.state, self.state.new_zeros(grow)])
+            self.state = torch.cat([self.state, self.state.new_zeros(grow, *self.state.shape[1:])])
         self.used = np.concatenate([self.used, np.zeros(grow, np.bool_)])
         for name in ("table", "ids", "entry", "version", "last_use"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, np.int64)]))
@@ -183,18 +185,16 @@ class _Cache:
         self._push_free(slots)
 
     def packed(self, slots: np.ndarray) -> torch.Tensor:
-        """``[n, D (+1)]`` values of ``slots`` (and their state as a last column)."""
+        """``[n, D + S]`` values of ``slots`` and their state (:func:`shard.pack_rows`)."""
         at = torch.from_numpy(slots)
-        values = self.values.index_select(0, at)
-        if self.state is None:
-            return values
-        return torch.cat([values, self.state.index_select(0, at).unsqueeze(1)], dim=1)
+        state = None if self.state is None else self.state.index_select(0, at)
+        return pack_rows(self.values.index_select(0, at), state)
 
     def write(self, slots: np.ndarray, packed: torch.Tensor) -> None:
         at = torch.from_numpy(slots)
         self.values.index_copy_(0, at, packed[:, : self.dim].to(self.dtype))
         if self.state is not None:
-            self.state.index_copy_(0, at, packed[:, self.dim].to(self.dtype))
+            self.state.index_copy_(0, at, unpack_state(packed, self.dim, self.state))
 
 
 @dataclass
@@ -258,7 +258,8 @@ class CachedEmbeddings:
         self._rank_of_table = np.array([order.index(n) for n in table_names], dtype=np.int64)
         n = len(self.tables)
         self.home = _Home(n)
-        self.cache = _Cache(n, dim=self.dim, dtype=self.dtype, with_state=optimizer.has_state)
+        self.cache = _Cache(n, dim=self.dim, dtype=self.dtype,
+                            state_shape=optimizer.state_shape(self.dim))  # fmt: skip
         self.steps = 0
         self.records: list[CacheRecord] = []
         self.keep_records = False  # keep every step's record in ``records`` (tests, debugging)
@@ -293,7 +294,8 @@ class CachedEmbeddings:
         return self.comm.all_to_all(payload, send, recv, what=what)
 
     def _packed_width(self) -> int:
-        return self.dim + (1 if self.optimizer.has_state else 0)
+        shape = self.optimizer.state_shape(self.dim)
+        return self.dim + (0 if shape is None else int(np.prod(shape, dtype=np.int64)))
 
     def _home_rows(self, tables: np.ndarray, ids: np.ndarray, *, create: bool) -> np.ndarray:
         """Shard rows of (table, id) pairs this rank owns; ``create``: new ones are created
@@ -330,10 +332,10 @@ class CachedEmbeddings:
             src = packed[torch.from_numpy(sel)]
             shard.values.index_copy_(0, at, src[:, : self.dim].to(self.dtype))
             if shard.state is not None:
-                shard.state.index_copy_(0, at, src[:, self.dim].to(self.dtype))
+                shard.state.index_copy_(0, at, unpack_state(src, self.dim, shard.state))
 
     def _home_packed(self, tables: np.ndarray, rows: np.ndarray, ids: np.ndarray) -> torch.Tensor:
-        """``[n, D (+1)]`` the home's values (and state) of shard rows (-1: a row not created
+        """``[n, D + S]`` the home's values and state of shard rows (-1: a row not created
         yet, its initial values)."""
         out = torch.zeros(rows.size, self._packed_width(), dtype=self.dtype)
         for t in np.unique(tables):
@@ -343,9 +345,8 @@ class CachedEmbeddings:
             known = rows[sel] >= 0
             if known.all():
                 idx = torch.from_numpy(rows[sel])
-                out[at, : self.dim] = shard.values.index_select(0, idx)
-                if shard.state is not None:
-                    out[at, self.dim] = shard.state.index_select(0, idx)
+                out[at] = pack_rows(shard.values.index_select(0, idx),
+                                    None if shard.state is None else shard.state.index_select(0, idx))  # fmt: skip
             else:  # evaluation: rows nobody trained yet read as their initial values
                 out[at, : self.dim] = shard.lookup(ids[sel])
         return out
@@ -489,12 +490,13 @@ class CachedEmbeddings:
         self._prepared = None
         w = self.comm.world_size
         cache = self.cache
+        step = self.base.advance_step()  # every rank, every step: Adam's count never drifts
         # rows read by this rank only: its copy is updated, the latest version, dirty on it
         sole = np.flatnonzero(~prep.shared)
         if sole.size:
             at = torch.from_numpy(cache_slots := prep.slots[sole])
             grad = prep.grad.index_select(0, torch.from_numpy(sole)).to(self.dtype)
-            self.optimizer.apply(cache.values, cache.state, at, grad)
+            self.optimizer.apply(cache.values, cache.state, at, grad, step=step)
             cache.version[cache_slots] = prep.latest[sole] + 1
             cache.dirty[cache_slots] = True
         # rows read by several ranks: gradients home, summed in float64, rounded once
@@ -589,7 +591,7 @@ class CachedEmbeddings:
             at = torch.searchsorted(entry["ids"], torch.from_numpy(got_ids[sel]))  # ids sorted
             entry["values"].index_copy_(0, at, got[sel, : self.dim].to(self.dtype))
             if entry["state"] is not None:
-                entry["state"].index_copy_(0, at, got[sel, self.dim].to(self.dtype))
+                entry["state"].index_copy_(0, at, unpack_state(got[sel], self.dim, entry["state"]))
         return out
 
     def load_owned_rows(self, parts: Iterable[Mapping[str, Mapping[str, Any]]]) -> None:

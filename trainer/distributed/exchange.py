@@ -50,8 +50,14 @@ from recpipe.errors import RecpipeError
 from trainer._kernels import add_rows
 from trainer.distributed import _kernels as K
 from trainer.distributed.comm import Comm
-from trainer.distributed.shard import RowShard, SparseOptimizer, owner_of
 from trainer.modules import PoolingMode, TableConfig, locate_features
+from trainer.distributed.shard import (
+    RowShard,
+    SparseOptimizer,
+    owner_of,
+    pack_rows,
+    unpack_state,
+)
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
@@ -153,7 +159,7 @@ class ShardedTable(nn.Module):
         self.shard = shard
         self.hot_ids = np.zeros(0, dtype=np.int64)  # sorted
         self.hot_values = shard.values.new_zeros(0, shard.dim)
-        self.hot_state = None if shard.state is None else shard.state.new_zeros(0)
+        self.hot_state = _empty_state(shard)
         self._batch = _TableBatch()  # the prepared batch (a plain object: cheap to set)
         # a zero-size tensor that requires grad, so autograd records the lookups
         self._anchor = torch.zeros(0, requires_grad=True)
@@ -299,6 +305,11 @@ class HotCandidates:
         return curve
 
 
+def _empty_state(shard: RowShard) -> torch.Tensor | None:
+    """A replica's state of no rows, shaped as ``shard``'s (``None``: it keeps none)."""
+    return None if shard.state is None else shard.state.new_zeros(0, *shard.state.shape[1:])
+
+
 def _tensor_key(t: torch.Tensor) -> tuple[int, ...]:
     """Identifies a tensor's elements (the same storage, offset and length)."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.device.index or 0)
@@ -357,6 +368,20 @@ def _unique_per_table(
         uniq.append(sorted_ids[order])
         inverses.append(rank[inv.reshape(-1)])
     return uniq, np.concatenate(inverses) if inverses else np.zeros(0, dtype=np.int64)
+
+
+def _saved_state(part: Mapping[str, Any], name: str, row_shape: tuple[int, ...]) -> torch.Tensor:
+    """The optimizer state of a saved table part, checked against a row's state here."""
+    state, n = part.get("state"), part["ids"].numel()
+    if state is None or tuple(state.shape) != (n, *row_shape):
+        got = "none" if state is None else f"{list(state.shape)}"
+        msg = (
+            f"table {name!r}: the saved rows hold optimizer state {got}, this run's optimizer "
+            f"keeps {[n, *row_shape]}; resume with the `--optimizer` the checkpoint was written "
+            "with"
+        )
+        raise RecpipeError(msg)
+    return state
 
 
 def _top_pairs(counts: np.ndarray, tables: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
@@ -421,11 +446,25 @@ class ShardedEmbeddings:
             msg = f"every table of the exchange must have one dim, got {sorted(dims)}"
             raise RecpipeError(msg)
         self.dim = dims.pop()
+        want = optimizer.state_shape(self.dim)
+        for table in self.tables:
+            state = table.shard.state
+            if (None if state is None else tuple(state.shape[1:])) != want:
+                got = "none" if state is None else f"{list(state.shape[1:])} per row"
+                msg = (
+                    f"table {table.config.name!r} keeps optimizer state {got}, {optimizer.kind!r} "
+                    f"needs {'none' if want is None else f'{list(want)} per row'}: build the "
+                    "tables with sharded_table_factory(optimizer=...) of the same optimizer"
+                )
+                raise RecpipeError(msg)
         self.dtype = self.tables[0].shard.dtype
         self.device = self.tables[0].shard.device
         self.counters = [_Counter() for _ in self.tables]
         self.count_left = count_steps
         self.counted_steps = 0
+        # the optimizer's step (Adam's bias correction): one count for every table, advanced
+        # by every rank at every step (a rank owning no touched row too), saved with the rows
+        self.optimizer_step = max(t.shard.step for t in self.tables)
         self.stats = ExchangeStats()
         self._prepared: _Prepared | None = None
         self._slots = [np.zeros(0, dtype=np.int64) for _ in self.tables]
@@ -580,10 +619,19 @@ class ShardedEmbeddings:
             msg = "step() without a prepare(batch, train=True) before it"
             raise RecpipeError(msg)
         self._prepared = None
+        self.advance_step()
         self._hot_step(prep)
         self._cold_step(prep)
         for table in self.tables:
             table._batch.clear()
+
+    def advance_step(self) -> int:
+        """Count the optimizer step about to be applied, on every table (each rank calls this
+        once per training step, whatever rows it owns); returns it."""
+        self.optimizer_step += 1
+        for table in self.tables:
+            table.shard.step = self.optimizer_step
+        return self.optimizer_step
 
     def _hot_step(self, prep: _Prepared) -> None:
         rows = self.num_hot
@@ -601,7 +649,9 @@ class ShardedEmbeddings:
         self.stats.allreduce_bytes += flat.numel() * flat.element_size()
         touched = torch.nonzero(mask > 0).squeeze(1)  # rows some rank touched
         grad = grads.index_select(0, touched).to(self.dtype)  # rounded once
-        self.optimizer.apply(self._hot_values, self._hot_state, touched, grad)
+        self.optimizer.apply(
+            self._hot_values, self._hot_state, touched, grad, step=self.optimizer_step
+        )
 
     def _cold_step(self, prep: _Prepared) -> None:
         at = torch.from_numpy(prep.send_pos).to(self.device)
@@ -733,8 +783,7 @@ class ShardedEmbeddings:
             self._demote(table, new)
             entering = new[~np.isin(new, table.hot_ids)]
             mine = entering[owner_of(entering, comm.world_size) == comm.rank]
-            values, state = table.shard.read(mine)
-            rows.append(values if state is None else torch.cat([values, state.unsqueeze(1)], 1))
+            rows.append(pack_rows(*table.shard.read(mine)))
             keys.append(np.stack([np.full(mine.size, t, dtype=np.int64), mine], axis=1))
         what = "the reshard's rows"
         got_keys = torch.cat(
@@ -761,7 +810,8 @@ class ShardedEmbeddings:
     ) -> None:
         """The replica of ``new``: rows staying hot, and ``in_rows`` of the entering ``in_ids``."""
         values = table.hot_values.new_empty(new.size, self.dim)
-        state = None if table.hot_state is None else table.hot_state.new_empty(new.size)
+        hot_state = table.hot_state
+        state = None if hot_state is None else hot_state.new_empty(new.size, *hot_state.shape[1:])
         stay = np.isin(new, table.hot_ids)
         if int(stay.sum()) + in_ids.size != new.size:
             msg = f"table {table.config.name!r}: the reshard lost rows ({new.size} wanted)"
@@ -776,7 +826,7 @@ class ShardedEmbeddings:
             dst = torch.from_numpy(np.searchsorted(new, in_ids)).to(self.device)
             values[dst] = in_rows[:, : self.dim].to(values.dtype)
             if state is not None:
-                state[dst] = in_rows[:, self.dim].to(state.dtype)
+                state[dst] = unpack_state(in_rows, self.dim, state)
         table.hot_ids, table.hot_values, table.hot_state = new, values, state
 
     def hot_sets(self) -> list[np.ndarray]:
@@ -786,7 +836,9 @@ class ShardedEmbeddings:
     # -- state ----------------------------------------------------------------------------------
     def owned_rows(self) -> dict[str, dict[str, Any]]:
         """Every row this rank owns, per table (hot rows from the replica): what a checkpoint
-        saves. ``{table key: {"ids", "values", "state"}}``, CPU tensors."""
+        saves. ``{table key: {"ids", "values", "state", "step"}}``, CPU tensors (``state``
+        ``[n]`` for row-wise Adagrad, ``[n, 2D]`` for Adam, ``None`` for SGD; ``step`` the
+        optimizer's)."""
         out = {}
         rank, world = self.comm.rank, self.comm.world_size
         for name, table in zip(self.names, self.tables, strict=True):
@@ -806,6 +858,7 @@ class ShardedEmbeddings:
                 "ids": torch.from_numpy(ids[order]),
                 "values": values[sel].cpu(),
                 "state": None if state is None else state[sel].cpu(),
+                "step": table.shard.step,
             }
         return out
 
@@ -820,25 +873,27 @@ class ShardedEmbeddings:
                     msg = f"the saved rows have no table {name!r} (they hold {sorted(part)!r})"
                     raise RecpipeError(msg)
                 pieces[name].append(part[name])
+        steps = {int(p.get("step", 0)) for piece in pieces.values() for p in piece}
+        if len(steps) > 1:
+            msg = f"the saved rows are at optimizer steps {sorted(steps)}: parts of different checkpoints"
+            raise RecpipeError(msg)
+        step = steps.pop() if steps else 0
         for name, table in zip(self.names, self.tables, strict=True):
             ids = np.concatenate([p["ids"].numpy() for p in pieces[name]])
             values = torch.cat([p["values"] for p in pieces[name]])
             mine = owner_of(ids, world) == rank
             order = np.flatnonzero(mine)[np.argsort(ids[mine], kind="stable")]
-            shard = RowShard(
-                dim=table.shard.dim,
-                dtype=table.shard.dtype,
-                device=table.shard.device,
-                seed=table.shard.seed,
-                init_scale=table.shard.init_scale,
-                with_state=table.shard.state is not None,
-            )
+            shard = RowShard.like(table.shard)
             state = None
             if shard.state is not None:
-                state = torch.cat([p["state"] for p in pieces[name]])[torch.from_numpy(order)]
+                row_shape = tuple(shard.state.shape[1:])
+                state = torch.cat([_saved_state(p, name, row_shape) for p in pieces[name]])
+                state = state[torch.from_numpy(order)]
             shard.write(ids[order], values[torch.from_numpy(order)], state)
+            shard.step = step
             table.shard = shard
             table.hot_ids = np.zeros(0, dtype=np.int64)
             table.hot_values = shard.values.new_zeros(0, shard.dim)
-            table.hot_state = None if shard.state is None else shard.state.new_zeros(0)
+            table.hot_state = _empty_state(shard)
+        self.optimizer_step = step
         self._pack_hot()

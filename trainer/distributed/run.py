@@ -185,11 +185,8 @@ def check_config(config: TrainConfig) -> None:
     if config.store != "module":
         msg = (
             f"`store` {config.store!r} with several processes: not supported yet; the tables of "
-            "a multi-rank job are sharded over the ranks (row-wise Adagrad or SGD, as the store)"
+            "a multi-rank job are sharded over the ranks"
         )
-        raise RecpipeError(msg)
-    if config.optimizer == "adam":
-        msg = "`optimizer` 'adam' with several processes: the sharded tables train with sgd or adagrad"
         raise RecpipeError(msg)
     if config.batch_size < 2:
         msg = (

@@ -9,7 +9,9 @@ tensors of any float dtype (float64 for exactness checks)::
     index    id -> row (dense 0, 1, 2, ... in order of first appearance)
     ids      [rows]        int64, the id of each row
     values   [rows, D]     the embeddings
-    state    [rows]        row-wise Adagrad's accumulator (absent for SGD)
+    state    [rows]        row-wise Adagrad's accumulator, or
+             [rows, 2D]    Adam's first and second moments m | v (absent for SGD)
+    step     int           the optimizer steps the table took (Adam's bias correction)
 
 Row owner: ``owner_of(id, W)`` = splitmix64(id + salt) mod W. The salt keeps it independent of
 the index's own hash of the id (which picks shard and slot from the same mix).
@@ -17,6 +19,7 @@ the index's own hash of the id (which picks shard and slot from the same mix).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +30,7 @@ from recpipe.errors import RecpipeError
 from trainer.distributed import _kernels as K
 from trainer.store import IdIndex, init_rows
 
-__all__ = ["RowShard", "SparseOptimizer", "owner_of"]
+__all__ = ["RowShard", "SparseOptimizer", "owner_of", "pack_rows", "sparse_optimizer"]
 
 _NUMBA_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
@@ -45,29 +48,48 @@ def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
     return (x % np.uint64(world_size)).astype(np.int64)
 
 
+SparseKind = Literal["sgd", "rowwise_adagrad", "adam"]
+SPARSE_KINDS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
+_OF_OPTIMIZER = {"sgd": "sgd", "adagrad": "rowwise_adagrad", "adam": "adam"}
+
+
 @dataclass(frozen=True)
 class SparseOptimizer:
-    """The row update shared by hot replicas and owned rows (the store's formulas).
+    """The row update shared by hot replicas, cached copies and owned rows.
 
     ``sgd``: ``w -= lr * g``. ``rowwise_adagrad`` (fbgemm's): ``s += mean(g²)``;
-    ``w -= lr * g / (sqrt(s) + eps)``.
+    ``w -= lr * g / (sqrt(s) + eps)``. ``adam``: torch's ``SparseAdam`` on the rows given
+    (lazy Adam: rows not in the step keep their moments), with torch's arithmetic in torch's
+    order, so a float tensor gets the bits ``SparseAdam`` gives it::
+
+        m += (g - m)·(1 - β1)     v += (g² - v)·(1 - β2)
+        w -= lr·sqrt(1 - β2^t)/(1 - β1^t) · m / (sqrt(v) + eps)      t: the table's step
     """
 
-    kind: Literal["sgd", "rowwise_adagrad"] = "rowwise_adagrad"
+    kind: SparseKind = "rowwise_adagrad"
     lr: float = 0.05
     eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sgd", "rowwise_adagrad"):
-            msg = f"`kind` must be 'sgd' or 'rowwise_adagrad', got {self.kind!r}"
+        if self.kind not in SPARSE_KINDS:
+            msg = f"`kind` must be one of {list(SPARSE_KINDS)}, got {self.kind!r}"
             raise RecpipeError(msg)
         if not self.lr > 0:
             msg = f"`lr` must be > 0, got {self.lr!r}"
             raise RecpipeError(msg)
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            msg = f"`betas` must be two numbers in [0, 1), got {self.betas!r}"
+            raise RecpipeError(msg)
 
     @property
     def has_state(self) -> bool:
-        return self.kind == "rowwise_adagrad"
+        return self.kind != "sgd"
+
+    def state_shape(self, dim: int) -> tuple[int, ...] | None:
+        """The optimizer state of one row of ``dim`` values: ``()`` (row-wise Adagrad's
+        accumulator), ``(2 * dim,)`` (Adam's m | v) or ``None`` (SGD keeps none)."""
+        return {"sgd": None, "rowwise_adagrad": (), "adam": (2 * dim,)}[self.kind]
 
     def apply(
         self,
@@ -75,12 +97,18 @@ class SparseOptimizer:
         state: torch.Tensor | None,
         rows: torch.Tensor,
         grads: torch.Tensor,
+        *,
+        step: int = 0,
     ) -> None:
-        """Update ``values[rows]`` (and ``state[rows]``) with ``grads`` [n, D]; rows unique."""
+        """Update ``values[rows]`` (and ``state[rows]``) with ``grads`` [n, D]; rows unique.
+        ``step``: the table's optimizer step, counting this one (Adam's bias correction)."""
         if rows.numel() == 0:
             return
         if self.kind == "sgd":
             values.index_add_(0, rows, grads, alpha=-self.lr)
+            return
+        if self.kind == "adam":
+            self._adam(values, state, rows, grads.to(values.dtype), step)
             return
         if values.device.type == "cpu" and values.dtype in _NUMBA_DTYPES and grads.shape[1]:
             float_type = _NUMBA_DTYPES[values.dtype]  # one compiled loop, no temporaries
@@ -94,6 +122,59 @@ class SparseOptimizer:
         mult = self.lr / (s.sqrt() + self.eps)  # (n,)
         values.index_add_(0, rows, grads * mult.unsqueeze(1), alpha=-1.0)
 
+    def _adam(
+        self,
+        values: torch.Tensor,
+        state: torch.Tensor | None,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+    ) -> None:
+        """``torch.optim._functional.sparse_adam`` on ``rows``: the same operations in the same
+        order (its ``m + update`` is ``update + m`` in IEEE arithmetic: the numerator it
+        divides is the new ``m``, its denominator's square root is taken of the new ``v``)."""
+        if step < 1:
+            msg = f"Adam's `step` counts this update, so it must be >= 1, got {step!r}"
+            raise RecpipeError(msg)
+        if state is None:
+            msg = "Adam keeps [rows, 2D] state per table: build the shard with state_shape=(2D,)"
+            raise RecpipeError(msg)
+        dim = values.shape[1]
+        beta1, beta2 = self.betas
+        old = state.index_select(0, rows)  # (n, 2D)
+        m_old, v_old = old[:, :dim], old[:, dim:]
+        m_new = grad.sub(m_old).mul_(1 - beta1).add_(m_old)  # (n, D)
+        v_new = grad.pow(2).sub_(v_old).mul_(1 - beta2).add_(v_old)  # (n, D)
+        state.index_copy_(0, rows, torch.cat([m_new, v_new], 1))
+        denom = v_new.sqrt_().add_(self.eps)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = self.lr * math.sqrt(bias_correction2) / bias_correction1
+        values.index_add_(0, rows, -step_size * m_new.div_(denom))
+
+
+def sparse_optimizer(optimizer: str, lr: float) -> SparseOptimizer:
+    """The row update ``--optimizer`` means for embedding rows: ``sgd``, row-wise Adagrad for
+    ``adagrad``, lazy (``SparseAdam``'s) Adam for ``adam``."""
+    if optimizer not in _OF_OPTIMIZER:
+        msg = f"`optimizer` must be one of {list(_OF_OPTIMIZER)}, got {optimizer!r}"
+        raise RecpipeError(msg)
+    return SparseOptimizer(_OF_OPTIMIZER[optimizer], lr)  # type: ignore[arg-type]
+
+
+def pack_rows(values: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+    """``[n, D + S]``: each row's values then its state (``S`` = 0, 1 or 2D columns), what
+    travels when a row moves with its optimizer state; :func:`unpack_state` reads it back."""
+    if state is None:
+        return values
+    columns = state.reshape(state.shape[0], math.prod(state.shape[1:]))  # (n, S)
+    return torch.cat([values, columns.to(values.dtype)], 1)
+
+
+def unpack_state(packed: torch.Tensor, dim: int, like: torch.Tensor) -> torch.Tensor:
+    """The state columns of :func:`pack_rows`'s ``packed`` rows, shaped per row as ``like``."""
+    return packed[:, dim:].reshape(packed.shape[0], *like.shape[1:]).to(like.dtype)
+
 
 class RowShard:
     """Rows of one table owned by one rank (see the module docstring).
@@ -104,7 +185,9 @@ class RowShard:
         device: where values and state live.
         seed: row init seed (the store's ``StoreConfig.seed``).
         init_scale: rows start uniform in ``±init_scale``.
-        with_state: keep a row-wise optimizer accumulator.
+        with_state: keep optimizer state.
+        state_shape: one row's state (:meth:`SparseOptimizer.state_shape`): ``()`` for
+            row-wise Adagrad's accumulator, ``(2 * dim,)`` for Adam's moments.
     """
 
     def __init__(
@@ -116,13 +199,25 @@ class RowShard:
         seed: int = 0,
         init_scale: float = 0.05,
         with_state: bool = True,
+        state_shape: tuple[int, ...] = (),
     ) -> None:
         self.dim, self.dtype, self.device = dim, dtype, torch.device(device)
         self.seed, self.init_scale = int(seed), float(init_scale)
         self.index = IdIndex()
         self.ids = np.zeros(0, dtype=np.int64)
         self.values = torch.zeros(0, dim, dtype=dtype, device=self.device)
-        self.state = torch.zeros(0, dtype=dtype, device=self.device) if with_state else None
+        self.state = (
+            torch.zeros(0, *state_shape, dtype=dtype, device=self.device) if with_state else None
+        )
+        self.step = 0  # optimizer steps taken: every rank's shards step together, every step
+
+    @classmethod
+    def like(cls, shard: RowShard) -> RowShard:
+        """An empty shard built as ``shard`` (its dim, dtype, device, init and state)."""
+        state = shard.state
+        return cls(dim=shard.dim, dtype=shard.dtype, device=shard.device, seed=shard.seed,
+                   init_scale=shard.init_scale, with_state=state is not None,
+                   state_shape=() if state is None else tuple(state.shape[1:]))  # fmt: skip
 
     @property
     def num_rows(self) -> int:
@@ -143,7 +238,7 @@ class RowShard:
         grown[:cap] = self.values
         self.values = grown
         if self.state is not None:
-            state = self.state.new_zeros(new)
+            state = self.state.new_zeros(new, *self.state.shape[1:])
             state[:cap] = self.state
             self.state = state
 
@@ -184,8 +279,9 @@ class RowShard:
         out.index_copy_(0, torch.from_numpy(at).to(self.device), self.gather(rows))
 
     def apply(self, optimizer: SparseOptimizer, rows: np.ndarray, grads: torch.Tensor) -> None:
-        """Optimizer step on ``rows`` (unique) with ``grads`` [n, D]."""
-        optimizer.apply(self.values, self.state, torch.from_numpy(rows).to(self.device), grads)
+        """Optimizer step :attr:`step` on ``rows`` (unique) with ``grads`` [n, D]."""
+        at = torch.from_numpy(rows).to(self.device)
+        optimizer.apply(self.values, self.state, at, grads, step=self.step)
 
     def read(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Values and state of ``ids`` (created when new)."""
@@ -201,7 +297,7 @@ class RowShard:
             self.state.index_copy_(0, idx, state.to(self.device, self.dtype))
 
     def export(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor | None]:
-        """Every row: ``(ids, values [n, D], state [n] or None)`` in row order (copies)."""
+        """Every row: ``(ids, values [n, D], state [n, ...] or None)`` in row order (copies)."""
         n = self.num_rows
         state = None if self.state is None else self.state[:n].clone()
         return self.ids[:n].copy(), self.values[:n].clone(), state

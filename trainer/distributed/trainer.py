@@ -29,7 +29,7 @@ from trainer.distributed.cache import CachedEmbeddings
 from trainer.distributed.comm import Comm
 from trainer.distributed.dense import ExactDense, global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings, ShardedTable
-from trainer.distributed.shard import RowShard, SparseOptimizer
+from trainer.distributed.shard import RowShard, sparse_optimizer
 from trainer.metrics import auc
 from trainer.modules import TableConfig, TableFactory, table_seed
 from trainer.runlog import EvalResult
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedTrainer", "PendingLosses", "evaluate_on_ranks", "sharded_table_factory"]
 
-SparseKind = Literal["sgd", "adagrad"]
+SparseKind = Literal["sgd", "adagrad", "adam"]
 
 
 @torch.no_grad()
@@ -103,16 +103,20 @@ def sharded_table_factory(
 ) -> TableFactory:
     """Build :class:`ShardedTable` s the way ``--store hybrid`` builds store tables: rows are
     initialised from a hash of (``table_seed(seed, name)``, id) in ``±sqrt(1/num_embeddings)``,
-    so a sharded run starts from the same tables as a single-process store run."""
+    so a sharded run starts from the same tables as a single-process store run. Each row keeps
+    the state of ``optimizer``'s row update (row-wise Adagrad's accumulator, Adam's moments)."""
+    rows = sparse_optimizer(optimizer, DEFAULT_LR[optimizer])
 
     def factory(table: TableConfig, seed: int) -> nn.Module:
+        state_shape = rows.state_shape(table.dim)
         shard = RowShard(
             dim=table.dim,
             dtype=dtype,
             device=device,
             seed=table_seed(seed, table.name) % (1 << 31),
             init_scale=math.sqrt(1.0 / table.num_embeddings),
-            with_state=optimizer == "adagrad",
+            with_state=state_shape is not None,
+            state_shape=state_shape or (),
         )
         return ShardedTable(table, shard)
 
@@ -125,8 +129,9 @@ class DistributedTrainer:
     Args:
         model: built with :func:`sharded_table_factory` (its dense part in ``dtype``).
         comm: the exchange group (world size 1: a single process).
-        optimizer: ``"sgd"`` (SGD everywhere) or ``"adagrad"`` (row-wise Adagrad for the
-            tables, Adagrad for the dense part).
+        optimizer: ``"sgd"`` (SGD everywhere), ``"adagrad"`` (row-wise Adagrad for the
+            tables, Adagrad for the dense part) or ``"adam"`` (``SparseAdam``'s lazy Adam for
+            the table rows, state with each row's owner; torch's Adam for the dense part).
         lr: learning rate (default per optimizer).
         device: where the model runs.
         hot_budget_rows: most hot rows the planner may choose (all tables).
@@ -158,15 +163,15 @@ class DistributedTrainer:
         table_order: Sequence[str] | None = None,
         exact_dense: bool = False,
     ) -> None:
-        if optimizer not in ("sgd", "adagrad"):
-            msg = f"`optimizer` must be 'sgd' or 'adagrad' with sharded tables, got {optimizer!r}"
+        if optimizer not in ("sgd", "adagrad", "adam"):
+            msg = f"`optimizer` must be 'sgd', 'adagrad' or 'adam' with sharded tables, got {optimizer!r}"
             raise RecpipeError(msg)
         self.comm = comm
         self.device = torch.device(device)
         self.lr = DEFAULT_LR[optimizer] if lr is None else float(lr)
         self.module = model.to(self.device)
         global_batch_norms(self.module, comm)
-        rows = SparseOptimizer("sgd" if optimizer == "sgd" else "rowwise_adagrad", self.lr)
+        rows = sparse_optimizer(optimizer, self.lr)
         self.sparse: ShardedEmbeddings | CachedEmbeddings
         if cache_rows is None:
             self.sparse = ShardedEmbeddings(self.module, comm=comm, optimizer=rows,
