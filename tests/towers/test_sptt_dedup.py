@@ -2,8 +2,8 @@
 and their inverse lookup, not the expanded rows, and ``--dedup on`` trains bit for bit as
 ``--dedup off`` (and as one process, to the tower tests' 1e-6).
 
-Jobs of gloo processes on the session-clustered towers dataset: 2 "hosts" x 1 rank, and (slow)
-2 hosts x 2 ranks. Regression: the all-to-all sent every batch row's ids (``to_plain()``) with
+Jobs of gloo processes on the session-clustered towers dataset (slow: processes to start): 2
+"hosts" x 1 rank, and 2 hosts x 2 ranks; and the wire format's pieces in this process. Regression: the all-to-all sent every batch row's ids (``to_plain()``) with
 dedup on as well.
 """
 
@@ -70,10 +70,12 @@ def _check_losses(results: dict) -> None:
         assert _relative(got["off"], got["reference_off"]) <= LOSS_TOLERANCE, name
 
 
+@pytest.mark.slow
 def test_two_hosts_send_the_unique_rows_ids(two_hosts):
     _check_ids(two_hosts)
 
 
+@pytest.mark.slow
 def test_two_hosts_dedup_on_trains_bitwise_as_off_and_as_one_process(two_hosts):
     _check_losses(two_hosts)
 
