@@ -24,6 +24,7 @@ _FNV_PRIME = np.uint64(0x100000001B3)
 _FNV_BASIS = np.uint64(0xCBF29CE484222325)
 _S40 = np.uint64(40)
 _S32 = np.uint64(32)
+_S63 = np.uint64(63)
 _LOW32 = np.uint64(0xFFFFFFFF)
 EMPTY = -1
 
@@ -379,6 +380,78 @@ def checksum64(words):
         i += 1
     h = _mix64(h0) ^ _mix64(h1 + _GOLDEN) ^ _mix64(h2 + _M1) ^ _mix64(h3 + _M2)
     return _mix64(h ^ np.uint64(n))
+
+
+_EMPTY_WORD = np.uint64(0xFFFFFFFFFFFFFFFF)  # EMPTY as a uint64 word
+
+
+@njit(cache=True, nogil=True)
+def index_words_check(words, num_shards, count):
+    """checksum64(words) of a saved index ``[off | mask | table]`` (uint64 words, the table of
+    (id, row) pairs) and count[s] = the occupied slots of shard s, in one pass when the words
+    allow it (every shard's (id, row) pairs start at a multiple of 4 words, as a saved index's
+    do: then each 4-word group is one shard's two slots).
+
+    Returns:
+        (checksum, tiles): ``tiles`` is False when off/mask do not tile the table (the first
+        shard at slot 0, each next one where the one before ends, the last at the table's end);
+        ``count`` is then left as it was.
+    """
+    n = words.size
+    base = 2 * num_shards
+    tiles = num_shards > 0 and n >= base
+    aligned = base % 4 == 0
+    at = np.int64(0)
+    if tiles:
+        for s in range(num_shards):
+            o = np.int64(words[s])
+            m = np.int64(words[num_shards + s])
+            if o != at or m < 0 or m >= n:
+                tiles = False
+                break
+            aligned = aligned and m % 2 == 1
+            at += m + 1
+    if not tiles or base + 2 * at != n:
+        return checksum64(words), False
+    if not aligned:
+        for s in range(num_shards):
+            lo = np.int64(words[s])
+            c = np.int64(0)
+            for q in range(lo, lo + np.int64(words[num_shards + s]) + 1):
+                if words[base + 2 * q + 1] != _EMPTY_WORD:
+                    c += 1
+            count[s] = c
+        return checksum64(words), True
+    h0 = _FNV_BASIS
+    h1 = _FNV_BASIS ^ _M1
+    h2 = _FNV_BASIS ^ _M2
+    h3 = _FNV_BASIS ^ _GOLDEN
+    for i in range(0, base, 4):
+        h0 = (h0 ^ words[i]) * _FNV_PRIME
+        h1 = (h1 ^ words[i + 1]) * _FNV_PRIME
+        h2 = (h2 ^ words[i + 2]) * _FNV_PRIME
+        h3 = (h3 ^ words[i + 3]) * _FNV_PRIME
+    i = base
+    for s in range(num_shards):
+        cap = np.int64(words[num_shards + s]) + 1
+        end = i + 2 * cap
+        # empty slots: their row word is EMPTY (-1), the only row with the top bit set; sums
+        # of shifts, no branch (a separate counting loop, or a compare here, costs 2x more)
+        e1 = np.uint64(0)
+        e3 = np.uint64(0)
+        while i < end:
+            w1 = words[i + 1]
+            w3 = words[i + 3]
+            h0 = (h0 ^ words[i]) * _FNV_PRIME
+            h1 = (h1 ^ w1) * _FNV_PRIME
+            h2 = (h2 ^ words[i + 2]) * _FNV_PRIME
+            h3 = (h3 ^ w3) * _FNV_PRIME
+            e1 += w1 >> _S63
+            e3 += w3 >> _S63
+            i += 4
+        count[s] = cap - np.int64(e1 + e3)
+    h = _mix64(h0) ^ _mix64(h1 + _GOLDEN) ^ _mix64(h2 + _M1) ^ _mix64(h3 + _M2)
+    return _mix64(h ^ np.uint64(n)), True
 
 
 @njit(cache=True, nogil=True)

@@ -153,18 +153,19 @@ class IdIndex:
         )
         words = data if owned else np.frombuffer(data, dtype=np.int64)
         shards, slots = info["shards"], info["slots"]
-        if (
-            words.size != 2 * shards + 2 * slots
-            or int(K.checksum64(words.view(np.uint64))) != info["checksum"]
-        ):
+        count = np.zeros(max(shards, 0), dtype=np.int64)
+        if words.size != 2 * shards + 2 * slots or shards < 1 or shards & (shards - 1):
+            checksum, tiles = None, False
+        else:  # one pass: the checksum and each shard's occupied slots
+            checksum, tiles = K.index_words_check(words.view(np.uint64), shards, count)
+        if checksum is None or int(checksum) != info["checksum"] or not tiles:
             msg = "the store's index file is corrupted or truncated (checksum mismatch)"
             raise StoreError(msg)
         index = cls(num_shards=shards, initial_capacity=2)
         index._off = words[:shards].copy()
         index._mask = words[shards : 2 * shards].copy()
         index._table = words[2 * shards :] if owned else words[2 * shards :].copy()
-        occupied = index._table[1::2] != K.EMPTY
-        index._count = np.add.reduceat(occupied, index._off).astype(np.int64)
+        index._count = count
         index._next_row = info["rows"]
         return index
 

@@ -389,8 +389,7 @@ def read_copies(path: Path, commit: CommitRecord) -> np.ndarray:
     if len(data) != -(-n // 8) or zlib.crc32(data) != commit.copies_crc:
         msg = f"store file {str(path)!r} is corrupted or truncated (checksum mismatch)"
         raise StoreError(msg)
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n)
-    return bits.astype(np.int8)
+    return np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n).view(np.int8)
 
 
 def read_ids(path: Path, num_rows: int, crc: int) -> np.ndarray:
@@ -404,12 +403,33 @@ def read_ids(path: Path, num_rows: int, crc: int) -> np.ndarray:
             f"store file {str(path)!r} is truncated: {size} bytes, the last checkpoint needs {need}"
         )
         raise StoreError(msg)
-    with open(path, "rb") as f:
-        data = f.read(need)
-    if zlib.crc32(data) != crc:
+    ids = read_words(path, need)
+    if zlib.crc32(ids) != crc:
         msg = f"store file {str(path)!r} is corrupted (checksum mismatch)"
         raise StoreError(msg)
-    return np.frombuffer(data, dtype=np.int64).copy()
+    return ids
+
+
+def read_words(path: Path, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` (a multiple of 8) of file ``path``, read straight into a new int64
+    array (no intermediate bytes object to copy from). StoreError if the file is missing or
+    shorter."""
+    out = np.empty(nbytes // 8, dtype=np.int64)
+    view = memoryview(out).cast("B")
+    got = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while got < nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+    except FileNotFoundError:
+        raise StoreError(f"store file {str(path)!r} is missing") from None
+    if got < nbytes:
+        msg = f"store file {str(path)!r} is truncated: {got} bytes, {nbytes} expected"
+        raise StoreError(msg)
+    return out
 
 
 def write_ids(path: Path, new_ids: bytes, *, at_row: int, sync: bool) -> None:

@@ -237,7 +237,10 @@ class EmbeddingStore:
         n = state.commit.num_rows
         self._index = state.index
         self._grow_rows(n)
-        self._ids_of_row[:n] = state.ids
+        if self._ids_of_row.size == n:  # the ids just read become the per-row ids, uncopied
+            self._ids_of_row = state.ids
+        else:
+            self._ids_of_row[:n] = state.ids
         self._home.set_committed_copies(state.copies)
         if verify:
             self._home.verify(n)
@@ -249,14 +252,14 @@ class EmbeddingStore:
             return
         cap = max(num_rows, 2 * self._row_cap, 1024)
 
-        def grown(a: np.ndarray, fill: int) -> np.ndarray:
-            out = np.full(cap, fill, dtype=a.dtype)
+        def grown(a: np.ndarray) -> np.ndarray:
+            out = np.zeros(cap, dtype=a.dtype)  # zero pages come from the OS as first touched
             out[: a.size] = a
             return out
 
-        self._ids_of_row = grown(self._ids_of_row, 0)
-        self._stamp = grown(self._stamp, -1)
-        self._upos = grown(self._upos, 0)
+        self._ids_of_row = grown(self._ids_of_row)
+        self._stamp = grown(self._stamp)  # 0: no prefetch's sequence number (they start at 1)
+        self._upos = grown(self._upos)
         self._cache.grow_rows(cap)
         self._hot.grow_rows(cap)
         self._home.grow_rows(cap)
