@@ -10,8 +10,9 @@
 
 A checkpoint of one process (``--store module``: its tables are in the model already;
 ``--store hybrid``: the rows are read from each table's store at the checkpoint's step), of a
-multi-rank job (``--nproc N``: the rows of every rank file) and of a towers run (``--towers``
-with pass-through towers: the head from rank 0, the rows of every rank) exports alike. Sharded
+multi-rank job (``--nproc N``: the rows of every rank file) and of a towers run (``--towers``:
+the head from rank 0, each tower module from its host, the rows of every rank) exports alike;
+pass-through towers give a plain DLRM, tower modules a ``TowerDLRM``. Sharded
 and store rows are ``id -> row``; a one-process table is ``[num_embeddings, D]``: a saved id
 outside ``0..num_embeddings-1`` (a run with ``--no-hash-ids``) cannot be placed and is refused.
 Optimizer state is not exported.
@@ -21,6 +22,7 @@ The file is plain torch (``torch.load(OUT)``, ``weights_only`` is enough)::
     format            "recpipe-export"          format_version  1
     model             DLRM.state_dict()         model_config    asdict(ModelConfig), seed included
     schema            the schema it was built for, as TOML (dedup groups resolved)
+    tower_model       None, or a towers run's plan and TowerModuleConfig (as dicts)
     config            the run's TrainConfig (asdict; store "module")
     step, dataset_id, source (layout, world size, store, checkpoint), tables (rows, from the
     checkpoint, at their initial values)
@@ -46,6 +48,7 @@ from trainer.export_format import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
     as_checkpoint,
+    build_model,
     is_export,
     read_export,
 )
@@ -178,7 +181,8 @@ def _load_dense(model: DLRM, saved: dict[str, Any], *, path: Path, skip: str = "
         first = str(exc).strip().splitlines()[-1].strip()
         msg = f"{path}: its dense model does not fit the model its settings build: {first}"
         raise RecpipeError(msg) from None
-    stray = [k for k in missing if k not in tables] + list(unexpected)
+    stray = [k for k in missing if k not in tables and not (skip and k.startswith(skip))]
+    stray += list(unexpected)
     if stray:
         msg = (
             f"{path}: its dense model does not fit the model its settings build "
@@ -264,11 +268,10 @@ def export_checkpoint(
     Raises:
         RecpipeError: no checkpoint, a damaged one, a run still holding it, a model the
             checkpoint does not fit, a saved id outside its table, or towers with tower
-            modules.
+            modules from before checkpoints recorded their settings.
     """
     from recpipe.progress import progress_bar
     from trainer.checkpoint import checkpoint_file, claim_checkpoint, load_checkpoint
-    from trainer.models import DLRM
 
     root = Path(checkpoint)
     if root.name == "checkpoint.pt" and root.is_file():
@@ -284,19 +287,23 @@ def export_checkpoint(
         config, mcfg, schema = _schema_and_config(
             state, dataset=None if dataset is None else os.fspath(dataset), path=path
         )
-        if layout == "towers":
-            from trainer.towers.model import model_tables
-
-            plan_features = [f for t in state["layout"]["towers"] for f in t]
-            mcfg = replace(mcfg, attention="none")
-            mcfg = replace(mcfg, tables=model_tables(schema, mcfg, plan_features))
-        model = DLRM.from_schema(schema, mcfg)
-        initial = {n: t.weight.detach().clone() for n, t in _tables_by_name(model).items()}
-        step, world, store = _step(state, layout), _world(state, layout), str(config.store)
+        world = _world(state, layout)
         bar = progress_bar(total=max(world, 1), unit="part", desc="export", file=sys.stderr,
                            disable=not progress, dynamic_ncols=True)  # fmt: skip
         with bar:
-            written = _fill(model, state, layout, root=root, path=path, bar=bar)
+            parts = _read_parts(root, state, layout, bar=bar)
+            tower_model = None
+            if layout == "towers":
+                from trainer.towers.model import model_tables
+
+                plan_features = [f for t in state["layout"]["towers"] for f in t]
+                mcfg = replace(mcfg, attention="none")
+                mcfg = replace(mcfg, tables=model_tables(schema, mcfg, plan_features))
+                tower_model = _tower_model(state["layout"], parts[0]["model"], path=path)
+            model = build_model({"tower_model": tower_model}, schema, mcfg)
+            initial = {n: t.weight.detach().clone() for n, t in _tables_by_name(model).items()}
+            written = _fill(model, state, layout, parts, root=root, path=path)
+        step, store = _step(state, layout), str(config.store)
     summary = ExportSummary(checkpoint=str(root), out=os.fspath(out), layout=layout,
                             world_size=world, store=store, step=step)  # fmt: skip
     for name, table in _tables_by_name(model).items():
@@ -309,6 +316,7 @@ def export_checkpoint(
         "model": model.state_dict(),
         "model_config": _plain(asdict(mcfg)),
         "schema": schema.to_toml(),
+        "tower_model": tower_model,
         "config": _plain(
             {**state["config"], "dataset": config.dataset, "store": "module", "resume": False}
         ),
@@ -338,55 +346,67 @@ def _world(state: dict[str, Any], layout: str) -> int:
     return int((state.get("layout") or {}).get("world_size", 1))
 
 
-def _fill(
-    model: DLRM, state: dict[str, Any], layout: str, *, root: Path, path: Path, bar: Any
-) -> dict[str, int]:
-    """Load the checkpoint's weights into ``model``; rows written per table."""
+def _read_parts(root: Path, state: dict[str, Any], layout: str, *, bar: Any) -> list[Any]:
+    """Every rank's part of a multi-rank or towers checkpoint (none for one process)."""
     from trainer.distributed.checkpoint import read_part
 
+    if layout == "local":
+        bar.update(1)
+        return []
+    area, world = ("sparse" if layout == "ranks" else "towers"), _world(state, layout)
+    parts = []
+    for rank in range(world):
+        parts.append(read_part(root, state, area, rank=rank, world_size=world))
+        bar.update(1)
+    return parts
+
+
+def _tower_model(layout: dict[str, Any], saved: dict[str, Any], *, path: Path) -> Any:
+    """What rebuilds a towers run's model (``None``: pass-through towers, a plain DLRM)."""
+    module = layout.get("tower_module")
+    weights = sorted(k for k in saved if k.startswith("towers."))
+    if not weights or (module is not None and module.get("kind") == "none"):
+        return None
+    if module is None:
+        msg = (
+            f"{path}: a towers run with tower modules (its model holds {weights[0]!r}, ...) "
+            "written before checkpoints recorded the modules' settings; export a checkpoint "
+            "of a newer run, or of pass-through towers (`--tower-module none`)"
+        )
+        raise RecpipeError(msg)
+    return {"plan": [list(t) for t in layout["towers"]], "module": dict(module)}
+
+
+def _fill(
+    model: Any, state: dict[str, Any], layout: str, parts: list[Any], *, root: Path, path: Path
+) -> dict[str, int]:
+    """Load the checkpoint's weights into ``model``; rows written per table."""
     if layout == "local":
         store = (state.get("config") or {}).get("store", "module")
         trainer = state["trainer"]
         if store == "module":
             _load_dense(model, trainer["model"], path=path)
-            bar.update(1)
             return {name: t.config.num_embeddings for name, t in _tables_by_name(model).items()}
         _load_dense(model, _without_store_tables(trainer["model"]), path=path)
-        written = _rows_from_stores(model, root, step=int(trainer["step"]), path=path)
-        bar.update(1)
-        return written
-    area = "sparse" if layout == "ranks" else "towers"
-    world = _world(state, layout)
-    parts = []
-    for rank in range(world):
-        part = read_part(root, state, area, rank=rank, world_size=world)
-        if layout == "towers":
-            _check_passthrough(part["model"], path=path)
-            if rank == 0:
-                _load_dense(model, part["model"], path=path, skip="towers.")
-        if part.get("rows") is not None:
-            parts.append(part["rows"])
-        bar.update(1)
+        return _rows_from_stores(model, root, step=int(trainer["step"]), path=path)
     if layout == "ranks":
         _load_dense(model, state["trainer"]["model"], path=path)
-    return _rows_from_parts(model, parts, path=path)
+    else:  # towers: the head is every rank's (DDP); tower t is trained on host t's ranks
+        _load_dense(model, parts[0]["model"], path=path, skip="towers.")
+        per_host = int(state["layout"].get("ranks_per_host") or 1)
+        for t in range(len(getattr(model, "towers", ()))):
+            saved = parts[0 if len(parts) == 1 else t * per_host]["model"]
+            mine = {k.removeprefix(f"towers.{t}."): v for k, v in saved.items()
+                    if k.startswith(f"towers.{t}.")}  # fmt: skip
+            model.towers[t].load_state_dict(mine)
+    rows = [p["rows"] for p in parts if p.get("rows") is not None]
+    return _rows_from_parts(model, rows, path=path)
 
 
 def _without_store_tables(saved: dict[str, Any]) -> dict[str, Any]:
     """A hybrid run's dense model: without its store tables' own entries (their rows are in
     the stores)."""
     return {k: v for k, v in saved.items() if ".bags." not in k}
-
-
-def _check_passthrough(saved: dict[str, Any], *, path: Path) -> None:
-    towers = sorted(k for k in saved if k.startswith("towers."))
-    if towers:
-        msg = (
-            f"{path}: a towers run with tower modules (its model holds {towers[0]!r}, ...); "
-            "`recpipe export` writes one-process DLRM weights, which only pass-through towers "
-            "(`--tower-module none`) have"
-        )
-        raise RecpipeError(msg)
 
 
 def _write(doc: dict[str, Any], out: Path) -> int:
@@ -418,12 +438,11 @@ def load_exported(path: str | os.PathLike[str]) -> tuple[DLRM, dict[str, Any]]:
     """The model of an export (built from the schema and model config it records, in eval
     mode on the CPU) and the export's document."""
     from schemas import parse_schema
-    from trainer.models import DLRM
     from trainer.predict import _model_config
 
     doc = read_export(path)
     schema = parse_schema(doc["schema"], source=f"{path} (schema)")
-    model = DLRM.from_schema(schema, _model_config(doc["model_config"]))
+    model = build_model(doc, schema, _model_config(doc["model_config"]))
     model.load_state_dict(doc["model"])
     return model.eval(), doc
 
@@ -439,9 +458,9 @@ def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="write any checkpoint as one-process model weights",
         description=(
             "Turn a `recpipe train --checkpoint DIR` checkpoint of any layout (one process, "
-            "--store module or hybrid; --nproc N ranks; --towers with pass-through towers) into "
-            "one file of one-process DLRM weights that `recpipe predict FILE DATASET` and plain "
-            "torch load. Every table starts from its initial rows (what an id never trained "
+            "--store module or hybrid; --nproc N ranks; --towers) into one file of "
+            "one-process DLRM weights (a TowerDLRM's with tower modules) that `recpipe predict "
+            "FILE DATASET` and plain torch load. Every table starts from its initial rows (what an id never trained "
             "reads in every backend) and takes each row the checkpoint holds; a saved id "
             "outside a table's --num-embeddings rows (a --no-hash-ids run) is refused. The "
             "optimizer state is not exported: the file is for scoring, not for resuming. The "

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recpipe.errors import RecpipeError
 
-__all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "as_checkpoint", "is_export", "read_export"]
+if TYPE_CHECKING:
+    from schemas import DatasetSchema
+    from trainer.config import ModelConfig
+    from trainer.models import DLRM
+
+__all__ = [
+    "EXPORT_FORMAT",
+    "EXPORT_VERSION",
+    "as_checkpoint",
+    "build_model",
+    "is_export",
+    "read_export",
+]
 
 EXPORT_FORMAT = "recpipe-export"
 EXPORT_VERSION = 1
@@ -50,4 +62,22 @@ def as_checkpoint(doc: dict[str, Any]) -> dict[str, Any]:
     """An export seen as a one-process checkpoint's state (what ``recpipe predict`` reads)."""
     return {"config": doc["config"], "model_config": doc["model_config"],
             "trainer": {"model": doc["model"], "step": doc["step"]},
-            "dataset_id": doc.get("dataset_id")}  # fmt: skip
+            "dataset_id": doc.get("dataset_id"), "tower_model": doc.get("tower_model")}  # fmt: skip
+
+
+def build_model(state: dict[str, Any], schema: DatasetSchema, config: ModelConfig) -> DLRM:
+    """The untrained model an export (or :func:`as_checkpoint` of one, or a one-process
+    checkpoint) holds weights for: a :class:`~trainer.models.DLRM`, or the
+    :class:`~trainer.towers.model.TowerDLRM` of a towers run with tower modules (its
+    ``tower_model``: the plan's towers and the modules' settings)."""
+    from trainer.models import DLRM
+
+    towers = state.get("tower_model")
+    if towers is None:
+        return DLRM.from_schema(schema, config)
+    from trainer.towers.config import TowerModuleConfig, TowerPlan
+    from trainer.towers.model import TowerDLRM
+
+    plan = TowerPlan(tuple(tuple(t) for t in towers["plan"]))
+    return TowerDLRM.from_schema(schema, config, plan=plan,
+                                 towers=TowerModuleConfig(**towers["module"]))  # fmt: skip

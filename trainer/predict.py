@@ -104,6 +104,13 @@ def _refuse_unloadable(state: dict[str, Any], path: Path) -> None:
             "\nhint: `recpipe export CKPT --out FILE` writes its one-process weights"
         )
         raise RecpipeError(msg)
+    if (state.get("layout") or {}).get("kind") == "towers":
+        msg = (
+            f"{path}: a checkpoint of a towers run (its parts under towers/); `recpipe predict` "
+            "reads a one-process `recpipe train --checkpoint` checkpoint or a `recpipe export` "
+            "file\nhint: `recpipe export CKPT --out FILE` writes its one-process weights"
+        )
+        raise RecpipeError(msg)
     if kind is not None:
         msg = f"{path}: a {kind!r} checkpoint; `recpipe predict` reads a one-process `recpipe train` checkpoint"
         raise RecpipeError(msg)
@@ -146,8 +153,7 @@ def load_trained_model(
             a model that does not fit ``dataset``'s features.
     """
     from trainer.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
-    from trainer.export_format import as_checkpoint, is_export, read_export
-    from trainer.models import DLRM
+    from trainer.export_format import as_checkpoint, build_model, is_export, read_export
     from trainer.train import read_schema
 
     root = Path(checkpoint)
@@ -170,7 +176,7 @@ def load_trained_model(
     config = _train_config(
         saved, _model_config(state["model_config"]), dataset=target, device=device
     )
-    model = DLRM.from_schema(read_schema(config), config.model)
+    model = build_model(state, read_schema(config), config.model)
     try:
         model.load_state_dict(state["trainer"]["model"])
     except RuntimeError as exc:

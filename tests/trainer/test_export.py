@@ -202,15 +202,32 @@ def test_a_two_rank_checkpoint_exports_to_one_process(data, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_towers_checkpoint_exports_to_one_process(data, tmp_path, capsys):
-    """Towers on 2 hosts x 1 rank (pass-through): the head of rank 0, the rows of both; the
-    export's held-out loss is the run's within RANKS_TOLERANCE (the run scores its rows with
-    its tables on their host and sums its loss by batch)."""
+@pytest.mark.parametrize("module", ["none", "dlrm"])
+def test_a_towers_checkpoint_exports_to_one_process(data, tmp_path, capsys, module):
+    """Towers on 2 hosts x 1 rank: the head of rank 0, each tower module from its host, the
+    rows of both (pass-through towers: a plain DLRM; tower modules: a TowerDLRM). The export's
+    held-out loss is the run's within RANKS_TOLERANCE (the run scores its rows with its tables
+    on their host and sums its loss by batch); the checkpoint itself is refused by predict."""
     dataset = data[0]
     ck = tmp_path / "ck"
-    summary = _train(data, ck, "--nproc", 2, "--ranks-per-host", 1, "--towers", "PLAN")
+    towers = ["--towers", "PLAN", "--tower-module", module]
+    towers += ["--compression", 2] if module != "none" else []
+    summary = _train(data, ck, "--nproc", 2, "--ranks-per-host", 1, *towers)
     out = _export(ck, capsys)
     predicted = _predict_cli(out, dataset, tmp_path, capsys)
     assert predicted["samples"] == summary["eval_samples"] > 0
     assert abs(predicted["loss"] - summary["eval_loss"]) <= RANKS_TOLERANCE
-    assert torch.load(out)["source"]["layout"] == "towers"
+    doc = torch.load(out)
+    assert doc["source"]["layout"] == "towers"
+    assert (doc["tower_model"] is None) == (module == "none")
+    if module != "none":  # each tower's weights are its host's, not rank 0's stale copy
+        from trainer.distributed.checkpoint import read_part
+
+        state = torch.load(ck / "checkpoint.pt", weights_only=False)
+        parts = [read_part(ck, state, "towers", rank=r, world_size=2)["model"] for r in range(2)]
+        tower1 = [k for k in doc["model"] if k.startswith("towers.1.")]
+        assert tower1 and all(torch.equal(doc["model"][k], parts[1][k]) for k in tower1)
+        assert not all(torch.equal(parts[0][k], parts[1][k]) for k in tower1)
+    code, err = run_cli(["predict", ck, dataset, "--metrics-only"], capsys)
+    assert code == 1
+    one_error_line(err, "recpipe predict: error:", "a towers run")
