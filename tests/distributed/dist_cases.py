@@ -354,7 +354,10 @@ def die_at_step(rank: int, world_size: int, dataset: str, out: str, victim: int,
     Path(out, f"finished-{rank}").write_text("no error")
 
 
-def resume_reference(dataset: str, model: ModelConfig, reader_at_resume: dict, *, steps: tuple):
+def resume_reference(
+    dataset: str, model: ModelConfig, reader_at_resume: dict, *, steps: tuple,
+    optimizer: str = "adagrad",
+):  # fmt: skip
     """One process on the global batches of a job that ran ``steps[0]`` steps at 2 ranks and
     ``steps[1]`` more at 3 (the rows no rank had delivered, dealt again): losses and tables.
     The job is ``recpipe train`` with ``--seed 0 --eval-fraction 0``."""
@@ -368,9 +371,9 @@ def resume_reference(dataset: str, model: ModelConfig, reader_at_resume: dict, *
                 ds.load_state_dict(state)
             parts.append([b for _, b in zip(range(count), ds, strict=False)])
         batches.extend(global_batches(parts))
-    factory = sharded_table_factory(optimizer="adagrad")
+    factory = sharded_table_factory(optimizer=optimizer)
     net = DLRM.from_schema(dataset_schema(dataset), model, table_factory=factory)
-    trainer = DistributedTrainer(net, comm=Comm.single(), optimizer="adagrad", exact_dense=True)
+    trainer = DistributedTrainer(net, comm=Comm.single(), optimizer=optimizer, exact_dense=True)
     losses = [float(trainer.train_step(b)[0]) for b in batches]
     return {"losses": losses, "tables": _single_rows(trainer)}
 

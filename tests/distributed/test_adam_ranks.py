@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import adam_cases
+import dist_cases
 import pytest
 import torch
 
@@ -209,3 +210,46 @@ def test_saved_at_two_ranks_and_resumed_at_three_under_adam_is_one_uninterrupted
         assert r["loss_dev"] <= LOSS_TOLERANCE[r["dtype"]], r
         assert r["table_dev"] <= STATE_TOLERANCE[r["dtype"]], r
         assert r["dense_dev"] <= STATE_TOLERANCE[r["dtype"]], r
+
+
+# -- from the command line ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_recpipe_train_with_adam_at_two_ranks_resumes_at_three(dist_dataset, tmp_path):
+    """`recpipe train --nproc 2 --optimizer adam` (no longer refused), checkpointed with a hot
+    set, resumed by `--nproc 3`: the losses are one process's on the same global batches
+    (within 1e-6 relative, the launcher's float32 losses), the checkpoint's rows carry their
+    `[n, 2D]` moments, and the tables match one process's within 1e-6."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer.models import ModelConfig
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.setdefault("NUMBA_CACHE_DIR", str(repo / ".numba_cache"))
+    recpipe = str(Path(sys.executable).with_name("recpipe"))
+    ckpt = tmp_path / "ckpt"
+    small = ["--batch-size", str(dist_cases.BATCH), "--embedding-dim", "8", "--num-embeddings",
+             "1000", "--eval-fraction", "0", "--count-steps", "2", "--no-progress",
+             "--optimizer", "adam", "--checkpoint", str(ckpt)]  # fmt: skip
+    for nproc, steps, extra in ((2, 3, ["--hot-rows", "40"]), (3, 6, ["--resume"])):
+        done = subprocess.run(
+            [recpipe, "train", str(dist_dataset), "--nproc", str(nproc), "--steps", str(steps),
+             *small, *extra],
+            capture_output=True, text=True, timeout=300, env=env, cwd=repo,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        if nproc == 2:
+            reader_at_3 = torch.load(ckpt / "checkpoint.pt", weights_only=False)["reader"]
+    saved = torch.load(ckpt / "checkpoint.pt", weights_only=False)
+    assert saved["step"] == 6 and saved["world_size"] == 3
+    model = ModelConfig(embedding_dim=8, num_embeddings=1000)
+    ref = dist_cases.resume_reference(str(dist_dataset), model, reader_at_3, steps=(3, 3),
+                                      optimizer="adam")  # fmt: skip
+    for got, want in zip(saved["losses"], ref["losses"], strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want)
+    tables = dist_cases.checkpoint_tables(str(ckpt))
+    assert all(t["state"].shape[1] == 16 for t in tables.values())  # m | v of D = 8
+    assert dist_cases.compare_tables(tables, ref["tables"]) <= 1e-6

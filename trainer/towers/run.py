@@ -217,9 +217,6 @@ class TowersEngine:
                  schema: Any) -> None:  # fmt: skip
         from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 
-        if config.optimizer not in ("sgd", "adagrad"):
-            msg = f"`optimizer` must be 'sgd' or 'adagrad' with towers (row-wise for the tables), got {config.optimizer!r}"
-            raise RecpipeError(msg)
         if config.store != "module":
             msg = "`store` 'hybrid' with towers: not supported yet (the towers' tables are sharded rows)"
             raise RecpipeError(msg)

@@ -61,7 +61,7 @@ from trainer.distributed.batches import concat_batches
 from trainer.distributed.comm import Comm
 from trainer.distributed.dense import global_batch_norms, wrap_ddp
 from trainer.distributed.exchange import ShardedEmbeddings
-from trainer.distributed.shard import SparseOptimizer
+from trainer.distributed.shard import sparse_optimizer
 from trainer.distributed.trainer import PendingLosses, evaluate_on_ranks
 from trainer.modules import PooledEmbeddings, dedup_batch
 from trainer.runlog import EvalResult
@@ -340,7 +340,8 @@ class SPTTTrainer:
             whole model with the same seed; each uses its tables, its tower, the head).
         layout: the job's layout.
         groups: the job's process groups (:meth:`SPTTGroups.create`).
-        optimizer: ``"sgd"`` or ``"adagrad"`` (row-wise for the tables).
+        optimizer: ``"sgd"``, ``"adagrad"`` (row-wise for the tables) or ``"adam"``
+            (``SparseAdam``'s lazy Adam for the tables).
         lr: learning rate (default per optimizer).
         device: where the model runs.
         schedule: ``"sptt"``, or ``"flat"`` (pass-through towers only).
@@ -352,7 +353,7 @@ class SPTTTrainer:
         *,
         layout: SPTTLayout,
         groups: SPTTGroups,
-        optimizer: Literal["sgd", "adagrad"] = "adagrad",
+        optimizer: Literal["sgd", "adagrad", "adam"] = "adagrad",
         lr: float | None = None,
         device: torch.device | str = "cpu",
         schedule: Schedule = "sptt",
@@ -363,8 +364,8 @@ class SPTTTrainer:
         if schedule == "flat" and not model.passthrough:
             msg = "`schedule` 'flat' moves pooled embeddings: it needs pass-through towers"
             raise RecpipeError(msg)
-        if optimizer not in ("sgd", "adagrad"):
-            msg = f"`optimizer` must be 'sgd' or 'adagrad' with towers, got {optimizer!r}"
+        if optimizer not in ("sgd", "adagrad", "adam"):
+            msg = f"`optimizer` must be 'sgd', 'adagrad' or 'adam' with towers, got {optimizer!r}"
             raise RecpipeError(msg)
         self.layout, self.groups, self.schedule = layout, groups, schedule
         self.rank = groups.world.rank
@@ -383,9 +384,8 @@ class SPTTTrainer:
         if tables:
             mine = self.model.ebc.tables
             self.local = PooledEmbeddings(tables, table_factory=lambda cfg, _seed: mine[cfg.name])
-            kind = "sgd" if optimizer == "sgd" else "rowwise_adagrad"
             self.sparse = ShardedEmbeddings(self.local, comm=Comm.single(self.device),
-                                            optimizer=SparseOptimizer(kind, self.lr),
+                                            optimizer=sparse_optimizer(optimizer, self.lr),
                                             count_steps=0)  # fmt: skip
         self.optimizers = make_optimizers(self._head, optimizer, lr=self.lr)
         if any(p.requires_grad for p in self.tower.parameters()):
