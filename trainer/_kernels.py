@@ -6,9 +6,41 @@ single-threaded ``index_add_`` adds, so they give the same values.
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
-__all__: list[str] = []  # private: used by trainer.modules and trainer.distributed
+from recpipe.kernels.splitmix import GOLDEN, mix64
+
+__all__: list[str] = []  # private: used by trainer.modules, trainer.store and trainer.distributed
+
+_GOLDEN = np.uint64(GOLDEN)
+_S40 = np.uint64(40)
+
+
+def init_rows(ids: np.ndarray, dim: int, *, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """The initial rows of ``ids`` in every table backend: uniform(-scale, scale) from a hash of
+    (seed, id), so an id gets the same row whichever backend, rank or order creates it.
+
+    Returns:
+        float32 [len(ids), dim].
+    """
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    out = np.empty((ids.size, dim), dtype=np.float32)
+    _init_rows(ids, np.int64(seed), float(scale), out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _init_rows(ids, seed, scale, out):
+    """Deterministic uniform(-scale, scale) rows: row i depends only on (seed, ids[i])."""
+    sd = mix64(np.uint64(seed) ^ _GOLDEN)
+    dim = out.shape[1]
+    for i in range(ids.size):
+        x = mix64(np.uint64(ids[i]) ^ sd)
+        for j in range(dim):
+            r = mix64(x + np.uint64(j + 1) * _GOLDEN)
+            u = np.float64(r >> _S40) * (1.0 / 16777216.0)  # 24 random bits in [0, 1)
+            out[i, j] = np.float32((2.0 * u - 1.0) * scale)
 
 
 @njit(cache=True, nogil=True)
@@ -22,3 +54,20 @@ def add_rows(src, index, out):
         r = index[i]
         for j in range(dim):
             out[r, j] += src[i, j]
+
+
+@njit(cache=True, nogil=True)
+def rowwise_adagrad(values, state, rows, grads, lr, eps, dim):
+    """fbgemm's row-wise Adagrad on ``values[rows[i]]`` with ``grads[i]`` (rows distinct):
+    ``s += sum(g²) / dim``; ``w -= g · lr / (sqrt(s) + eps)``. ``lr``, ``eps`` and ``dim`` come
+    in the values' own float type, so every operation rounds as the torch form's does."""
+    for i in range(rows.size):
+        r = rows[i]
+        acc = grads[i, 0] * grads[i, 0]
+        for j in range(1, grads.shape[1]):
+            acc += grads[i, j] * grads[i, j]
+        s = state[r] + acc / dim
+        state[r] = s
+        mult = lr / (np.sqrt(s) + eps)
+        for j in range(grads.shape[1]):
+            values[r, j] -= grads[i, j] * mult

@@ -91,7 +91,8 @@ def run(config: TrainConfig, args: argparse.Namespace) -> int:
     else:
         options = rank_checkpoint_options(saved)
         if options is None:
-            result = train(config, progress=not args.quiet)
+            result = train(config, progress=not args.quiet,
+                           exact_dense=getattr(args, "exact_dense", True))  # fmt: skip
         else:  # a multi-rank job's checkpoint goes on here: its engine on a world of one
             from trainer.checkpoint import claim_checkpoint
             from trainer.distributed.comm import Comm

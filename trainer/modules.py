@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,8 +77,10 @@ __all__ = [
     "checked_lookup",
     "dedup_batch",
     "expand_rows",
+    "init_table",
     "locate_features",
     "locate_windows",
+    "table_ids",
     "table_seed",
 ]
 
@@ -145,11 +148,30 @@ def check_table_ids(
     raise DataError(msg)
 
 
+def table_ids(config: TableConfig, ids: torch.Tensor) -> torch.Tensor:
+    """The ids table ``config`` reads for ``ids``: int64, taken modulo ``num_embeddings`` when
+    ``hash_ids`` is on. Every table backend (parameter tables, the store, sharded tables)
+    reads through this, so a flag means the same model in every mode."""
+    ids = ids.to(torch.int64)
+    return torch.remainder(ids, config.num_embeddings) if config.hash_ids else ids
+
+
+def init_table(config: TableConfig, seed: int) -> torch.Tensor:
+    """The initial ``[num_embeddings, D]`` rows of a table: uniform in ``±sqrt(1 /
+    num_embeddings)`` (TorchRec's default), row ``i`` a hash of (:func:`table_seed`, ``i``):
+    the rows the store and sharded tables give each id, so every backend starts from the
+    same model."""
+    ids = np.arange(config.num_embeddings, dtype=np.int64)
+    scale = math.sqrt(1.0 / config.num_embeddings)
+    seed = table_seed(seed, config.name) % (1 << 31)
+    return torch.from_numpy(_kernels.init_rows(ids, config.dim, seed=seed, scale=scale))
+
+
 class ParameterTable(nn.Module):
     """An embedding table held in an ``nn.Parameter`` (the default backend).
 
-    Initialised uniformly in ``±sqrt(1 / num_embeddings)`` (TorchRec's default) from
-    :func:`table_seed`, so the same seed gives the same table whatever else the model holds.
+    Starts from :func:`init_table` (the same rows for the same seed whatever else the model
+    holds, and the same rows the store and sharded tables start from).
 
     Args:
         config: the table.
@@ -159,17 +181,10 @@ class ParameterTable(nn.Module):
     def __init__(self, config: TableConfig, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        gen = torch.Generator().manual_seed(table_seed(seed, config.name))
-        bound = math.sqrt(1.0 / config.num_embeddings)
-        weight = torch.empty(config.num_embeddings, config.dim)
-        weight.uniform_(-bound, bound, generator=gen)
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(init_table(config, seed))
 
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids.to(torch.int64)
-        if self.config.hash_ids:
-            ids = torch.remainder(ids, self.config.num_embeddings)
-        return ids
+        return table_ids(self.config, ids)
 
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
         """Pooled ``[R, D]`` bags (one fused ``embedding_bag``)."""

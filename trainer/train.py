@@ -44,11 +44,13 @@ from trainer.config import (
     TableConfig,
     TrainConfig,
 )
+from trainer.exact import ExactDense, global_batch_norms
 from trainer.metrics import (
     auc,
 )
 from trainer.models import DLRM
 from trainer.modules import ParameterTable, table_seed
+from trainer.optim import RowwiseAdagrad
 from trainer.runlog import (
     EvalResult,
     TrainResult,
@@ -84,10 +86,11 @@ _log = logging.getLogger(__name__)
 def make_optimizers(
     model: nn.Module, kind: OptimizerKind = "adagrad", *, lr: float | None = None
 ) -> list[torch.optim.Optimizer]:
-    """Optimizers for a model: one for the sparse-gradient tables, one for everything else.
+    """Optimizers for a model: one for its parameter tables, one for everything else.
 
-    ``adagrad`` and ``sgd`` take sparse gradients as they are; ``adam`` uses ``SparseAdam``
-    for the tables.
+    ``adagrad``: row-wise Adagrad for the tables (:class:`trainer.optim.RowwiseAdagrad`, what
+    the store and sharded tables run) and torch's Adagrad for the dense part; ``sgd``: SGD for
+    both; ``adam``: ``SparseAdam`` for the sparse-gradient tables, ``Adam`` for the rest.
 
     Args:
         model: the model.
@@ -101,15 +104,20 @@ def make_optimizers(
     if not lr > 0:
         msg = f"`lr` must be > 0, got {lr!r}"
         raise RecpipeError(msg)
-    sparse = [
-        m.weight for m in model.modules() if isinstance(m, ParameterTable) and m.config.sparse_grad
-    ]
+    tables = [m for m in model.modules() if isinstance(m, ParameterTable)]
+    if kind == "adam":  # SparseAdam takes sparse gradients only
+        tables = [m for m in tables if m.config.sparse_grad]
+    sparse = [m.weight for m in tables]
     seen = {id(p) for p in sparse}
     dense = [p for p in model.parameters() if id(p) not in seen and p.requires_grad]
     out: list[torch.optim.Optimizer] = []
     if kind == "adagrad":
-        make_sparse = make_dense = torch.optim.Adagrad
-    elif kind == "sgd":
+        if sparse:
+            out.append(RowwiseAdagrad(sparse, lr=lr))
+        if dense:
+            out.append(torch.optim.Adagrad(dense, lr=lr))
+        return out
+    if kind == "sgd":
         make_sparse = make_dense = torch.optim.SGD
     else:
         make_sparse, make_dense = torch.optim.SparseAdam, torch.optim.Adam
@@ -157,6 +165,11 @@ class Trainer:
         optimizer: ``"adagrad"``, ``"sgd"`` or ``"adam"``.
         lr: learning rate (default per optimizer).
         device: where the model runs; batches are moved there.
+        exact_dense: every dense gradient a float64 sum over the rows, rounded once, and batch
+            norm's statistics summed in float64 (:mod:`trainer.exact`), the step's loss a
+            float64 sum over the rows: what ``recpipe train`` does in one process and on W
+            ranks unless ``--fast-dense``, so the two train the same model (``False``: torch's
+            float32 autograd, faster).
 
     Table modules with an ``optimizer_step()`` method (store-backed tables, which are not
     ``nn.Parameter`` s) are stepped after the torch optimizers.
@@ -169,9 +182,14 @@ class Trainer:
         optimizer: OptimizerKind = "adagrad",
         lr: float | None = None,
         device: torch.device | str = "cpu",
+        exact_dense: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device)
+        self.exact: ExactDense | None = None
+        if exact_dense:
+            global_batch_norms(self.model, None)
+            self.exact = ExactDense(self.model)
         self.optimizers = make_optimizers(self.model, optimizer, lr=lr)
         self._extra_steps = [m for m in self.model.modules() if hasattr(m, "optimizer_step")]
         self.step = 0
@@ -185,6 +203,11 @@ class Trainer:
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.dtype))
         loss.backward()
+        if self.exact is not None:
+            self.exact.reduce()
+            loss = F.binary_cross_entropy_with_logits(  # the loss as the gradients: float64
+                logits.detach().to(torch.float64), batch.labels.to(torch.float64)
+            )
         # the sparse gradients come from torch's own embedding ops: skip re-checking them
         with torch.sparse.check_sparse_tensor_invariants(enable=False):
             for opt in self.optimizers:
@@ -294,21 +317,24 @@ class LocalEngine:
         config: the run (its model resolved).
         schema: the schema it reads and builds the model with.
         resume_state: the checkpoint the run resumes (the stores reopen at its step).
+        exact_dense: exact dense gradients (see :class:`Trainer`).
     """
 
     world_size = 1
     writer = True
 
     def __init__(
-        self, config: TrainConfig, schema: DatasetSchema, *, resume_state: dict[str, Any] | None
-    ) -> None:
+        self, config: TrainConfig, schema: DatasetSchema, *,
+        resume_state: dict[str, Any] | None, exact_dense: bool = True,
+    ) -> None:  # fmt: skip
         self.config, self.schema = config, schema
         self.device = torch.device(config.device)
         self.resume_state = resume_state
         self.stores: list[Any] = []
         table_factory = self._store_factory() if config.store == "hybrid" else None
         model = DLRM.from_schema(schema, model_config(config), table_factory=table_factory)
-        self.trainer = Trainer(model, optimizer=config.optimizer, lr=config.lr, device=self.device)
+        self.trainer = Trainer(model, optimizer=config.optimizer, lr=config.lr,
+                               device=self.device, exact_dense=exact_dense)  # fmt: skip
         self._losses: list[float] = []
 
     @property
@@ -443,7 +469,10 @@ def layout_refusal(
     return None
 
 
-def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, *, progress: bool = True, log: TextIO | None = None,
+    exact_dense: bool = True,
+) -> TrainResult:  # fmt: skip
     """Train a DLRM on a clustered dataset (see :class:`TrainConfig`).
 
     Args:
@@ -452,6 +481,8 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
             of steps is known: ``steps``, or ``epochs`` read in-process).
         log: unused, kept for callers that pass it; messages go to the ``logging`` module
             (logger ``trainer.train``), which the ``recpipe`` command configures.
+        exact_dense: exact dense gradients, as a multi-rank run's (the default; ``False`` is
+            ``--fast-dense``: torch's float32 autograd, see :class:`Trainer`).
 
     Returns:
         The run's :class:`TrainResult`; :func:`trainer.runlog.format_summary` renders it.
@@ -475,7 +506,7 @@ def train(config: TrainConfig, *, progress: bool = True, log: TextIO | None = No
             check_resume(state, config, path=path)
             if (note := global_batch_change(state, config, path=path)) is not None:
                 _log.warning("%s", note)
-        engine = LocalEngine(config, schema, resume_state=state)
+        engine = LocalEngine(config, schema, resume_state=state, exact_dense=exact_dense)
         stream = open_stream(config, schema, device=engine.device)
         _log.info(
             "training on %s: %d row groups with training rows, %d with held-out rows; dedup %s",

@@ -132,7 +132,8 @@ class DispatchCut:
         return np.stack([tables[order], ids[order]], axis=1).astype(np.int64, copy=False)
 
     def _new_dispatcher(self, *, world_size: int, micro_batch: int) -> Dispatcher:
-        tables = TableMap.per_feature(list(self.schema.sparse_names))
+        tables = TableMap.per_feature(list(self.schema.sparse_names),
+                                      id_modulus=self.config.id_modulus)  # fmt: skip
         return Dispatcher(self.config, world_size=world_size, micro_batch=micro_batch,
                           tables=tables)  # fmt: skip
 

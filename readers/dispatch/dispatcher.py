@@ -74,6 +74,9 @@ class DispatchConfig:
         row_bytes: bytes one row transfer moves (the embedding and its optimizer state).
         cache_rows: rows each rank's cache holds, comma-separated (one value: every rank).
         seed: seed of the ``random`` policy.
+        id_modulus: the rows a batch reads are its ids modulo this (the trainer's tables of
+            ``--num-embeddings`` rows with ``--hash-ids``, its default), so the costs count the
+            rows the tables hold; 0: the ids as they are.
         regret: how ``esd`` orders pieces for its exact share and its greedy pass: ``mean``
             (mean minus smallest cost) or ``second`` (ESD's second-smallest minus smallest).
     """
@@ -85,6 +88,7 @@ class DispatchConfig:
     row_bytes: int = 68
     cache_rows: tuple[int, ...] = (65536,)
     seed: int = 0
+    id_modulus: int = 0
     regret: Literal["mean", "second"] = "mean"
 
     def __post_init__(self) -> None:
@@ -103,6 +107,10 @@ class DispatchConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"`{name}` must be a positive integer, got {value!r}"
                 raise DataError(msg)
+        m = self.id_modulus
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            msg = f"`id_modulus` must be an integer >= 0 (0: ids as they are), got {m!r}"
+            raise DataError(msg)
         object.__setattr__(self, "bandwidths", tuple(float(b) for b in self.bandwidths))
         object.__setattr__(self, "cache_rows", tuple(int(c) for c in self.cache_rows))
         if not self.bandwidths or not all(np.isfinite(b) and b > 0 for b in self.bandwidths):

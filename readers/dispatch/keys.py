@@ -61,10 +61,13 @@ class TableMap:
         tables: table names, in order (a row's table is its index here).
         features: ``{feature: table index}``; features not listed are read by no table (they
             cost nothing).
+        id_modulus: a feature's ids read rows ``id mod id_modulus`` (tables that hash ids into
+            that many rows); 0: the ids are the rows.
     """
 
     tables: tuple[str, ...]
     features: Mapping[str, int]
+    id_modulus: int = 0
 
     def __post_init__(self) -> None:
         if len(set(self.tables)) != len(self.tables) or not self.tables:
@@ -76,9 +79,9 @@ class TableMap:
             raise DataError(msg)
 
     @classmethod
-    def per_feature(cls, features: Sequence[str]) -> TableMap:
+    def per_feature(cls, features: Sequence[str], *, id_modulus: int = 0) -> TableMap:
         """One table per feature, named after it (the trainer's default tables)."""
-        return cls(tuple(features), {f: t for t, f in enumerate(features)})
+        return cls(tuple(features), {f: t for t, f in enumerate(features)}, id_modulus)
 
     @classmethod
     def from_tables(cls, tables: Mapping[str, Sequence[str]]) -> TableMap:
@@ -257,7 +260,10 @@ def piece_rows(
         keep = pieces >= 0
         if t is None or not keep.any():
             return
-        rows = index.rows(t, values[keep])
+        ids = values[keep]
+        if tables.id_modulus:
+            ids = np.remainder(ids, tables.id_modulus)
+        rows = index.rows(t, ids)
         parts.append((pieces[keep] << _SHIFT) | rows)
 
     kjt = batch.kjt

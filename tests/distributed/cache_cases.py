@@ -28,7 +28,8 @@ WORLDS = (2, 3)
 
 def _cut(schema, world: int):
     return rank_cut("esd", schema=schema, alpha=1.0, cache_rows=(CACHE_ROWS,),
-                    bandwidths=(1e9,) * (world - 1) + (1e10,))  # fmt: skip
+                    bandwidths=(1e9,) * (world - 1) + (1e10,),
+                    id_modulus=dist_cases.SMALL_MODEL.num_embeddings)  # the tables' rows  # fmt: skip
 
 
 def _stream(dataset: str, *, rank: int, world: int, cut) -> list:

@@ -166,16 +166,15 @@ def test_cross_layout_resumes_that_cannot_work_end_in_one_line(data, tmp_path, c
 
 @pytest.mark.slow
 def test_two_ranks_train_as_one_process_from_the_command_line(data, tmp_path):
-    """`--nproc 2 --batch-size B/2` reads the global batches of B rows a world of one reads at
-    `--batch-size B` and, with exact dense gradients (the default) and attention pooling on,
-    gives its per-step losses within 1e-6 over 100 steps and its held-out loss. (A world of one:
-    the sharded engine; one process's default engine, parameter tables with element-wise
-    Adagrad, is another model.) Within 1e-6 absolute: the two differ from step 2 by float32
-    rounding (one process sums the gradients of a session's duplicate rows that the rank cut
-    splits in one grouping, the ranks in two), measured here as at most 4.4e-8 absolute and
-    1.9e-6 relative at the smallest losses (0.03) of this small, overfitted dataset."""
+    """`recpipe train --nproc 2 --batch-size B/2` reads the global batches of B rows that
+    `recpipe train --batch-size B` reads in one process and, with exact dense gradients (the
+    default) and attention pooling on, gives its per-step losses within 1e-6 over 100 steps and
+    its held-out loss: one process's parameter tables start from the rows the ranks' sharded
+    tables start from, and train with the same row-wise Adagrad. Within 1e-6 absolute, not bit
+    for bit: one process sums a row's gradients in float32 in the order of the batch, the ranks
+    in float64 per rank and then over ranks."""
     steps = 100
-    one = _train(data, "2 ranks", tmp_path / "one", "--steps", steps, "--nproc", 1,
+    one = _train(data, "one process", tmp_path / "one", "--steps", steps,
                  "--batch-size", 2 * BATCH)  # fmt: skip
     two = _train(data, "2 ranks", tmp_path / "two", "--steps", steps)
     assert len(one["losses"]) == len(two["losses"]) == steps

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from trainer._kernels import rowwise_adagrad as rowwise_adagrad  # the one row-wise Adagrad
+
 __all__: list[str] = []  # private: used by trainer.distributed.exchange and .shard
 
 
@@ -76,23 +78,6 @@ def sum_by_row(got, sel, rows, slot):
     for q in range(k):
         slot[uniq[q]] = -1
     return uniq[:k], out
-
-
-@njit(cache=True, nogil=True)
-def rowwise_adagrad(values, state, rows, grads, lr, eps, dim):
-    """fbgemm's row-wise Adagrad on ``values[rows[i]]`` with ``grads[i]`` (rows distinct):
-    ``s += sum(g²) / dim``; ``w -= g · lr / (sqrt(s) + eps)``. ``lr``, ``eps`` and ``dim`` come
-    in the values' own float type, so every operation rounds as the torch form's does."""
-    for i in range(rows.size):
-        r = rows[i]
-        acc = grads[i, 0] * grads[i, 0]
-        for j in range(1, grads.shape[1]):
-            acc += grads[i, j] * grads[i, j]
-        s = state[r] + acc / dim
-        state[r] = s
-        mult = lr / (np.sqrt(s) + eps)
-        for j in range(grads.shape[1]):
-            values[r, j] -= grads[i, j] * mult
 
 
 @njit(cache=True, nogil=True)

@@ -50,7 +50,6 @@ from recpipe.errors import RecpipeError
 from trainer._kernels import add_rows
 from trainer.distributed import _kernels as K
 from trainer.distributed.comm import Comm
-from trainer.modules import PoolingMode, TableConfig, locate_features
 from trainer.distributed.shard import (
     RowShard,
     SparseOptimizer,
@@ -58,6 +57,7 @@ from trainer.distributed.shard import (
     pack_rows,
     unpack_state,
 )
+from trainer.modules import PoolingMode, TableConfig, locate_features, table_ids
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
@@ -185,7 +185,7 @@ class ShardedTable(nn.Module):
             raise RecpipeError(msg)
         order = np.argsort(self._batch.uniq, kind="stable")  # other values: found by search
         uniq = torch.from_numpy(self._batch.uniq[order]).to(self._batch.rows.device)
-        ids = ids.to(uniq.device, torch.int64)
+        ids = table_ids(self.config, ids.to(uniq.device))
         pos = torch.searchsorted(uniq, ids)
         if ids.numel() and (pos.max() >= uniq.numel() or not torch.equal(uniq[pos], ids)):
             msg = (
@@ -485,7 +485,8 @@ class ShardedEmbeddings:
         features = [f for table in self.tables for f in table.config.features]
         found = locate_features(batch, features)
         values = [found[f].jagged.values() for f in features]
-        ids = [v.detach().to("cpu", torch.int64) for v in values]
+        configs = [table.config for table in self.tables for _ in table.config.features]
+        ids = [table_ids(c, v.detach().to("cpu")) for c, v in zip(configs, values, strict=True)]
         per_table = [len(table.config.features) for table in self.tables]
         uniq, inverse = _unique_per_table(ids, per_table)
         if positions:

@@ -123,10 +123,10 @@ def add_distributed_arguments(parser: argparse.ArgumentParser, *, exchange: bool
         dense = group.add_mutually_exclusive_group()
         dense.add_argument(
             "--fast-dense", dest="exact_dense", action="store_false", default=True,
-            help="sum the dense gradients with DDP's float32 all-reduce: faster, but the ranks "
-            "then drift from one process (about 1e-6 to 1e-3 over training); by default every "
-            "dense gradient is summed in float64 over rows and ranks and rounded once, so N "
-            "ranks train exactly like one process",
+            help="torch's float32 dense gradients (on ranks: DDP's float32 all-reduce): "
+            "faster, but runs then drift apart with the batch's split (about 1e-6 to 1e-3 over "
+            "training); by default every dense gradient is summed in float64 over rows (and "
+            "ranks) and rounded once, so N ranks train exactly like one process",
         )  # fmt: skip
         dense.add_argument(
             "--exact-dense", dest="exact_dense", action="store_true",

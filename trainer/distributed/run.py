@@ -273,9 +273,12 @@ class RankEngine:
                 )
                 raise RecpipeError(msg)
             return None
-        caches = {"cache_rows": (opts.cache_rows,)} if opts.cache_rows else {}
+        extra: dict[str, Any] = {"cache_rows": (opts.cache_rows,)} if opts.cache_rows else {}
+        model = model_config(self.config)
+        if opts.dispatch != "contiguous" and model.hash_ids:  # the rows the tables hold
+            extra["id_modulus"] = model.num_embeddings
         cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha,
-                       bandwidths=opts.bandwidths, **caches)  # fmt: skip
+                       bandwidths=opts.bandwidths, **extra)  # fmt: skip
         # the caches' transfers can be checked against the dispatcher's shadow when the cut
         # runs in this process (no DataLoader workers)
         in_process = opts.cache_rows and self.config.workers == 0 and hasattr(cut, "recent")

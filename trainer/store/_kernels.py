@@ -22,7 +22,6 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _FNV_PRIME = np.uint64(0x100000001B3)
 _FNV_BASIS = np.uint64(0xCBF29CE484222325)
-_S40 = np.uint64(40)
 _S32 = np.uint64(32)
 _S63 = np.uint64(63)
 _LOW32 = np.uint64(0xFFFFFFFF)
@@ -142,19 +141,6 @@ def unique_rows(rows, stamp, upos, seq):
             u += 1
         inverse[i] = upos[r]
     return uniq[:u].copy(), inverse
-
-
-@njit(cache=True, nogil=True)
-def init_rows(ids, seed, scale, out):
-    """Deterministic uniform(-scale, scale) rows: row i depends only on (seed, ids[i])."""
-    sd = _mix64(np.uint64(seed) ^ _GOLDEN)
-    dim = out.shape[1]
-    for i in range(ids.size):
-        x = _mix64(np.uint64(ids[i]) ^ sd)
-        for j in range(dim):
-            r = _mix64(x + np.uint64(j + 1) * _GOLDEN)
-            u = np.float64(r >> _S40) * (1.0 / 16777216.0)  # 24 random bits in [0, 1)
-            out[i, j] = np.float32((2.0 * u - 1.0) * scale)
 
 
 @njit(cache=True, nogil=True, inline="always")

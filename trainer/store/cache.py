@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recpipe.errors import StoreError
+from trainer._kernels import init_rows as hash_init_rows
 from trainer.store import _kernels as K
 
 if TYPE_CHECKING:
@@ -40,16 +41,13 @@ NEVER = np.iinfo(np.int64).max
 def init_rows(ids: np.ndarray, dim: int, *, seed: int = 0, scale: float = 0.05) -> np.ndarray:
     """The initial rows the store gives ``ids``: uniform(-scale, scale) from a hash of (seed, id).
 
-    The same id gets the same row whatever the order it is first seen in, so an in-module table
-    initialised with ``init_rows(vocab, dim)`` starts equal to the store.
+    The same id gets the same row whatever the order it is first seen in, and in every table
+    backend (a parameter table of ``num_embeddings`` rows starts with ``init_rows(arange(n))``).
 
     Returns:
         float32 [len(ids), dim].
     """
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    out = np.empty((ids.size, dim), dtype=np.float32)
-    K.init_rows(ids, np.int64(seed), float(scale), out)
-    return out
+    return hash_init_rows(ids, dim, seed=seed, scale=scale)
 
 
 class RowCache:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from recpipe.errors import StoreError
+from trainer.modules import table_ids
 from trainer.store.config import StoreConfig
 from trainer.store.module import StoreEmbeddingBag
 from trainer.store.store import EmbeddingStore, open_store
@@ -30,7 +31,8 @@ class StoreTable(nn.Module):
     """A table backend over :class:`~trainer.store.EmbeddingStore` (see
     :class:`trainer.modules.TableBackend`).
 
-    Ids index the store directly (its id index grows, so there is no hashing); gradients are
+    Ids are read through :func:`trainer.modules.table_ids` (taken modulo ``num_embeddings``
+    with ``hash_ids``, as in every backend; without it the store's id index grows); gradients are
     pushed to the store in backward and applied by :meth:`optimizer_step` (``store.update()``),
     which :class:`trainer.train.Trainer` calls after the torch optimizers.
 
@@ -109,12 +111,12 @@ class StoreTable(nn.Module):
 
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
         """Pooled ``[R, D]`` bags."""
-        return self.bags[mode](ids.to(torch.int64), offsets)
+        return self.bags[mode](table_ids(self.config, ids), offsets)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` rows (bags of one id each)."""
         offsets = torch.arange(ids.numel() + 1, device=ids.device)
-        return self.bags["sum"](ids.to(torch.int64), offsets)
+        return self.bags["sum"](table_ids(self.config, ids), offsets)
 
     def optimizer_step(self) -> None:
         """Apply the pushed gradients."""
