@@ -105,7 +105,7 @@ def sharded_table_factory(
     initialised from a hash of (``table_seed(seed, name)``, id) in ``±sqrt(1/num_embeddings)``,
     so a sharded run starts from the same tables as a single-process store run. Each row keeps
     the state of ``optimizer``'s row update (row-wise Adagrad's accumulator, Adam's moments)."""
-    rows = sparse_optimizer(optimizer, DEFAULT_LR[optimizer])
+    rows = sparse_optimizer(optimizer, 1.0)  # for the shape of its state (the lr plays no part)
 
     def factory(table: TableConfig, seed: int) -> nn.Module:
         state_shape = rows.state_shape(table.dim)
