@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import shutil
@@ -72,6 +73,8 @@ __all__ = [
     "save_checkpoint",
     "save_parts",
 ]
+
+_log = logging.getLogger(__name__)
 
 KIND = "distributed"
 ROWS_SUFFIX = ".rows"
@@ -429,6 +432,8 @@ def load_sparse(
                   reads=reads)["rows"]
         for rank in range(saved)
     ]  # fmt: skip
+    _log.debug("rank %d of %d: read %d bytes of %d rank files for its rows", *owned,
+               reads.bytes, reads.files)  # fmt: skip
     sparse.load_owned_rows(parts)
     hot = state.get("hot", {})
     sparse.set_hot([hot[name].copy() if name in hot else [] for name in sparse.names])
