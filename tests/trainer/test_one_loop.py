@@ -183,3 +183,27 @@ def test_two_ranks_train_as_one_process_from_the_command_line(data, tmp_path):
     assert worst <= 1e-6, worst
     assert one["eval_samples"] == two["eval_samples"] > 0
     assert abs(one["eval_loss"] - two["eval_loss"]) <= 1e-6
+
+
+@pytest.mark.slow
+def test_the_same_flags_train_the_same_model_in_every_engine(data, tmp_path):
+    """One process (parameter tables), `--nproc 1` (the sharded engine on a world of one),
+    `--store hybrid` and `--towers PLAN` in one process build the same model from the same flags
+    (rows initialised from (seed, table, id), ids modulo --num-embeddings, row-wise Adagrad,
+    exact dense gradients) and give the same per-step losses, within float32 rounding of the
+    tables' gradient sums (float32 in parameter tables and the store, float64 in the exchange).
+    Attention off: towers pool only."""
+    steps, flags = 30, ["--steps", 30, "--batch-size", 2 * BATCH, "--attention", "none"]
+    runs = {
+        "one process": _train(data, "one process", tmp_path / "one", *flags),
+        "--nproc 1": _train(data, "2 ranks", tmp_path / "nproc1", *flags, "--nproc", 1),
+        "--store hybrid": _train(data, "one process", tmp_path / "store", *flags,
+                                 "--store", "hybrid"),  # fmt: skip
+        "towers": _train(data, "one process", tmp_path / "towers", *flags, "--towers", data[1]),
+    }
+    reference = runs.pop("one process")["losses"]
+    assert len(reference) == steps
+    for name, run in runs.items():
+        assert run["losses"][0] == pytest.approx(reference[0], abs=1e-7), name
+        worst = max(abs(a - b) for a, b in zip(reference, run["losses"], strict=True))
+        assert worst <= 1e-6, (name, worst)
