@@ -776,6 +776,17 @@ TRAINER = Table(
             reference="report",
         ),
         Row(
+            "`exact_dense_vs_fast` (samples/s with the default exact dense gradients / "
+            "`--fast-dense`, one process)",
+            "exact_dense_vs_fast",
+            lambda d: (
+                f"{{v}} ({num(d['samples_per_s_exact_dense'])} vs "
+                f"{num(d['samples_per_s_fast_dense'])} samples/s): the price of one process "
+                "training exactly as N ranks"
+            ),
+            reference="report",
+        ),
+        Row(
             "per-step loss, dedup on vs off: max relative difference",
             "max_loss_rel_diff_on_vs_off",
             lambda d: "{v}",

@@ -62,6 +62,12 @@ Figures (written to benchmarks/results/trainer.json):
                            thread count switched before each step, the order rotating each step,
                            dedup-on batches. Target >= 0.95 (the default must not be slower
                            than one thread on a shared box). `--threads-only` measures it alone.
+  exact_dense_vs_fast      training samples/s (CPU time) of `recpipe train`'s default dense
+                           gradients (float64 sums over the rows, rounded once: what makes one
+                           process and N ranks train the same model) / `--fast-dense` (torch's
+                           float32 autograd): two copies of one model, steps alternated on the
+                           same dedup-on batches. Report only (the price of exactness).
+                           `--exact-only` measures it alone and updates it in the results file.
 """
 
 from __future__ import annotations
@@ -133,8 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure default_threads_vs_one alone (and --threads-steps of it)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads-steps", type=int, default=20, help="timed steps per side, default_threads_vs_one"
-    )
+        "--exact-only", action="store_true",
+        help="measure exact_dense_vs_fast alone (--threads-steps of it) and update it in --out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads-steps", type=int, default=20,
+        help="timed steps per side, default_threads_vs_one and exact_dense_vs_fast",
+    )  # fmt: skip
     parser.add_argument(
         "--bitwise-steps", type=int, default=30,
         help="steps per optimizer and side of the losses_equal_bitwise check",
@@ -321,6 +332,35 @@ def measure_threads(
         "samples_per_s_default_threads": rows / wall["default"],
         "samples_per_s_one_thread": rows / wall["one"],
         "threads_timed_steps": steps,
+    }
+
+
+def measure_exact_dense(
+    schema: Any, batches: list[Any], *, model_config: Any, steps: int, warmup: int, device: Any
+) -> dict[str, Any]:
+    """Training steps with exact dense gradients / with torch's float32 autograd, alternated
+    (two copies of one model on the same batches, the side that goes first rotating)."""
+    from trainer.models import DLRM
+    from trainer.train import Trainer
+
+    trainers = {side: Trainer(DLRM.from_schema(schema, model_config), device=device,
+                              exact_dense=side == "exact") for side in ("exact", "fast")}  # fmt: skip
+    times: dict[str, list[Timing]] = {"exact": [], "fast": []}
+    for i in range(warmup + steps):
+        batch = batches[i % len(batches)].to(device)
+        for side in _rotated(list(trainers), i):
+            t = _timed(lambda b=batch, tr=trainers[side]: tr.train_step(b), device)
+            if i >= warmup:
+                times[side].append(t)
+    ratio = timing_ratio(times, "exact", "fast", per="rate")
+    rows = batches[0].batch_size
+    cpu = {m: statistics.median(t.cpu_s for t in times[m]) for m in times}
+    return {
+        "exact_dense_vs_fast": ratio["cpu"]["median"],
+        "exact_dense_vs_fast_spread": ratio,
+        "samples_per_s_exact_dense": rows / cpu["exact"],
+        "samples_per_s_fast_dense": rows / cpu["fast"],
+        "exact_dense_timed_steps": steps,
     }
 
 
@@ -723,6 +763,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 schema, on, model_config=model_config, steps=args.threads_steps,
                 warmup=args.warmup, device=device,
             )  # fmt: skip
+        if args.exact_only:
+            print("exact vs fast dense gradients, training steps (alternated):", file=sys.stderr)
+            return measure_exact_dense(
+                schema, on, model_config=model_config, steps=args.threads_steps,
+                warmup=args.warmup, device=device,
+            )  # fmt: skip
         print("dedup on/off training steps (alternated):", file=sys.stderr)
         results: dict[str, Any] = {
             "device": str(device),
@@ -782,6 +828,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         )  # fmt: skip
         torch.set_num_threads(args.threads)
+        print("exact vs fast dense gradients, training steps (alternated):", file=sys.stderr)
+        results.update(
+            measure_exact_dense(
+                schema, on, model_config=model_config, steps=args.threads_steps,
+                warmup=args.warmup, device=device,
+            )
+        )  # fmt: skip
         if synth is not None:
             results["hidden_model_auc"] = synth.get("hidden_model_auc")
     return results
@@ -801,6 +854,7 @@ def _table(results: dict[str, Any]) -> str:
         ("  swapped-in on plain KJTs", "", results.get("torchrec_swap_plain")),
         ("partial_speedup", "samples/s partial IKJT / expanded", results.get("partial_speedup")),
         ("default_threads_vs_one", "samples/s default --threads / 1 (>= 0.95)", results.get("default_threads_vs_one")),
+        ("exact_dense_vs_fast", "samples/s exact dense / --fast-dense", results.get("exact_dense_vs_fast")),
         ("  partial dedup factor", "ids expanded / stored, partial feature", results.get("partial_dedup_factor")),
         ("  embedding step alone", "its pooled embedding fwd+bwd", results.get("partial_embedding_speedup")),
     ]  # fmt: skip
@@ -836,6 +890,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"default_threads_vs_one {results['default_threads_vs_one']:.3f} "
               f"(spread {spread}; {results['default_threads']} default threads)")  # fmt: skip
         return 0  # a partial run: no results file
+    if args.exact_only:  # one figure: updated in the results file, the others kept
+        spread = results["exact_dense_vs_fast_spread"]["cpu"]
+        print(f"exact_dense_vs_fast {results['exact_dense_vs_fast']:.3f} (spread {spread})")
+        kept = json.loads(args.out.read_text()) if args.out.exists() else {}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**kept, **results}, indent=2, default=float) + "\n")
+        print(f"updated {args.out}")
+        return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=float) + "\n")
     print(_table(results))
