@@ -311,7 +311,8 @@ class TowersEngine:
         assert cfg.checkpoint is not None
         layout = {"kind": "towers", "world_size": comm.world_size,
                   "ranks_per_host": self.per_host, "towers": [list(t) for t in self.plan.towers],
-                  "schedule": self.schedule, "store": cfg.store}  # fmt: skip
+                  "schedule": self.schedule, "store": cfg.store,
+                  "tower_module": asdict(self.options.module_config())}  # fmt: skip
         return save_parts(cfg.checkpoint, comm=comm, area="towers", step=self.step,
                           part=self._own_state(),
                           doc={**state, "layout": layout, "step": self.step})  # fmt: skip
