@@ -429,8 +429,9 @@ def test_options_and_configs_are_checked(dist_dataset):
     with pytest.raises(RecpipeError, match="`count_steps` must be a positive integer"):
         DistributedConfig(count_steps=0)
     base = {"dataset": str(dist_dataset), "batch_size": 8}
-    with pytest.raises(RecpipeError, match="`store` 'hybrid' with several processes"):
-        check_config(TrainConfig(**base, store="hybrid"))
+    check_config(TrainConfig(**base, store="hybrid"))  # each rank's rows in its own stores
+    with pytest.raises(RecpipeError, match="'hybrid' trains its rows with sgd or adagrad"):
+        check_config(TrainConfig(**base, store="hybrid", optimizer="adam"))
     check_config(TrainConfig(**base, optimizer="adam"))  # Adam's state lives with each row
     with pytest.raises(RecpipeError, match="must be >= 2 with several processes"):
         check_config(TrainConfig(dataset=str(dist_dataset), batch_size=1))

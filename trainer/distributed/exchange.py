@@ -158,7 +158,7 @@ class ShardedTable(nn.Module):
         self.config = config
         self.shard = shard
         self.hot_ids = np.zeros(0, dtype=np.int64)  # sorted
-        self.hot_values = shard.values.new_zeros(0, shard.dim)
+        self.hot_values = torch.zeros(0, shard.dim, dtype=shard.dtype, device=shard.device)
         self.hot_state = _empty_state(shard)
         self._batch = _TableBatch()  # the prepared batch (a plain object: cheap to set)
         # a zero-size tensor that requires grad, so autograd records the lookups
@@ -307,7 +307,8 @@ class HotCandidates:
 
 def _empty_state(shard: RowShard) -> torch.Tensor | None:
     """A replica's state of no rows, shaped as ``shard``'s (``None``: it keeps none)."""
-    return None if shard.state is None else shard.state.new_zeros(0, *shard.state.shape[1:])
+    shape = shard.row_state_shape
+    return None if shape is None else torch.zeros(0, *shape, dtype=shard.dtype, device=shard.device)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[int, ...]:
@@ -448,9 +449,9 @@ class ShardedEmbeddings:
         self.dim = dims.pop()
         want = optimizer.state_shape(self.dim)
         for table in self.tables:
-            state = table.shard.state
-            if (None if state is None else tuple(state.shape[1:])) != want:
-                got = "none" if state is None else f"{list(state.shape[1:])} per row"
+            shape = table.shard.row_state_shape
+            if shape != want:
+                got = "none" if shape is None else f"{list(shape)} per row"
                 msg = (
                     f"table {table.config.name!r} keeps optimizer state {got}, {optimizer.kind!r} "
                     f"needs {'none' if want is None else f'{list(want)} per row'}: build the "
@@ -884,17 +885,16 @@ class ShardedEmbeddings:
             values = torch.cat([p["values"] for p in pieces[name]])
             mine = owner_of(ids, world) == rank
             order = np.flatnonzero(mine)[np.argsort(ids[mine], kind="stable")]
-            shard = RowShard.like(table.shard)
+            shard = table.shard.emptied()
             state = None
-            if shard.state is not None:
-                row_shape = tuple(shard.state.shape[1:])
+            if (row_shape := shard.row_state_shape) is not None:
                 state = torch.cat([_saved_state(p, name, row_shape) for p in pieces[name]])
                 state = state[torch.from_numpy(order)]
             shard.write(ids[order], values[torch.from_numpy(order)], state)
             shard.step = step
             table.shard = shard
             table.hot_ids = np.zeros(0, dtype=np.int64)
-            table.hot_values = shard.values.new_zeros(0, shard.dim)
+            table.hot_values = torch.zeros(0, shard.dim, dtype=shard.dtype, device=shard.device)
             table.hot_state = _empty_state(shard)
         self.optimizer_step = step
         self._pack_hot()

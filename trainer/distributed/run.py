@@ -30,7 +30,7 @@ import torch
 
 from recpipe.errors import RecpipeError
 from trainer.checkpoint import check_resume, checkpoint_file, global_batch_change
-from trainer.config import TrainConfig
+from trainer.config import DEFAULT_LR, TrainConfig
 from trainer.distributed.cache import RECORD_KINDS
 from trainer.distributed.checkpoint import load_sparse, read_checkpoint, save_checkpoint
 from trainer.distributed.comm import Comm
@@ -47,6 +47,12 @@ from trainer.distributed.costs import (
 )
 from trainer.distributed.exchange import ExchangeStats
 from trainer.distributed.settings import check_same_settings, job_settings
+from trainer.distributed.store_shard import (
+    check_store_options,
+    load_store_sparse,
+    save_store_checkpoint,
+    store_table_factory,
+)
 from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
 from trainer.runlog import EvalResult, TrainResult
 from trainer.train import evaluate_batches, model_config, read_schema
@@ -182,12 +188,8 @@ def check_config(config: TrainConfig) -> None:
     Raises:
         RecpipeError: naming the option and why.
     """
-    if config.store != "module":
-        msg = (
-            f"`store` {config.store!r} with several processes: not supported yet; the tables of "
-            "a multi-rank job are sharded over the ranks"
-        )
-        raise RecpipeError(msg)
+    if config.store == "hybrid":
+        check_store_options(optimizer=config.optimizer, cache_rows=0)
     if config.batch_size < 2:
         msg = (
             f"`batch_size` (per rank) must be >= 2 with several processes, got {config.batch_size}"
@@ -217,6 +219,7 @@ class RankEngine:
         # on CUDA each rank trains on the device its group was set up on (cuda:LOCAL_RANK)
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
         self.resume_state = resume_state
+        self.stores: list[Any] = []  # with --store hybrid: this rank's stores, one per table
         self.trainer = self._make_trainer()  # exact dense warns of what it cannot cover
         self.shadow_cut: Any = None  # the dispatch cut, when it runs in this process
         self._shadow_missed: list[int] = []  # per step checked: 1 where this rank differed
@@ -235,7 +238,10 @@ class RankEngine:
         from trainer.models import DLRM
 
         cfg = self.config
-        factory = sharded_table_factory(optimizer=cfg.optimizer, device=self.device)
+        if cfg.store == "hybrid":
+            factory = self._store_factory()
+        else:
+            factory = sharded_table_factory(optimizer=cfg.optimizer, device=self.device)
         model = DLRM.from_schema(self.schema, model_config(cfg), table_factory=factory)
         return DistributedTrainer(
             model,
@@ -248,6 +254,26 @@ class RankEngine:
             cache_rows=self.options.cache_rows or None,
             table_order=self._table_order(model),
             exact_dense=self.options.exact_dense,
+        )
+
+    def _store_factory(self) -> Any:
+        """Tables whose owned rows live in this rank's stores: reopened at the checkpoint's
+        step when the job resumes at the world size it was saved at, else created."""
+        cfg, comm = self.config, self.comm
+        check_store_options(optimizer=cfg.optimizer, cache_rows=self.options.cache_rows)
+        if self.device.type != "cpu":
+            msg = f"`--store` 'hybrid' with several processes on {self.device.type}: not supported yet (CPU only)"
+            raise RecpipeError(msg)
+        state = self.resume_state
+        same = state is not None and state.get("store_world_size") == comm.world_size
+        return store_table_factory(
+            optimizer=cfg.optimizer,
+            lr=DEFAULT_LR[cfg.optimizer] if cfg.lr is None else float(cfg.lr),
+            root=cfg.checkpoint,
+            rank=comm.rank,
+            world_size=comm.world_size,
+            open_step=int(state["step"]) if same and state is not None else None,
+            stores=self.stores,
         )
 
     def _table_order(self, model: Any) -> list[str] | None:
@@ -400,12 +426,16 @@ class RankEngine:
             "options": asdict(self.options),
             "layout": {"kind": "ranks", "world_size": self.comm.world_size, "store": cfg.store},
         }
-        return save_checkpoint(cfg.checkpoint, comm=self.comm, sparse=self.trainer.sparse,
-                               step=self.trainer.step, state=full)  # fmt: skip
+        save = save_store_checkpoint if self.stores else save_checkpoint
+        return save(cfg.checkpoint, comm=self.comm, sparse=self.trainer.sparse,  # type: ignore[arg-type]
+                    step=self.trainer.step, state=full)  # fmt: skip
 
     def restore(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state["trainer"])
-        load_sparse(self.config.checkpoint, state, sparse=self.trainer.sparse)
+        if self.stores:
+            load_store_sparse(self.config.checkpoint, state, sparse=self.trainer.sparse)  # type: ignore[arg-type]
+        else:
+            load_sparse(self.config.checkpoint, state, sparse=self.trainer.sparse)
         self.hot_chosen = bool(state["hot_chosen"]) or bool(self.options.cache_rows)
         if self.hot_chosen:
             self.trainer.sparse.count_left = 0
@@ -413,9 +443,16 @@ class RankEngine:
         self.count_until = self.trainer.step + self.options.count_steps
 
     def close(self, *, failing: bool) -> None:
-        """The job's counters, summed over ranks (collective; skipped when failing)."""
-        if failing:
-            return
+        """The job's counters, summed over ranks (collective; skipped when failing); the
+        stores are closed (changes after their last checkpoint are not kept)."""
+        try:
+            if not failing:
+                self._sum_counters()
+        finally:
+            for store in self.stores:
+                store.close()
+
+    def _sum_counters(self) -> None:
         comm = self.comm
         totals = self.trainer.sparse.stats.as_tensor()
         comm.all_reduce(totals, what="the final counters")

@@ -219,6 +219,15 @@ class RowShard:
                    init_scale=shard.init_scale, with_state=state is not None,
                    state_shape=() if state is None else tuple(state.shape[1:]))  # fmt: skip
 
+    def emptied(self) -> RowShard:
+        """A shard like this one with no rows (what a resume fills)."""
+        return RowShard.like(self)
+
+    @property
+    def row_state_shape(self) -> tuple[int, ...] | None:
+        """One row's optimizer state (``None``: it keeps none)."""
+        return None if self.state is None else tuple(self.state.shape[1:])
+
     @property
     def num_rows(self) -> int:
         return self.index.num_rows

@@ -385,6 +385,30 @@ class EmbeddingStore:
                 idx, g = coalesce(hot_idx, hot_grads)
                 self._hot.step(idx, g, **opt)
 
+    def read_rows(self, loc: Locations) -> np.ndarray:
+        """Values and optimizer state ``[U, D + state]`` (float32, a copy) of ``loc``'s rows,
+        none of them hot (a rank's shard keeps its hot rows elsewhere)."""
+        with self._lock:
+            self._check_host_rows(loc)
+            return self._cache.slab_np[loc.cold_slots.numpy()]
+
+    def write_rows(self, loc: Locations, rows: np.ndarray) -> None:
+        """Set the values and optimizer state of ``loc``'s rows (none hot) to ``rows``
+        ``[U, D + state]``; the next checkpoint keeps them."""
+        with self._lock:
+            self._check_host_rows(loc)
+            slots = loc.cold_slots.numpy()
+            if self._writer.in_flight:
+                self._writer.cow_save(self._cache.slab_np, slots)
+            self._cache.slab_np[slots] = rows
+            self._cache.dirty[slots] = True
+
+    def _check_host_rows(self, loc: Locations) -> None:
+        self._check_open()
+        self._check_loc(loc)
+        if loc.hot_pos is not None:
+            raise StoreError("read_rows()/write_rows() of hot rows: reshard(0) first")
+
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(self, step: int, *, wait: bool = True) -> Future[dict[str, Any]]:
