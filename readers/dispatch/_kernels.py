@@ -332,3 +332,61 @@ def index_rehash(slot_table, slot_id, slot_row, new_table, new_id, new_row):
             new_row[h] = slot_row[s]
             new_table[h] = slot_table[s]
             new_id[h] = slot_id[s]
+
+
+# -- sorting the dispatcher's int64 keys (readers.dispatch.keys.distinct, the recency order) -------
+
+_DIGIT_BITS = 11
+_DIGITS = 1 << _DIGIT_BITS
+
+
+@njit(cache=True, nogil=True)
+def radix_order(keys, with_order):
+    """``keys`` (int64, all >= 0) sorted by a least-significant-digit radix sort (11-bit
+    digits; a digit every key shares is skipped), and with ``with_order`` the stable
+    permutation that sorts them (``keys[order]`` is the sorted array; else an empty array).
+    Linear in the length: the dispatcher's ~100k-key arrays sort several times faster than
+    with NumPy's comparison sort."""
+    n = keys.size
+    a = keys.copy()
+    b = np.empty(n, np.int64)
+    ia = np.arange(n) if with_order else np.empty(0, np.int64)
+    ib = np.empty(n if with_order else 0, np.int64)
+    top = 0
+    for p in range(n):
+        top |= a[p]
+    count = np.empty(_DIGITS, np.int64)
+    shift = 0
+    while shift < 63 and (top >> shift) != 0:
+        count[:] = 0
+        for p in range(n):
+            count[(a[p] >> shift) & (_DIGITS - 1)] += 1
+        if count.max() < n:  # the keys differ in this digit
+            at = 0
+            for d in range(_DIGITS):
+                c = count[d]
+                count[d] = at
+                at += c
+            for p in range(n):
+                d = (a[p] >> shift) & (_DIGITS - 1)
+                q = count[d]
+                b[q] = a[p]
+                if with_order:
+                    ib[q] = ia[p]
+                count[d] = q + 1
+            a, b = b, a
+            ia, ib = ib, ia
+        shift += _DIGIT_BITS
+    return a, ia
+
+
+@njit(cache=True, nogil=True)
+def sorted_distinct(keys):
+    """The distinct values of ``keys`` (int64, all >= 0), ascending."""
+    a, _ = radix_order(keys, False)
+    n = 0
+    for p in range(a.size):
+        if p == 0 or a[p] != a[n - 1]:
+            a[n] = a[p]
+            n += 1
+    return a[:n]

@@ -191,8 +191,8 @@ class CacheShadow:
     def _in_key_order(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` in (table, id) order."""
         key = self.index.order_key
-        if key is not None:
-            return rows[np.argsort(key[rows])]
+        if key is not None:  # distinct keys >= 0: the radix sort's order is argsort's
+            return rows[K.radix_order(key[rows], True)[1]]
         tables, ids = self.index.table_of_row, self.index.id_of_row
         return rows[np.lexsort((ids[rows], tables[rows]))]
 
