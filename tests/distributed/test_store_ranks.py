@@ -4,7 +4,7 @@ job gives one process's per-step losses, checkpoints through the stores and resu
 
 from __future__ import annotations
 
-import pytest  # noqa: F401
+import pytest
 
 from tests.trainer.test_one_loop import BATCH, _train, data  # noqa: F401  (data: a fixture)
 
@@ -33,3 +33,60 @@ def test_two_ranks_with_stores_train_as_one_process_with_a_store(data, tmp_path)
         folder = tmp_path / "two" / "store" / f"rank-{rank:05d}-of-00002"
         tables = sorted(p.name for p in folder.iterdir())
         assert tables and all((folder / t / "meta.json").exists() for t in tables)
+
+
+N = 4  # steps before a resume
+HOT = ["--count-steps", 2, "--hot-rows", 64]  # a hot set before the checkpoint: its rows too
+
+
+def _store_dirs(ck, world: int) -> list:
+    return sorted((ck / "store").glob(f"rank-*-of-{world:05d}"))
+
+
+@pytest.mark.slow
+def test_a_resume_at_the_same_world_size_reopens_each_ranks_stores(data, tmp_path):  # noqa: F811
+    """N steps, a checkpoint (each rank's stores commit, then checkpoint.pt), `--resume` to 2N:
+    the per-step losses of an uninterrupted 2N-step run, bit for bit."""
+    straight = _train(data, "2 ranks", tmp_path / "straight", "--steps", 2 * N, *STORE, *HOT)
+    ck = tmp_path / "split"
+    _train(data, "2 ranks", ck, "--steps", N, *STORE, *HOT)
+    assert len(_store_dirs(ck, 2)) == 2
+    resumed = _train(data, "2 ranks", ck, "--steps", 2 * N, "--resume", *STORE, *HOT)
+    assert resumed["resumed_from"] == N
+    assert resumed["losses"] == straight["losses"]
+
+
+@pytest.mark.slow
+def test_saved_at_two_ranks_resumed_at_three_rows_move_to_their_owners(data, tmp_path):  # noqa: F811
+    """Saved at 2 ranks of 48 rows, resumed at 3 of 32 (the same global batches): each new rank
+    fills its new stores with the rows it owns from the old ranks' stores; the losses follow an
+    uninterrupted 2-rank run within 1e-6 (gradient sums over 3 ranks, not 2), every row lives
+    with its owner at 3 ranks, and the 2-rank stores go with the first 3-rank checkpoint."""
+    from trainer.distributed.shard import owner_of
+    from trainer.store import open_store
+
+    two = ["--batch-size", 48]
+    straight = _train(data, "2 ranks", tmp_path / "straight", "--steps", 2 * N, *STORE, *HOT, *two)
+    ck = tmp_path / "split"
+    _train(data, "2 ranks", ck, "--steps", N, *STORE, *HOT, *two)
+    saved = {}
+    for folder in _store_dirs(ck, 2):
+        for table in folder.iterdir():
+            with open_store(table) as store:
+                ids, rows = store.export()
+            saved.setdefault(table.name, []).append((ids, rows))
+    resumed = _train(data, "2 ranks", ck, "--steps", 2 * N, "--resume", *STORE, *HOT,
+                     "--nproc", 3, "--batch-size", 32)  # fmt: skip
+    assert resumed["resumed_from"] == N
+    _close(resumed["losses"], straight["losses"])
+    assert resumed["losses"][:N] == straight["losses"][:N]
+    assert _store_dirs(ck, 2) == [] and len(_store_dirs(ck, 3)) == 3
+    moved = {name: 0 for name in saved}
+    for rank, folder in enumerate(_store_dirs(ck, 3)):
+        for table in folder.iterdir():
+            with open_store(table) as store:
+                ids, _ = store.export()
+            assert (owner_of(ids, 3) == rank).all()
+            moved[table.name] += ids.size
+    for name, parts in saved.items():  # every saved row has an owner at 3 ranks
+        assert moved[name] >= sum(ids.size for ids, _ in parts)
