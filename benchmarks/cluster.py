@@ -33,6 +33,29 @@ repeats (`_common.alternate`: the cases' order rotates every repeat; rank 0's wa
 The rank's work is `benchmarks/distributed.py`'s (its batches, model and trainer); the rate is
 chosen so that the R = 0 step's all-to-all needs several times the step's compute on the wire
 (docs/distributed.md, "Cluster in a box").
+
+Part dmt (`--only dmt`): real `recpipe train --towers` jobs (`python -m trainer` on every rank),
+2 hosts x 2 ranks (ranks of a host on its loopback, unshaped; the hosts' links at
+`--dmt-rate-mbit`), on `etl.synth`'s default schema (no planted groups), 12 of its 13 features
+in 2 towers (user + device: 8 on host 0, item: 4 on host 1), every case on the same batches:
+  dmt_sptt_tm_vs_flat       steady samples/s of SPTT with DLRM tower modules at compression 4 /
+                            the flat schedule (`--schedule flat`: the same towered model with
+                            pass-through towers, the tables on the same hosts, TorchRec's
+                            table-wise all-to-all of pooled embeddings). Target >= 1.5
+  dmt_sptt_vs_flat          plain SPTT (pass-through towers) / the flat schedule
+  dmt_auc_delta             held-out AUC of the towers model - of flat after the same steps,
+                            repeat i trained with seed i (the spread is over seeds). >= -0.002
+Part esd (`--only esd`): 4 hosts x 1 rank, hosts 0, 1 at 10x `--esd-rate-mbit`, hosts 2, 3 at
+it (ESD's 5 / 0.5 Gbit/s scaled down), every rank with a `--cache-rows` cache, `--bandwidths`
+the links' rates:
+  esd_vs_laia_samples_per_s steady samples/s of `--dispatch esd --alpha 1` / `--dispatch laia`
+                            (target >= 1.3); also esd / random and esd alpha 0 / laia
+Both parts run their cases once more with the links unshaped (the link's share of each step),
+and count what crosses hosts (the towers' traffic, the caches' transfers per rank).
+Steady samples/s: rank 0's per-step records (`--metrics`) after the first 3 steps.
+
+`--only PART,...` measures those parts alone and keeps the other parts' figures already in
+`--out`; `not_measured` names the figures the file does not hold.
 """
 
 from __future__ import annotations
@@ -52,7 +75,26 @@ from benchmarks._common import ratio_spread, spread, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cluster.json"
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {"hypereca_best_r_vs_r0": 1.5, "hypereca_chosen_vs_best": 1.05}
+TARGETS = {
+    "hypereca_best_r_vs_r0": 1.5,
+    "hypereca_chosen_vs_best": 1.05,
+    "dmt_sptt_tm_vs_flat": 1.5,
+    "dmt_auc_delta": -0.002,
+    "esd_vs_laia_samples_per_s": 1.3,
+}
+PARTS = ("hypereca", "dmt", "esd")
+# every figure of the issue, and the part that measures it (None: no part does yet)
+FIGURE_PARTS = {
+    "hypereca_best_r_vs_r0": "hypereca",
+    "hypereca_chosen_vs_best": "hypereca",
+    "service_ikjt_vs_kjt_samples_per_s": "hypereca",
+    "dmt_sptt_tm_vs_flat": "dmt",
+    "dmt_auc_delta": "dmt",
+    "esd_vs_laia_samples_per_s": "esd",
+    "service_ikjt_vs_kjt_samples_per_s with training on the ranks": None,
+    "vs_torchrec_dmp_shaped": None,
+    "dispatch_vs_saved": None,
+}
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -86,6 +128,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--service-batch-size", type=int, default=512, help="rows per batch the service sends"
     )
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="the whole job's deadline")
+    parser.add_argument(
+        "--only", type=_parts, default=PARTS,
+        help="comma-separated parts to measure, of " + ", ".join(PARTS) + " (default: all); "
+        "the others' figures already in `--out` are kept",
+    )  # fmt: skip
+    dmt = parser.add_argument_group("dmt (2 hosts x 2 ranks, `recpipe train --towers`)")
+    dmt.add_argument("--dmt-rate-mbit", type=float, default=20.0, help="each host's link, Mbit/s")
+    dmt.add_argument("--dmt-requests", type=int, default=60_000, help="synthetic requests")
+    dmt.add_argument("--dmt-steps", type=int, default=40, help="training steps per run")
+    dmt.add_argument("--dmt-batch-size", type=int, default=256, help="rows per rank per step")
+    dmt.add_argument("--dmt-embedding-dim", type=int, default=64)
+    dmt.add_argument("--dmt-repeats", type=int, default=2,
+                     help="alternated repeats (repeat i trains with --seed i)")  # fmt: skip
+    esd = parser.add_argument_group("esd (4 hosts x 1 rank, `recpipe train --dispatch`)")
+    esd.add_argument("--esd-rate-mbit", type=float, default=10.0,
+                     help="the 2 slow hosts' links, Mbit/s (the 2 fast ones: 10x)")  # fmt: skip
+    esd.add_argument("--esd-steps", type=int, default=20, help="training steps per run")
+    esd.add_argument("--esd-batch-size", type=int, default=256, help="rows per rank per step")
+    esd.add_argument("--esd-cache-rows", type=int, default=16_384, help="each rank's cache")
+    esd.add_argument("--esd-embedding-dim", type=int, default=64)
+    esd.add_argument("--esd-repeats", type=int, default=2, help="alternated repeats")
     parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
@@ -277,15 +340,20 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the cluster's `with`: namespaces removed
 
 
+def _rank_env() -> dict[str, str]:
+    """A rank's environment: this checkout importable, one thread per rank (2 shared cores)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"
+    return env
+
+
 def _job(cluster: Any, options: dict[str, Any], work: Path, *, timeout_s: float) -> None:
     """Run ``_<kind>_rank(options)`` on 2 ranks, rank k on host k."""
     from recpipe.testing.cluster import wait_all
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = "1"
     argv = [sys.executable, "-m", "benchmarks.cluster", "--worker", json.dumps(options)]
-    procs = cluster.launch(argv, [0, 1], env=env, logs=work)
+    procs = cluster.launch(argv, [0, 1], env=_rank_env(), logs=work)
     codes = wait_all(procs, timeout_s=timeout_s)
     if codes != [0, 0]:
         tails = "\n".join(f"-- {p.name}\n" + p.read_text(errors="replace")[-3000:]
@@ -470,8 +538,314 @@ def _unshaped(summary: dict[str, Any], shaped: dict[str, Any], args: argparse.Na
     }
 
 
+# -- `recpipe train` jobs on the cluster (dmt, esd) ---------------------------------------------
+WARM_STEPS = 3  # steps left out of a job's steady rate: the first step builds and compiles
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in PARTS]
+    if bad or not names:
+        msg = f"`--only` takes parts of {', '.join(PARTS)}, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return names
+
+
+def steady_rate(records: list[dict[str, Any]], *, warm: int = WARM_STEPS) -> dict[str, float]:
+    """Samples/s and seconds per step of a run's training records (``--metrics``) after its
+    first ``warm`` steps: the samples and the training wall time between step ``warm`` and the
+    last step."""
+    train = [r for r in records if r.get("kind") == "train"]
+    if len(train) <= warm:
+        msg = f"{len(train)} training steps recorded: more than {warm} are needed for a rate"
+        raise ValueError(msg)
+    first, last = train[warm - 1], train[-1]
+    wall = last["wall_s"] - first["wall_s"]
+    return {
+        "samples_per_s": (last["samples"] - first["samples"]) / wall,
+        "step_s": wall / (last["step"] - first["step"]),
+    }
+
+
+class _TrainJobs:
+    """`recpipe train` jobs (`python -m trainer`, one process per rank, torchrun's variables
+    from the cluster) on ``placement``; each job's rank-0 summary and steady rate."""
+
+    def __init__(self, cluster: Any, placement: list[int], dataset: Path, common: list[str],
+                 work: Path, *, timeout_s: float) -> None:  # fmt: skip
+        self.cluster, self.placement, self.work = cluster, placement, work
+        self.common = [str(dataset), *common]
+        self.timeout_s = timeout_s
+        self.jobs = 0
+
+    def __call__(self, name: str, flags: list[str]) -> dict[str, Any]:
+        from recpipe.testing.cluster import wait_all
+
+        self.jobs += 1
+        out = self.work / f"{name}-{self.jobs}"
+        out.mkdir(parents=True)
+        summary, metrics = out / "summary.json", out / "metrics.jsonl"
+        argv = [sys.executable, "-m", "trainer", *self.common, *flags, "--threads", "1",
+                "--quiet", "--json", str(summary), "--metrics", str(metrics)]  # fmt: skip
+        port = 29500 + self.jobs % 500  # a fresh port per job: no wait on the last one's
+        procs = self.cluster.launch(argv, self.placement, env=_rank_env(), logs=out, port=port)
+        codes = wait_all(procs, timeout_s=self.timeout_s)
+        if any(c != 0 for c in codes):
+            tails = "\n".join(f"-- {p.name}\n" + p.read_text(errors="replace")[-2000:]
+                              for p in sorted(out.glob("rank-*.log")))  # fmt: skip
+            msg = f"`{name}` ({' '.join(flags)}) ranks exited with {codes} (None: deadline)"
+            raise RuntimeError(f"{msg}\n{tails}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+        return {"summary": json.loads(summary.read_text()), **steady_rate(records)}
+
+    def alternated(self, cases: dict[str, list[str]], *, repeats: int,
+                   seed: int) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+        """Every case ``repeats`` times, the order rotating every repeat (``alternate``);
+        repeat i of every case trains with ``--seed seed + i``."""
+        from benchmarks._common import alternate
+
+        def case(name: str) -> Any:
+            done = [0]
+
+            def run() -> dict[str, Any]:
+                job = self(name, [*cases[name], "--seed", str(seed + done[0])])
+                done[0] += 1
+                return job
+
+            return run
+
+        runs = alternate({n: case(n) for n in cases}, repeats=repeats, warmup=False)
+        return {n: [t.value for t in ts] for n, ts in runs.items()}
+
+
+def _link(cluster: Any, src: int, dst: int, rate_mbit: float) -> float:
+    """Mbit/s of a plain TCP transfer of about a second's bytes at the rate."""
+    nbytes = max(int(rate_mbit * 1e6 / 8), 1 << 20)
+    return nbytes * 8 / cluster.transfer(src, dst, nbytes) / 1e6
+
+
+def _rate_ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, Any]:
+    sps = {n: [j["samples_per_s"] for j in runs[n]] for n in (a, b)}
+    ratio = ratio_spread(sps[a], sps[b])
+    return {"median": ratio["median"], "wall": ratio}
+
+
+def _with_target(name: str, figure: dict[str, Any]) -> dict[str, Any]:
+    """``figure`` with its target (met: median >= target)."""
+    return {**figure, "target": TARGETS[name], "met": figure["median"] >= TARGETS[name]}
+
+
+def _step_where(jobs: list[dict[str, Any]], unshaped: dict[str, Any]) -> dict[str, Any]:
+    """A case's seconds per step shaped (over the repeats) and unshaped (once), and the share
+    of the shaped step that the link costs."""
+    step = spread([j["step_s"] for j in jobs])
+    return {
+        "step_s": step,
+        "unshaped_step_s": unshaped["step_s"],
+        "link_share_of_step": 1.0 - unshaped["step_s"] / step["median"],
+    }
+
+
+# the towers of the dmt part: tower 0 the user's features and the device on host 0, tower 1
+# the item's on host 1 (8 and 4 features, so that compression 4 divides both;
+# `context_surface` is left out of every model of the part)
+DMT_TOWERS = (
+    ("user_segment", "user_country", "user_follows", "user_liked_items", "user_liked_sellers",
+     "user_recent_queries", "user_recent_items", "context_device"),
+    ("item_id", "item_seller", "item_category", "item_tags"),
+)  # fmt: skip
+DMT_CASES = {  # name -> `recpipe train` flags besides the common ones
+    "sptt_tm": ["--tower-module", "dlrm", "--compression", "4"],
+    "sptt": [],
+    "flat": ["--schedule", "flat"],
+}
+
+
+def _dmt(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """2 hosts x 2 ranks at ``--dmt-rate-mbit``: SPTT with tower modules, plain SPTT and the
+    flat table-wise schedule of the same towered model, alternated."""
+    from benchmarks.distributed import build_dataset
+    from recpipe.testing.cluster import Cluster
+    from trainer.towers.config import TowerPlan
+
+    dataset = build_dataset(work / "dmt-data", requests=args.dmt_requests, seed=args.seed)
+    plan = work / "dmt-towers.toml"
+    plan.write_text(TowerPlan(DMT_TOWERS, source="benchmarks/cluster.py").to_toml())
+    common = ["--towers", str(plan), "--ranks-per-host", "2",
+              "--features", ",".join(f for t in DMT_TOWERS for f in t),
+              "--steps", str(args.dmt_steps), "--batch-size", str(args.dmt_batch_size),
+              "--embedding-dim", str(args.dmt_embedding_dim), "--dist-timeout", "600"]  # fmt: skip
+    rate = args.dmt_rate_mbit
+    with Cluster([rate, rate]) as cluster:
+        link = [_link(cluster, 0, 1, rate), _link(cluster, 1, 0, rate)]
+        topology = cluster.describe()
+        jobs = _TrainJobs(cluster, [0, 0, 1, 1], dataset, common, work / "dmt",
+                          timeout_s=args.timeout_s)  # fmt: skip
+        runs = jobs.alternated(DMT_CASES, repeats=args.dmt_repeats, seed=args.seed)
+        for host in (0, 1):  # the same jobs once with the links unshaped: the link's share
+            cluster.set_rate(host, None)
+        unshaped = {n: jobs(n, [*f, "--seed", str(args.seed)]) for n, f in DMT_CASES.items()}
+    global_batch = 4 * args.dmt_batch_size
+    where = {}
+    for name, jobs_ in runs.items():
+        towers = jobs_[0]["summary"]["towers"]
+        per_sample = towers["cross_host_bytes_per_sample"]
+        where[name] = {
+            **_step_where(jobs_, unshaped[name]),
+            "cross_host_bytes_per_sample": per_sample,
+            # each host's link carries its half of the bytes that cross hosts, each way
+            "wire_s_per_step_at_rate": per_sample * global_batch / 2 / (rate * 1e6 / 8),
+            "traffic_bytes": {k: v["cross_host"] for k, v in towers["traffic"].items()},
+            "flops_per_sample": towers["flops"]["total"],
+        }
+    aucs = {n: [j["summary"]["eval_auc"] for j in js] for n, js in runs.items()}
+    deltas = [a - b for a, b in zip(aucs["sptt_tm"], aucs["flat"], strict=True)]
+    auc_delta = {
+        "median": spread(deltas)["median"],
+        "by_seed": spread(deltas),
+        "what": "held-out AUC of sptt_tm - of flat after the same steps, seed i in repeat i",
+    }
+    tm_vs_flat = _with_target("dmt_sptt_tm_vs_flat", _rate_ratio(runs, "sptt_tm", "flat"))
+    return {
+        "dmt_sptt_tm_vs_flat": tm_vs_flat,
+        "dmt_sptt_vs_flat": _rate_ratio(runs, "sptt", "flat"),
+        "dmt_auc_delta": _with_target("dmt_auc_delta", auc_delta),
+        "dmt": {
+            "hosts": 2,
+            "ranks_per_host": 2,
+            "rate_mbit": rate,
+            "link_measured_mbit": link,
+            "topology": topology,
+            "cases": {
+                n: " ".join(f) or "(pass-through towers, schedule sptt)"
+                for n, f in DMT_CASES.items()
+            },
+            "flat_is": "the same towered model (pass-through towers) and tables on the same "
+            "hosts, `--schedule flat`: TorchRec's table-wise all-to-all of pooled embeddings",
+            "data": f"etl.synth's default schema, {args.dmt_requests} requests (seed "
+            f"{args.seed}); no planted groups",
+            "towers": [list(t) for t in DMT_TOWERS],
+            "common_flags": common[2:],
+            "samples_per_s": {
+                n: spread([j["samples_per_s"] for j in js]) for n, js in runs.items()
+            },
+            "unshaped_samples_per_s": {n: j["samples_per_s"] for n, j in unshaped.items()},
+            "eval_auc": aucs,
+            "eval_samples": runs["flat"][0]["summary"]["eval_samples"],
+            "where_the_time_goes": where,
+            "steady_after_steps": WARM_STEPS,
+        },
+    }
+
+
+ESD_CASES = {
+    "esd_alpha1": ["--dispatch", "esd", "--alpha", "1"],
+    "esd_alpha0": ["--dispatch", "esd", "--alpha", "0"],
+    "laia": ["--dispatch", "laia"],
+    "random": ["--dispatch", "random"],
+}
+
+
+def _esd(args: argparse.Namespace, dataset: Path, work: Path) -> dict[str, Any]:
+    """4 hosts x 1 rank, hosts 0 and 1 at 10x ``--esd-rate-mbit``, hosts 2 and 3 at it; every
+    rank with a cache; the dispatch policies alternated."""
+    from recpipe.testing.cluster import Cluster
+
+    slow = args.esd_rate_mbit
+    rates = [10 * slow, 10 * slow, slow, slow]
+    bandwidths = ",".join(f"{r * 1e6 / 8:g}" for r in rates)  # bytes/s, as the flag takes
+    common = ["--cache-rows", str(args.esd_cache_rows), "--bandwidths", bandwidths,
+              "--steps", str(args.esd_steps), "--batch-size", str(args.esd_batch_size),
+              "--embedding-dim", str(args.esd_embedding_dim), "--dist-timeout", "600"]  # fmt: skip
+    with Cluster(rates) as cluster:
+        link = [_link(cluster, k, k ^ 1, r) for k, r in enumerate(rates)]  # to its twin
+        topology = cluster.describe()
+        jobs = _TrainJobs(cluster, [0, 1, 2, 3], dataset, common, work / "esd",
+                          timeout_s=args.timeout_s)  # fmt: skip
+        runs = jobs.alternated(ESD_CASES, repeats=args.esd_repeats, seed=args.seed)
+        for host in range(4):
+            cluster.set_rate(host, None)
+        unshaped = {n: jobs(n, [*f, "--seed", str(args.seed)]) for n, f in ESD_CASES.items()}
+    where = {}
+    for name, jobs_ in runs.items():
+        dist = jobs_[0]["summary"]["distributed"]
+        where[name] = {
+            **_step_where(jobs_, unshaped[name]),
+            "cache": dist["cache"],
+            "reads_by_rank": [c["reads"] for c in dist["cache_per_rank"]],
+            "transfers_by_rank": [
+                c["pulls"] + c["pushes"] + c["evict_pushes"] + c["shared"]
+                for c in dist["cache_per_rank"]
+            ],
+            "eval_auc": jobs_[0]["summary"]["eval_auc"],
+        }
+    esd_vs_laia = _rate_ratio(runs, "esd_alpha1", "laia")
+    return {
+        "esd_vs_laia_samples_per_s": _with_target("esd_vs_laia_samples_per_s", esd_vs_laia),
+        "esd_vs_random_samples_per_s": _rate_ratio(runs, "esd_alpha1", "random"),
+        "esd_alpha0_vs_laia_samples_per_s": _rate_ratio(runs, "esd_alpha0", "laia"),
+        "esd": {
+            "hosts": 4,
+            "ranks_per_host": 1,
+            "rates_mbit": rates,
+            "link_measured_mbit": link,
+            "topology": topology,
+            "cases": {n: " ".join(f) for n, f in ESD_CASES.items()},
+            "common_flags": common,
+            "samples_per_s": {
+                n: spread([j["samples_per_s"] for j in js]) for n, js in runs.items()
+            },
+            "unshaped_samples_per_s": {n: j["samples_per_s"] for n, j in unshaped.items()},
+            "where_the_time_goes": where,
+            "steady_after_steps": WARM_STEPS,
+        },
+    }
+
+
+def _hypereca_part(args: argparse.Namespace, dataset: Path, work: Path) -> dict[str, Any]:
+    """2 hosts x 1 rank at ``--rate-mbit``: HypeReca's hot set shaped and unshaped, single
+    collectives, and (``--service``) the reader service on 3 hosts."""
+    from recpipe.testing.cluster import Cluster
+
+    t0, load = time.perf_counter(), os.getloadavg()[0]
+    with Cluster([args.rate_mbit, args.rate_mbit]) as cluster:
+        nbytes = max(int(args.rate_mbit * 1e6 / 8), 1 << 20)  # about a second
+        link = [cluster.transfer(0, 1, nbytes), cluster.transfer(1, 0, nbytes)]
+        topology = cluster.describe()
+        raw = _hypereca(cluster, dataset, args, work, name="shaped")
+        calls = _collectives(cluster, work, name="calls-shaped")
+        for host in (0, 1):  # the same job with the links unshaped: the link's share
+            cluster.set_rate(host, None)
+        unshaped = _hypereca(cluster, dataset, args, work, name="unshaped")
+        calls_unshaped = _collectives(cluster, work, name="calls-unshaped")
+    return {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("worker", "only") and not k.startswith(("dmt_", "esd_"))
+        },
+        "topology": topology,
+        "link_measured_mbit": [nbytes * 8 / s / 1e6 for s in link],
+        **_summarise_hypereca(raw, args),
+        **(_service(dataset, args, work) if args.service else {}),
+        "unshaped": _unshaped(_summarise_hypereca(unshaped, args), raw, args),
+        "collectives_ms": {
+            "shaped": {k: v * 1e3 for k, v in calls.items()},
+            "unshaped": {k: v * 1e3 for k, v in calls_unshaped.items()},
+            # the bytes one way at the rate (what a full-duplex link would need)
+            "at_rate": {
+                f"all_to_all_{n}": n * 8 / (args.rate_mbit * 1e6) * 1e3
+                for n in (64 << 10, 256 << 10, 1 << 20)
+            },
+        },
+        "load_average_1m": [load, os.getloadavg()[0]],  # at the start, at the end
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from recpipe.testing.cluster import Cluster, ClusterUnavailable, unavailable
+    """The figures of the parts in ``args.only`` (a dict of results keys)."""
+    from recpipe.testing.cluster import ClusterUnavailable, unavailable
 
     why = unavailable()
     if why is not None:
@@ -480,60 +854,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="recpipe-bench-cluster-") as tmp:
             work = Path(tmp)
-            t0, load = time.perf_counter(), os.getloadavg()[0]
-            if args.data is None:
+            dataset = args.data
+            if dataset is None and {"hypereca", "esd"} & set(args.only):
                 from benchmarks.distributed import build_dataset
 
                 dataset = build_dataset(work, requests=args.requests, seed=args.seed)
-            else:
-                dataset = args.data
-            with Cluster([args.rate_mbit, args.rate_mbit]) as cluster:
-                nbytes = max(int(args.rate_mbit * 1e6 / 8), 1 << 20)  # about a second
-                link = [cluster.transfer(0, 1, nbytes), cluster.transfer(1, 0, nbytes)]
-                topology = cluster.describe()
-                raw = _hypereca(cluster, dataset, args, work, name="shaped")
-                calls = _collectives(cluster, work, name="calls-shaped")
-                for host in (0, 1):  # the same job with the links unshaped: the link's share
-                    cluster.set_rate(host, None)
-                unshaped = _hypereca(cluster, dataset, args, work, name="unshaped")
-                calls_unshaped = _collectives(cluster, work, name="calls-unshaped")
-            results = {
-                "config": {
-                    k: (str(v) if isinstance(v, Path) else v)
-                    for k, v in vars(args).items()
-                    if k != "worker"
-                },
-                "topology": topology,
-                "link_measured_mbit": [nbytes * 8 / s / 1e6 for s in link],
-                **_summarise_hypereca(raw, args),
-                **(_service(dataset, args, work) if args.service else {}),
-                "unshaped": _unshaped(_summarise_hypereca(unshaped, args), raw, args),
-                "collectives_ms": {
-                    "shaped": {k: v * 1e3 for k, v in calls.items()},
-                    "unshaped": {k: v * 1e3 for k, v in calls_unshaped.items()},
-                    # the bytes one way at the rate (what a full-duplex link would need)
-                    "at_rate": {
-                        f"all_to_all_{n}": n * 8 / (args.rate_mbit * 1e6) * 1e3
-                        for n in (64 << 10, 256 << 10, 1 << 20)
-                    },
-                },
-                "not_measured": [
-                    "dmt_sptt_tm_vs_flat",
-                    "dmt_auc_delta",
-                    "esd_vs_laia_samples_per_s",
-                    "service_ikjt_vs_kjt_samples_per_s with training on the ranks",
-                    "vs_torchrec_dmp_shaped",
-                    "dispatch_vs_saved",
-                ],
-                "load_average_1m": [load, os.getloadavg()[0]],  # at the start, at the end
-                "wall_s": time.perf_counter() - t0,
-            }
+            results: dict[str, Any] = {}
+            if "hypereca" in args.only:
+                results.update(_hypereca_part(args, dataset, work))
+            for part in ("dmt", "esd"):
+                if part not in args.only:
+                    continue
+                t0, load = time.perf_counter(), os.getloadavg()[0]
+                figures = _dmt(args, work) if part == "dmt" else _esd(args, dataset, work)
+                figures[part].update(load_average_1m=[load, os.getloadavg()[0]],
+                                     wall_s=time.perf_counter() - t0)  # fmt: skip
+                results.update(figures)
             return results
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _table(results: dict[str, Any]) -> str:
+def merge_results(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``previous`` (a results file's contents, or None) with ``new``'s keys replacing its own,
+    and ``not_measured`` naming the issue's figures neither holds."""
+    merged = {k: v for k, v in (previous or {}).items() if k not in ("environment", "not_measured")}
+    merged.update(new)
+    merged["not_measured"] = [name for name in FIGURE_PARTS if name not in merged]
+    return merged
+
+
+def _hypereca_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     h = results["hypereca"]
     rows = [
         ("link (Mbit/s each way)", f"{results['config']['rate_mbit']:g} shaped, measured "
@@ -574,6 +925,42 @@ def _table(results: dict[str, Any]) -> str:
                          f"{n}: {v['median']:,.0f} (link-bound {sv['link_bound_samples_per_s'][n]:,.0f},"
                          f" {sv['bytes_per_sample'][n]:.0f} B/sample, link use {sv['link_use'][n]:.0%})"
                          for n, v in sv["samples_per_s"].items())))  # fmt: skip
+    return rows
+
+
+def _ratio_text(f: dict[str, Any]) -> str:
+    text = f"{f['median']:.3f} ({f['wall']['min']:.3f}-{f['wall']['max']:.3f})"
+    if "target" in f:
+        text += f"; target {f['target']}: {'met' if f['met'] else 'missed'}"
+    return text
+
+
+def _train_rows(results: dict[str, Any], part: str, figures: list[str]) -> list[tuple[str, str]]:
+    p = results[part]
+    rates = p.get("rates_mbit", p.get("rate_mbit"))
+    rows = [(f"{part}: link (Mbit/s)", f"{rates} shaped, measured "
+             + " / ".join(f"{v:.1f}" for v in p["link_measured_mbit"]))]  # fmt: skip
+    rows += [(name, _ratio_text(results[name])) for name in figures]
+    for name, w in p["where_the_time_goes"].items():
+        rows.append((f"{part} {name}", f"{p['samples_per_s'][name]['median']:,.0f} samples/s, "
+                     f"step {w['step_s']['median'] * 1e3:.0f} ms shaped / "
+                     f"{w['unshaped_step_s'] * 1e3:.0f} ms unshaped "
+                     f"(link {w['link_share_of_step']:.0%})"))  # fmt: skip
+    return rows
+
+
+def _table(results: dict[str, Any]) -> str:
+    rows = _hypereca_rows(results) if "hypereca" in results else []
+    if "dmt" in results:
+        rows += _train_rows(results, "dmt", ["dmt_sptt_tm_vs_flat", "dmt_sptt_vs_flat"])
+        f = results["dmt_auc_delta"]
+        rows.append(("dmt_auc_delta", f"{f['median']:+.4f} (by seed {f['by_seed']['values']}; "
+                     f"target {f['target']}: {'met' if f['met'] else 'missed'})"))  # fmt: skip
+    if "esd" in results:
+        rows += _train_rows(results, "esd", ["esd_vs_laia_samples_per_s",
+                                             "esd_vs_random_samples_per_s",
+                                             "esd_alpha0_vs_laia_samples_per_s"])  # fmt: skip
+    rows.append(("not measured", ", ".join(results["not_measured"]) or "-"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -590,11 +977,14 @@ def main(argv: list[str] | None = None) -> int:
         # gloo's threads can abort the interpreter's exit ("terminate called without an
         # active exception") after the group is gone: the rank's work is written, leave now
         os._exit(0)
-    results = run(args)
+    t0 = time.perf_counter()
+    new = run(args)
+    previous = json.loads(args.out.read_text()) if args.out.exists() else None
+    results = merge_results(previous, new)
     path = write_results(results, args.out)
-    print(f"benchmarks/cluster.py: 2 hosts x 1 rank over {args.rate_mbit:g} Mbit/s -> {path}")
+    print(f"benchmarks/cluster.py: measured {', '.join(args.only)} -> {path}")
     print(_table(results))
-    print(json.dumps({"wall_s": round(results["wall_s"], 1)}))
+    print(json.dumps({"wall_s": round(time.perf_counter() - t0, 1)}))
     return 0
 
 
