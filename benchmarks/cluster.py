@@ -29,6 +29,10 @@ repeats (`_common.alternate`: the cases' order rotates every repeat; rank 0's wa
                             bytes per sample and the samples/s the link allows. Target >= 1.3
   link_measured_mbit        a plain TCP transfer between the hosts before the job (the shaping
                             holds: never above the rate)
+  vs_torchrec_dmp_shaped    (`--torchrec`, report) the same job's samples/s at the chosen R /
+                            TorchRec DMP's (table-wise; `benchmarks/distributed.py`'s
+                            torchrec_dmp case) on the same batches, alternated with the R
+                            cases; `unshaped.vs_torchrec_dmp` the same with the links unshaped
 
 The rank's work is `benchmarks/distributed.py`'s (its batches, model and trainer); the rate is
 chosen so that the R = 0 step's all-to-all needs several times the step's compute on the wire
@@ -92,7 +96,7 @@ FIGURE_PARTS = {
     "dmt_auc_delta": "dmt",
     "esd_vs_laia_samples_per_s": "esd",
     "service_ikjt_vs_kjt_samples_per_s with training on the ranks": None,
-    "vs_torchrec_dmp_shaped": None,
+    "vs_torchrec_dmp_shaped": "hypereca",
     "dispatch_vs_saved": None,
 }
 
@@ -119,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="measure the reader service (3 hosts)",
+    )
+    parser.add_argument(
+        "--torchrec",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time TorchRec DMP beside the R cases (vs_torchrec_dmp_shaped)",
     )
     parser.add_argument(
         "--service-rate-mbit", type=float, default=20.0,
@@ -199,6 +209,8 @@ def _hypereca_rank(options: dict[str, Any]) -> None:
         return run
 
     cases = {f"R={r}": case(t) for r, t in trainers.items()}
+    if options.get("torchrec"):
+        cases["torchrec_dmp"] = _torchrec_case(dataset, options, comm)
     for trainer in trainers.values():
         trainer.sparse.stats = type(trainer.sparse.stats)()
     runs = alternate(cases, repeats=options["repeats"])
@@ -240,6 +252,30 @@ def _hypereca_rank(options: dict[str, Any]) -> None:
         Path(options["out"]).write_text(json.dumps(raw))
     comm.barrier(what="benchmark")
     destroy()
+
+
+def _torchrec_case(dataset: str, options: dict[str, Any], comm: Any) -> Any:
+    """``options["steps"]`` steps of TorchRec DMP (table-wise) on this rank's plain batches:
+    `benchmarks/distributed.py`'s torchrec_dmp case."""
+    import torch.nn.functional as F
+
+    from benchmarks.distributed import _batches, _torchrec_dmp
+    from recpipe.torchrec_interop import to_torchrec
+
+    dmp, opt = _torchrec_dmp(dataset, options)
+    plain = [(b.dense, to_torchrec(b.to_plain().kjt), b.labels)
+             for b in _batches(dataset, options, rank=comm.rank, world=comm.world_size,
+                               dedup=False)]  # fmt: skip
+
+    def run() -> None:
+        comm.barrier(what="benchmark")
+        for k in range(options["steps"]):
+            dense, kjt, labels = plain[k % len(plain)]
+            opt.zero_grad(set_to_none=True)
+            F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels).backward()
+            opt.step()
+
+    return run
 
 
 def _collectives_rank(options: dict[str, Any]) -> None:
@@ -445,7 +481,8 @@ def _hypereca(
             "probe_rows",
         )
     }
-    options.update(kind="hypereca", dataset=str(dataset), out=str(raw_path))  # fmt: skip
+    options.update(kind="hypereca", dataset=str(dataset), out=str(raw_path),
+                   torchrec=args.torchrec)  # fmt: skip
     _job(cluster, options, work, timeout_s=args.timeout_s)
     raw = json.loads(raw_path.read_text())
     raw["cpu_by_rank"] = [json.loads(Path(f"{raw_path}.cpu-{k}").read_text()) for k in (0, 1)]
@@ -458,7 +495,7 @@ def _summarise_hypereca(raw: dict[str, Any], args: argparse.Namespace) -> dict[s
     walls = {name: [w for w, _ in ts] for name, ts in raw["runs"].items()}
     cpus = {name: [c for _, c in ts] for name, ts in raw["runs"].items()}
     rates = {name: [samples / w for w in ws] for name, ws in walls.items()}
-    sps = {int(name[2:]): spread(v)["median"] for name, v in rates.items()}
+    sps = {int(name[2:]): spread(v)["median"] for name, v in rates.items() if name[:2] == "R="}
     best, chosen = max(sps, key=sps.get), raw["chosen"]
     link = args.rate_mbit * 1e6 / 8  # bytes/s each way per host
     where = {}
@@ -490,7 +527,18 @@ def _summarise_hypereca(raw: dict[str, Any], args: argparse.Namespace) -> dict[s
     hot = {r: v for r, v in sps.items() if r > 0}
     best_hot = max(hot, key=hot.get) if hot else best
     chosen_vs_best = ratio(f"R={best}", f"R={chosen}")
+    torchrec = {}
+    if "torchrec_dmp" in rates:  # ours at the chosen R (as `recpipe train` would run) / theirs
+        torchrec["vs_torchrec_dmp_shaped"] = {
+            **ratio(f"R={chosen}", "torchrec_dmp"),
+            "best_r": ratio(f"R={best}", "torchrec_dmp"),
+            "r0": ratio("R=0", "torchrec_dmp"),
+            "torchrec_dmp_samples_per_s": spread(rates["torchrec_dmp"]),
+            "what": "2 hosts x 1 rank: ours at the chosen R / TorchRec DMP (table-wise, "
+            "fused row-wise Adagrad), the same batches, alternated with the R cases",
+        }
     return {
+        **torchrec,
         "hypereca_best_r_vs_r0": {
             **best_vs_r0,
             "target": TARGETS["hypereca_best_r_vs_r0"],
@@ -534,6 +582,11 @@ def _unshaped(summary: dict[str, Any], shaped: dict[str, Any], args: argparse.Na
         "chosen_r": summary["hypereca"]["chosen_r"],
         "best_r_vs_r0": summary["hypereca_best_r_vs_r0"],
         "best_nonzero_r_vs_r0": summary["hypereca_best_nonzero_r_vs_r0"],
+        **(
+            {"vs_torchrec_dmp": summary["vs_torchrec_dmp_shaped"]}
+            if "vs_torchrec_dmp_shaped" in summary
+            else {}
+        ),
         "link_share_of_r0_step": 1.0 - where["0"]["step_s"]["median"] / step0,
     }
 
@@ -900,6 +953,10 @@ def _hypereca_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("unshaped, same job", "samples/s " + ", ".join(
         f"{r}: {v:,.0f}" for r, v in u["samples_per_s"].items())
         + f"; the link's share of the R=0 step {u['link_share_of_r0_step']:.0%}"))  # fmt: skip
+    if "vs_torchrec_dmp_shaped" in results:
+        f = results["vs_torchrec_dmp_shaped"]
+        rows.append(("vs_torchrec_dmp_shaped", f"{_ratio_text(f)}; at the best R "
+                     f"{f['best_r']['median']:.3f}, at R=0 {f['r0']['median']:.3f}"))  # fmt: skip
     for name in ("hypereca_best_r_vs_r0", "hypereca_chosen_vs_best"):
         f = results[name]
         rows.append((name, f"{f['median']:.3f} ({f['wall']['min']:.3f}-{f['wall']['max']:.3f}; "

@@ -20,6 +20,7 @@ FIGURES = (
     "hypereca_chosen_vs_best",
     "hypereca_best_nonzero_r_vs_r0",
     "service_ikjt_vs_kjt_samples_per_s",
+    "vs_torchrec_dmp_shaped",
 )
 TRAIN_FIGURES = ("dmt_sptt_tm_vs_flat", "dmt_sptt_vs_flat", "esd_vs_laia_samples_per_s")
 
