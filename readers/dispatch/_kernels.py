@@ -287,33 +287,34 @@ def _slot(table, x, mask):
 
 
 @njit(cache=True, nogil=True)
-def index_rows(slot_table, slot_id, slot_row, table, ids, first_row, insert, out, new_ids):
-    """Rows of ``ids`` in table ``table`` in an open-addressing hash table (``slot_row`` -1:
-    empty; its size a power of two, at most half full after the call). With ``insert``, ids not
-    found are numbered ``first_row, first_row + 1, ...`` in order of first appearance and
+def index_rows(slots, table, ids, first_row, insert, out, new_ids):
+    """Rows of ``ids`` in table ``table`` in an open-addressing hash table: ``slots`` int64
+    [size, 3] of (table, id, row) side by side, so that a probe reads one cache line (row -1:
+    empty; the size a power of two, at most half full after the call). With ``insert``, ids
+    not found are numbered ``first_row, first_row + 1, ...`` in order of first appearance and
     written to ``new_ids``; without, they get -1.
 
     Returns:
         the number of new ids.
     """
-    mask = slot_row.size - 1
+    mask = slots.shape[0] - 1
     fresh = 0
     for p in range(ids.size):
         x = ids[p]
         h = _slot(table, x, mask)
         while True:
-            r = slot_row[h]
+            r = slots[h, 2]
             if r < 0:
                 if insert:
                     r = first_row + fresh
-                    slot_row[h] = r
-                    slot_table[h] = table
-                    slot_id[h] = x
+                    slots[h, 0] = table
+                    slots[h, 1] = x
+                    slots[h, 2] = r
                     new_ids[fresh] = x
                     fresh += 1
                 out[p] = r
                 break
-            if slot_id[h] == x and slot_table[h] == table:
+            if slots[h, 1] == x and slots[h, 0] == table:
                 out[p] = r
                 break
             h = (h + 1) & mask
@@ -321,17 +322,17 @@ def index_rows(slot_table, slot_id, slot_row, table, ids, first_row, insert, out
 
 
 @njit(cache=True, nogil=True)
-def index_rehash(slot_table, slot_id, slot_row, new_table, new_id, new_row):
-    """Move every entry of a hash table into a larger empty one."""
-    mask = new_row.size - 1
-    for s in range(slot_row.size):
-        if slot_row[s] >= 0:
-            h = _slot(slot_table[s], slot_id[s], mask)
-            while new_row[h] >= 0:
+def index_rehash(slots, new_slots):
+    """Move every entry of a hash table (:func:`index_rows`) into a larger empty one."""
+    mask = new_slots.shape[0] - 1
+    for s in range(slots.shape[0]):
+        if slots[s, 2] >= 0:
+            h = _slot(slots[s, 0], slots[s, 1], mask)
+            while new_slots[h, 2] >= 0:
                 h = (h + 1) & mask
-            new_row[h] = slot_row[s]
-            new_table[h] = slot_table[s]
-            new_id[h] = slot_id[s]
+            new_slots[h, 0] = slots[s, 0]
+            new_slots[h, 1] = slots[s, 1]
+            new_slots[h, 2] = slots[s, 2]
 
 
 # -- sorting the dispatcher's int64 keys (readers.dispatch.keys.distinct, the recency order) -------

@@ -102,6 +102,13 @@ class TableMap:
         return cls(names, features)
 
 
+def _empty_slots(size: int) -> np.ndarray:
+    """An empty hash table of ``size`` slots for :class:`RowIndex`: (table, id, row), row -1."""
+    slots = np.zeros((size, 3), dtype=np.int64)
+    slots[:, 2] = -1
+    return slots
+
+
 class RowIndex:
     """(table, id) -> a dense row number, in order of first appearance; it only grows.
 
@@ -114,9 +121,7 @@ class RowIndex:
 
     def __init__(self, tables: Sequence[str]) -> None:
         self.tables = tuple(tables)
-        self._slot_table = np.zeros(1024, dtype=np.int64)
-        self._slot_id = np.zeros(1024, dtype=np.int64)
-        self._slot_row = np.full(1024, -1, dtype=np.int64)
+        self._slots = _empty_slots(1024)  # (table, id, row) per slot
         self._table_of_row = np.zeros(1024, dtype=np.int64)
         self._id_of_row = np.zeros(1024, dtype=np.int64)
         self._order_key = np.zeros(1024, dtype=np.int64)
@@ -148,19 +153,17 @@ class RowIndex:
         """Rows of ``ids`` in table ``table``, -1 for ids never seen."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         out = np.empty(ids.size, dtype=np.int64)
-        K.index_rows(self._slot_table, self._slot_id, self._slot_row, table, ids, 0, False, out,
-                     out[:0])  # fmt: skip
+        K.index_rows(self._slots, table, ids, 0, False, out, out[:0])
         return out
 
     def rows(self, table: int, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` in table ``table``, numbering the new ones (in order of appearance)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        while 2 * (self.num_rows + ids.size) > self._slot_row.size:
+        while 2 * (self.num_rows + ids.size) > self._slots.shape[0]:
             self._rehash()
         out = np.empty(ids.size, dtype=np.int64)
         new_ids = np.empty(ids.size, dtype=np.int64)
-        fresh = K.index_rows(self._slot_table, self._slot_id, self._slot_row, table, ids,
-                             self.num_rows, True, out, new_ids)  # fmt: skip
+        fresh = K.index_rows(self._slots, table, ids, self.num_rows, True, out, new_ids)
         if not fresh:
             return out
         fresh_ids = new_ids[:fresh]
@@ -176,11 +179,9 @@ class RowIndex:
         return out
 
     def _rehash(self) -> None:
-        size = 2 * self._slot_row.size
-        table, ids = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
-        rows = np.full(size, -1, dtype=np.int64)
-        K.index_rehash(self._slot_table, self._slot_id, self._slot_row, table, ids, rows)
-        self._slot_table, self._slot_id, self._slot_row = table, ids, rows
+        slots = _empty_slots(2 * self._slots.shape[0])
+        K.index_rehash(self._slots, slots)
+        self._slots = slots
 
     def _grow(self, rows: int) -> None:
         if rows <= self._table_of_row.size:
