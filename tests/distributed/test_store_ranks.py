@@ -4,9 +4,21 @@ job gives one process's per-step losses, checkpoints through the stores and resu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.trainer.test_one_loop import BATCH, _train, data  # noqa: F401  (data: a fixture)
+from tests.trainer.test_one_loop import (  # noqa: F401  (data: a fixture)
+    BATCH,
+    MODEL,
+    REPO,
+    TIMEOUT_S,
+    _train,
+    data,
+)
 
 STORE = ["--store", "hybrid"]
 
@@ -90,3 +102,45 @@ def test_saved_at_two_ranks_resumed_at_three_rows_move_to_their_owners(data, tmp
             moved[table.name] += ids.size
     for name, parts in saved.items():  # every saved row has an owner at 3 ranks
         assert moved[name] >= sum(ids.size for ids, _ in parts)
+
+
+def _killed_run(data, ck, hook, point: str, victim: int, at: int, *extra) -> None:  # noqa: F811
+    """`recpipe train --nproc 2 --store hybrid` whose rank ``victim`` is SIGKILLed at ``point``
+    of the checkpoint of step ``at`` (tests/distributed/store_kill.py): the command fails."""
+    mark = ck.with_suffix(".killed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{hook}{os.pathsep}{REPO}",
+           "RECPIPE_STORE_KILL": f"{point}:{victim}:{at}", "RECPIPE_STORE_KILL_MARK": str(mark)}  # fmt: skip
+    env.setdefault("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))
+    recpipe = str(Path(sys.executable).with_name("recpipe"))
+    args = ["train", data[0], "--batch-size", BATCH, "--eval-batches", 1, "--seed", 0, "--quiet",
+            "--checkpoint", ck, *MODEL, "--nproc", 2, *extra]  # fmt: skip
+    done = subprocess.run([recpipe, *map(str, args)], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env, cwd=REPO)  # fmt: skip
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert mark.exists(), done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_checkpoint_loses_nothing(data, tmp_path):  # noqa: F811
+    """Checkpoints every 3 steps; a rank is SIGKILLed in the checkpoint of step 6 (in one of its
+    stores' commits, or after its stores committed and before checkpoint.pt): `--resume` goes
+    on from step 3, the last complete checkpoint (the stores that committed step 6 roll back),
+    and gives an uninterrupted run's per-step losses bit for bit."""
+    from trainer.store.persist import load_current
+
+    run = ["--steps", 9, "--checkpoint-every", 3, *STORE, *HOT]
+    straight = _train(data, "2 ranks", tmp_path / "straight", *run)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import tests.distributed.store_kill  # noqa: F401\n")
+    for point, victim in (("commit", 1), ("header", 0)):
+        ck = tmp_path / f"{point}{victim}"
+        _killed_run(data, ck, hook, point, victim, 6, *run)
+        committed = {load_current(t).step for d in _store_dirs(ck, 2) for t in d.iterdir()}
+        assert 6 in committed and committed <= {3, 6}, committed  # stores ahead of checkpoint.pt
+        if point == "commit":
+            assert 3 in committed
+        resumed = _train(data, "2 ranks", ck, *run, "--resume")
+        assert resumed["resumed_from"] == 3, point
+        after = resumed["losses"][-6:]  # steps 4..9 (what the killed run logged may be lost)
+        assert after == straight["losses"][3:], point
