@@ -23,11 +23,19 @@ Figures (written to benchmarks/results/dispatch.json):
                          batch into pieces and listing their rows, once per batch
   dispatch_ms_alpha1     dispatch_ms of esd (alpha = 1) in the headline order, wall (its
                          spread: dispatch_ms_alpha1_spread) and CPU (dispatch_cpu_ms_alpha1)
-  dispatch_vs_saved      dispatch time of esd (alpha = 1) / the step transfer time it saves
-                         against random. Target < 1
-  dispatch_cpu_vs_saved  the same with the dispatch's CPU time (what it is on a quiet machine)
-  dispatch_prepare_vs_saved  (dispatch + preparing the batch: cutting it into pieces, numbering
-                         their rows) / the step transfer time saved: what a rank pays per step
+  dispatch_vs_saved      what a rank pays per step to dispatch (preparing the global batch:
+                         pieces and their rows; esd's placement at alpha = 1 and the shadow
+                         replay) / the step transfer time esd saves against the contiguous cut
+                         (no dispatch), at the replay's link rates. Target < 1
+  dispatch_vs_saved_10gbit  the same with every link at 10 Gbit/s (esd and contiguous replayed
+                         again at that rate)
+  vs_contiguous          both, with the step transfer times and the seconds saved; `vs_random`:
+                         the dispatch time against what esd saves over random dispatch
+  reading                per-rank samples/s of a rank reader (readers.ranks.RankBatchDataset, rank
+                         0 of --ranks at --micro-batch) with the contiguous cut and with
+                         --dispatch esd and random (every rank reads and prices the whole global
+                         batch), spread over alternated repeats; --baseline-tree TREE measures a
+                         second source tree (e.g. the commit before a change) in the same run
   training               a real --train-ranks run of `recpipe train --dispatch esd` and
                          `--dispatch random` (in-process readers, gloo), every rank with a real
                          embedding cache (`--cache-rows`: the replay's cache size; the same
@@ -55,6 +63,7 @@ from benchmarks._common import alternate, spread, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "dispatch.json"
 KINDS = ("pulls", "pushes", "evict_pushes", "shared")
+TEN_GBIT = 10e9 / 8  # bytes/s
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -93,6 +102,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps of the real 2-rank `recpipe train` runs, esd vs random (0: none)",
     )  # fmt: skip
     parser.add_argument("--train-ranks", type=int, default=2, help="ranks of those runs")
+    parser.add_argument(
+        "--read-steps", type=int, default=100,
+        help="steps of rank 0's reader per reading run, contiguous vs esd vs random (0: none)",
+    )  # fmt: skip
+    parser.add_argument("--read-repeats", type=int, default=3, help="alternated reading runs")
+    parser.add_argument(
+        "--baseline-tree", type=Path,
+        help="a second source tree whose reader is timed in the same runs (e.g. the commit "
+        "before a change, from `git worktree add`)",
+    )  # fmt: skip
     parser.add_argument("--train-repeats", type=int, default=3, help="alternated runs per policy")
     parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
     parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
@@ -171,21 +190,32 @@ class Replay:
         return replace(self.base, policy=policy, alpha=alpha, cache_rows=(self.cache_rows,),
                        seed=self.args.seed, regret=regret)  # fmt: skip
 
-    def run(self, policy: str, alpha: float = 1.0, regret: str = "mean") -> dict[str, Any]:
-        """Replay every batch from empty caches: link seconds per kind, step times, hits."""
+    def run(
+        self, policy: str, alpha: float = 1.0, regret: str = "mean", *,
+        bandwidth: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Replay every batch from empty caches: link seconds per kind, step times, hits.
+
+        ``policy="contiguous"`` replays the undispatched cut (rank r trains on rows
+        ``[r*m, (r+1)*m)``); ``bandwidth`` puts every rank on a link of that many bytes/s.
+        """
+        from dataclasses import replace
+
         from readers.dispatch import Dispatcher
 
-        d = Dispatcher(self.config(policy, alpha, regret), world_size=self.world,
-                       micro_batch=self.args.micro_batch, tables=self.tables,
-                       index=self.index)  # fmt: skip
+        config = self.config("esd" if policy == "contiguous" else policy, alpha, regret)
+        if bandwidth is not None:
+            config = replace(config, bandwidths=(bandwidth,))
+        d = Dispatcher(config, world_size=self.world, micro_batch=self.args.micro_batch,
+                       tables=self.tables, index=self.index)  # fmt: skip
         d.set_hot(*self.hot_keys)
         per_kind = dict.fromkeys(KINDS, 0.0)
         step_all, model = [], 0.0
         reads = pulls = split = 0
         for prepared in self.prepared:
-            out = d.dispatch(prepared)
+            out = _contiguous(d, prepared) if policy == "contiguous" else d.dispatch(prepared)
             split += out.split_pieces
-            sec = out.transfers.seconds(self.seconds_per_row)
+            sec = out.transfers.seconds(d.seconds_per_row)
             for kind in KINDS:
                 per_kind[kind] += float(sec[kind].sum())
             step_all.append(float(sum(sec[k] for k in KINDS).max()))
@@ -204,6 +234,21 @@ class Replay:
         }
 
 
+def _contiguous(d: Any, prepared: Any) -> Any:
+    """The contiguous cut of one prepared batch replayed on ``d``'s shadow (nothing decided:
+    rank r reads the rows of its own part)."""
+    from readers.dispatch import Dispatch
+
+    m, w = d.micro_batch, d.world_size
+    row_rank = np.arange(m * w, dtype=np.int64) // m
+    flow = np.zeros((prepared.pieces.num_pieces, w), dtype=np.int64)
+    np.add.at(flow, (prepared.pieces.piece_of_row, row_rank), 1)
+    transfers = d.shadow.step(d.reads(prepared, flow, row_rank))
+    rows = tuple(np.arange(j * m, (j + 1) * m, dtype=np.int64) for j in range(w))
+    return Dispatch(step=d.shadow.steps - 1, rows=rows, flow=flow, model_cost=0.0,
+                    transfers=transfers)  # fmt: skip
+
+
 CASES = {
     "esd_alpha1": ("esd", 1.0),
     "esd_alpha0.5": ("esd", 0.5),
@@ -213,6 +258,7 @@ CASES = {
     "laia": ("laia", 1.0),
     "round_robin": ("round-robin", 1.0),
     "random": ("random", 1.0),
+    "contiguous": ("contiguous", 1.0),  # not dispatched: what dispatching saves is against it
 }
 ORDER = ["esd_alpha1", "esd_alpha0.5", "esd_alpha0", "laia", "random"]
 
@@ -249,6 +295,25 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
     }
     saved = results["random"]["step_transfer_s"] - results["esd_alpha1"]["step_transfer_s"]
     esd_ms = dispatch_ms["esd_alpha1"]["wall"]["median"]
+    # what a rank pays per step to dispatch (prepare + place + replay the shadow) against the
+    # step transfer time esd (alpha = 1) saves over the contiguous cut: at the replay's links and
+    # with every link at 10 Gbit/s (esd and contiguous replayed again at that rate)
+    per_step_s = (esd_ms + statistics.median(replay.prepare_s) * 1e3) / 1e3
+    fast = {name: replay.run(*CASES[name], bandwidth=TEN_GBIT)
+            for name in ("esd_alpha1", "contiguous")}  # fmt: skip
+    vs_contiguous = {}
+    for rate, runs_at in (("model", results), ("10gbit", fast)):
+        gain = runs_at["contiguous"]["step_transfer_s"] - runs_at["esd_alpha1"]["step_transfer_s"]
+        vs_contiguous[rate] = {
+            "saved_step_transfer_s": gain,
+            "dispatch_s_per_step": per_step_s,
+            "dispatch_vs_saved": per_step_s / gain if gain > 0 else float("inf"),
+            "step_transfer_s": {
+                n: r["step_transfer_s"]
+                for n, r in runs_at.items()
+                if n in ("esd_alpha1", "contiguous")
+            },
+        }
     sweep = {}
     for size in [int(s) for s in args.sweep_piece_rows.split(",") if s.strip()]:
         if size == args.piece_rows:
@@ -278,15 +343,20 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
         "dispatch_ms": dispatch_ms,
         "prepare_ms": spread([s * 1e3 for s in replay.prepare_s]),
         "saved_step_transfer_s": saved,
-        "dispatch_vs_saved": esd_ms / 1e3 / saved if saved > 0 else float("inf"),
-        "dispatch_cpu_vs_saved": (
-            dispatch_ms["esd_alpha1"]["cpu"]["median"] / 1e3 / saved if saved > 0 else float("inf")
-        ),
-        "dispatch_prepare_vs_saved": (
-            (esd_ms + statistics.median(replay.prepare_s) * 1e3) / 1e3 / saved
-            if saved > 0
-            else float("inf")
-        ),
+        "dispatch_vs_saved": vs_contiguous["model"]["dispatch_vs_saved"],
+        "dispatch_vs_saved_10gbit": vs_contiguous["10gbit"]["dispatch_vs_saved"],
+        "vs_contiguous": vs_contiguous,
+        # the same per-step dispatch time against what esd saves over random (as reported
+        # before the contiguous baseline): placement only, its CPU time, and with preparing
+        "vs_random": {
+            "dispatch_vs_saved": esd_ms / 1e3 / saved if saved > 0 else float("inf"),
+            "dispatch_cpu_vs_saved": (
+                dispatch_ms["esd_alpha1"]["cpu"]["median"] / 1e3 / saved
+                if saved > 0
+                else float("inf")
+            ),
+            "dispatch_prepare_vs_saved": per_step_s / saved if saved > 0 else float("inf"),
+        },
         "piece_rows_sweep": sweep,
     }
 
@@ -360,6 +430,87 @@ def train_rates(
     }
 
 
+# one rank reader's samples/s, run in a source tree of its own (the same code in every tree):
+# argv = dataset, policy, ranks, micro-batch, steps, repeats, cache rows, bandwidths
+_READ_RATE = """
+import json, sys, time
+from readers.dataset import dataset_schema
+from readers.dispatch.cut import rank_cut
+from readers.ranks import RankBatchDataset
+from readers.source import ReaderConfig
+root, policy = sys.argv[1], sys.argv[2]
+ranks, batch, steps, repeats, cache = (int(v) for v in sys.argv[3:8])
+bandwidths = tuple(float(b) for b in sys.argv[8].split(","))
+schema = dataset_schema(root)
+def once(count):
+    options = {} if policy == "contiguous" else {"cache_rows": (cache,), "bandwidths": bandwidths}
+    cut = rank_cut(policy, schema=schema, alpha=1.0, **options)
+    ds = RankBatchDataset(root, schema=schema, config=ReaderConfig(batch_size=batch), rank=0,
+                          world_size=ranks, cut=cut)
+    wall, cpu, n = time.perf_counter(), time.process_time(), 0
+    for _ in ds:
+        n += 1
+        if n == count:
+            break
+    return n * batch / (time.perf_counter() - wall), (time.process_time() - cpu) / n
+once(min(steps, 3))  # compiles the kernels, warms the page cache
+print(json.dumps([once(steps) for _ in range(repeats)]))
+"""
+
+
+def read_rates(dataset: Path, args: argparse.Namespace, *, cache_rows: int) -> dict[str, Any]:
+    """Per-rank samples/s of rank 0's reader (``--ranks`` ranks of ``--micro-batch`` rows, the
+    replay's links and cache size) with the contiguous cut and with ``esd`` and ``random``
+    dispatch; the trees (this one, and ``--baseline-tree``) and policies alternated, each run in
+    its own process."""
+    import json
+    import os
+    import subprocess
+
+    here = Path(__file__).resolve().parents[1]
+    trees = {"current": here}
+    if args.baseline_tree is not None:
+        trees["baseline"] = args.baseline_tree.resolve()
+    bandwidth = [args.bandwidth * args.fast_factor] * args.fast_ranks
+    bandwidth += [args.bandwidth] * (args.ranks - args.fast_ranks)
+    policies = ("contiguous", "esd", "random")
+    rates: dict[str, dict[str, list[float]]] = {t: {p: [] for p in policies} for t in trees}
+    cpu: dict[str, dict[str, list[float]]] = {t: {p: [] for p in policies} for t in trees}
+    for r in range(args.read_repeats):
+        for tree in list(trees)[r % len(trees) :] + list(trees)[: r % len(trees)]:
+            for policy in policies[r % 3 :] + policies[: r % 3]:
+                argv = [sys.executable, "-c", _READ_RATE, str(dataset), policy, str(args.ranks),
+                        str(args.micro_batch), str(args.read_steps), "1", str(cache_rows),
+                        ",".join(f"{b:g}" for b in bandwidth)]  # fmt: skip
+                env = {**os.environ, "PYTHONPATH": str(trees[tree]), "OMP_NUM_THREADS": "1"}
+                done = subprocess.run(argv, capture_output=True, text=True, env=env,
+                                      cwd=trees[tree], timeout=1800)  # fmt: skip
+                if done.returncode != 0:
+                    sys.exit(f"reading with {policy} in {trees[tree]} failed:\n"
+                             f"{done.stderr[-3000:]}")  # fmt: skip
+                ((rate, cpu_s),) = json.loads(done.stdout.strip().splitlines()[-1])
+                rates[tree][policy].append(rate)
+                cpu[tree][policy].append(cpu_s * 1e3)
+    out: dict[str, Any] = {"ranks": args.ranks, "micro_batch": args.micro_batch,
+                           "steps": args.read_steps, "trees": {t: str(p) for t, p in trees.items()}}  # fmt: skip
+    for tree in trees:
+        med = {p: statistics.median(v) for p, v in rates[tree].items()}
+        out[tree] = {
+            "samples_per_s": {p: spread(v) for p, v in rates[tree].items()},
+            "cpu_ms_per_step": {p: spread(v) for p, v in cpu[tree].items()},
+            "esd_vs_contiguous": med["esd"] / med["contiguous"],
+            "random_vs_contiguous": med["random"] / med["contiguous"],
+            # what dispatching adds to a rank's step (CPU), over the contiguous cut's reading
+            "dispatch_overhead_ms_per_step": statistics.median(cpu[tree]["esd"])
+            - statistics.median(cpu[tree]["contiguous"]),
+        }
+    if "baseline" in trees:
+        out["esd_samples_per_s_vs_baseline"] = statistics.median(
+            rates["current"]["esd"]
+        ) / statistics.median(rates["baseline"]["esd"])
+    return out
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     orders = [o.strip() for o in args.orders.split(",") if o.strip()]
     if args.data:
@@ -368,13 +519,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         datasets = build_datasets(work, requests=args.requests, seed=args.seed, orders=orders)
     per_order = {label: replay_order(path, args, label=label) for label, path in datasets.items()}
     head = per_order[next(iter(per_order))]
+    reading = None
+    if args.read_steps:
+        reading = read_rates(next(iter(datasets.values())), args,
+                             cache_rows=head["dataset"]["cache_rows"])  # fmt: skip
     training = None
     if args.train_steps:
         cache_rows = head["dataset"]["cache_rows"]
         training = train_rates(next(iter(datasets.values())), args, work, cache_rows=cache_rows)
     figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
-               "dispatch_vs_saved", "dispatch_cpu_vs_saved",
-               "dispatch_prepare_vs_saved")  # fmt: skip
+               "dispatch_vs_saved", "dispatch_vs_saved_10gbit")  # fmt: skip
     return {
         "setting": {
             "ranks": args.ranks,
@@ -396,6 +550,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "dispatch_ms_alpha1_spread": head["dispatch_ms"]["esd_alpha1"]["wall"],
         "dispatch_cpu_ms_alpha1": head["dispatch_ms"]["esd_alpha1"]["cpu"]["median"],
         "orders": per_order,
+        "reading": reading,
         "training": training,
         **(
             {}

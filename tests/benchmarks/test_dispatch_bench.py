@@ -11,7 +11,7 @@ import pytest
 from _bench import load_benchmark
 
 CASES = ("esd_alpha1", "esd_alpha0.5", "esd_alpha0", "esd_alpha0_second_regret", "laia",
-         "round_robin", "random")  # fmt: skip
+         "round_robin", "random", "contiguous")  # fmt: skip
 
 
 def test_help(capsys):
@@ -34,7 +34,7 @@ def test_tiny_run_writes_results(tmp_path):
     argv = [
         "--requests", "1500", "--ranks", "4", "--fast-ranks", "2", "--micro-batch", "16",
         "--batches", "3", "--repeats", "2", "--sweep-piece-rows", "1", "--orders", "session",
-        "--train-steps", "2", "--train-repeats", "1",
+        "--train-steps", "2", "--train-repeats", "1", "--read-steps", "2", "--read-repeats", "1",
         "--work", str(tmp_path / "work"), "--out", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
@@ -54,8 +54,16 @@ def test_tiny_run_writes_results(tmp_path):
     assert set(res["piece_rows_sweep"]["1"]) == {"esd_alpha1", "laia", "random"}
     assert results["cost"] == {name: res["cost_s"][name]["cost"] for name in CASES}
     assert results["dispatch_ms_alpha1_spread"]["repeats"] == 2
-    for figure in ("dispatch_vs_saved", "dispatch_cpu_vs_saved", "dispatch_prepare_vs_saved"):
+    for figure in ("dispatch_vs_saved", "dispatch_vs_saved_10gbit"):
         assert results[figure] == res[figure] and results[figure] > 0
+    for rate in ("model", "10gbit"):  # against the contiguous cut, at two link rates
+        vs = res["vs_contiguous"][rate]
+        times = vs["step_transfer_s"]
+        assert vs["saved_step_transfer_s"] == times["contiguous"] - times["esd_alpha1"]
+    assert res["dispatch_vs_saved_10gbit"] > res["dispatch_vs_saved"]  # faster links save less
+    reading = results["reading"]
+    for policy in ("contiguous", "esd", "random"):
+        assert reading["current"]["samples_per_s"][policy]["median"] > 0
     training = results["training"]
     assert (training["ranks"], training["steps"]) == (2, 2)
     assert all(training["samples_per_s"][p]["median"] > 0 for p in ("esd", "random"))
