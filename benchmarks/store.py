@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--index-rows", type=int, default=1_000_000, help="ids in the index")
     p.add_argument("--miss-steps", type=int, default=200, help="steps of the miss-rate runs")
+    p.add_argument(
+        "--recovery-repeats",
+        type=int,
+        default=11,
+        help="alternated repeats of the recovery processes (a second or two each; wall times of "
+        "tens of ms on a shared machine: more repeats steady the median)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="alternated repeats of the other cases")
     p.add_argument("--threads", type=int, default=1, help="torch threads (ours and fbgemm)")
     p.add_argument("--seed", type=int, default=0)
@@ -641,8 +648,8 @@ RECOVERY_MEASURES = (
     "again); full dump = np.load of ids + rows and IdIndex.from_ids; open = open_store (rows are "
     "checked when first read); verify = open_store(verify=True), every row read and checked; "
     "warm page cache, and cold (the files evicted with posix_fadvise first); the six cases "
-    "alternated (order rotating), median of the per-repeat ratios with their spread and the "
-    "CPU-time ratio of the same processes"
+    "alternated (order rotating) `recovery_repeats` times, median of the per-repeat ratios with "
+    "their spread and the CPU-time ratio of the same processes"
 )
 
 
@@ -695,7 +702,7 @@ def bench_recovery(args, path: Path, stream, tmp: Path) -> dict:
         for cold in (False, True)
         for what, target in (("dump", dump), ("open", path), ("verify", path))
     }
-    runs = alternate(cases, repeats=args.repeats, warmup=False)
+    runs = alternate(cases, repeats=args.recovery_repeats, warmup=False)
     measured = {k: {m: [t.value[m] for t in v] for m in ("wall", "cpu")} for k, v in runs.items()}
 
     def speedup(num: str, den: str) -> dict:

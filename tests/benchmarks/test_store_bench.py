@@ -45,6 +45,8 @@ def test_store_benchmark_writes_json(tmp_path, capsys):
         "6",
         "--repeats",
         "1",
+        "--recovery-repeats",
+        "1",
         "--out",
         str(out),
     ]
