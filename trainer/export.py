@@ -222,6 +222,31 @@ def _rows_from_stores(model: DLRM, root: Path, *, step: int, path: Path) -> dict
     return written
 
 
+def _rows_from_rank_stores(
+    model: DLRM, root: Path, state: dict[str, Any], *, path: Path
+) -> dict[str, int]:
+    """Write every table's rows from the stores of a multi-rank ``--store hybrid`` job
+    (``root/store/rank-R-of-W/<table>``), read-only at the checkpoint's step."""
+    from recpipe.errors import StoreError
+    from trainer.distributed.store_shard import rank_store_dir, read_owned_rows
+
+    world, step = int(state["store_world_size"]), int(state["step"])
+    tables = _tables_by_name(model)
+    written = dict.fromkeys(tables, 0)
+    for rank in range(world):
+        for name, table in tables.items():
+            where = rank_store_dir(root, rank, world) / name
+            if not (where / "meta.json").exists():
+                msg = f"{path}: rank {rank}'s store of table {name!r} is missing at {str(where)!r} (meta.json)"
+                raise RecpipeError(msg)
+            try:
+                rows = read_owned_rows(where, step=step, rank=0, world_size=1)
+            except StoreError as exc:
+                raise RecpipeError(f"{path}: {exc}") from None
+            written[name] += _place(table, rows["ids"].numpy(), rows["values"], path=path)
+    return written
+
+
 # -------------------------------------------------------------------------------------------
 # the export
 
@@ -391,6 +416,8 @@ def _fill(
         return _rows_from_stores(model, root, step=int(trainer["step"]), path=path)
     if layout == "ranks":
         _load_dense(model, state["trainer"]["model"], path=path)
+        if "store_world_size" in state:  # --store hybrid: the rows are in the ranks' stores
+            return _rows_from_rank_stores(model, root, state, path=path)
     else:  # towers: the head is every rank's (DDP); tower t is trained on host t's ranks
         _load_dense(model, parts[0]["model"], path=path, skip="towers.")
         per_host = int(state["layout"].get("ranks_per_host") or 1)

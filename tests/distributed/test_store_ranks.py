@@ -34,6 +34,10 @@ def test_two_ranks_with_stores_train_as_one_process_with_a_store(data, tmp_path)
     """`--nproc 2 --store hybrid --batch-size B` gives the per-step losses of one process
     `--store hybrid --batch-size 2B` within 1e-6 (float32; exact dense gradients), with a hot
     set chosen after 4 counted steps; each rank's rows live in its own stores."""
+    import torch
+
+    from recpipe_cli import main
+
     steps = 12
     one = _train(data, "one process", tmp_path / "one", "--steps", steps,
                  "--batch-size", 2 * BATCH, *STORE)  # fmt: skip
@@ -45,6 +49,19 @@ def test_two_ranks_with_stores_train_as_one_process_with_a_store(data, tmp_path)
         folder = tmp_path / "two" / "store" / f"rank-{rank:05d}-of-00002"
         tables = sorted(p.name for p in folder.iterdir())
         assert tables and all((folder / t / "meta.json").exists() for t in tables)
+    # `recpipe export` takes the rows from the ranks' stores: one process's model (2.1e-6 at
+    # most, in rows of the sequence tables: row-wise Adagrad's first steps divide a gradient by
+    # its own size, so the last bits of a float32 sum vs a float64 one show; trained rows move
+    # by 1e-3 and more)
+    models = {}
+    for run in ("one", "two"):
+        out = tmp_path / f"{run}.pt"
+        assert main(["export", str(tmp_path / run), "--out", str(out), "--quiet"]) == 0
+        models[run] = torch.load(out)["model"]
+    assert models["one"].keys() == models["two"].keys()
+    worst = max(float((models["one"][k].double() - models["two"][k].double()).abs().max())
+                for k in models["one"] if models["one"][k].is_floating_point())  # fmt: skip
+    assert worst <= 1e-5, worst
 
 
 N = 4  # steps before a resume
