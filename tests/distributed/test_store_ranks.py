@@ -23,6 +23,63 @@ from tests.trainer.test_one_loop import (  # noqa: F401  (data: a fixture)
 STORE = ["--store", "hybrid"]
 
 
+def _world_of_one(dataset, factory):
+    from readers.dataset import dataset_schema
+    from tests.distributed.dist_cases import SMALL_MODEL
+    from trainer.distributed.comm import Comm
+    from trainer.distributed.trainer import DistributedTrainer
+    from trainer.models import DLRM
+
+    net = DLRM.from_schema(dataset_schema(dataset), SMALL_MODEL, table_factory=factory)
+    return DistributedTrainer(net, comm=Comm.single(), optimizer="adagrad", exact_dense=True)
+
+
+def test_a_world_of_one_over_stores_trains_as_over_in_memory_shards(dist_dataset, tmp_path):
+    """The exchange over StoreShards (rows in an EmbeddingStore per table) and over RowShards
+    (in memory) trains the same tables bit for bit: 6 steps, rows entering the hot replica at
+    step 2 (read from the shard) and leaving it at step 4 (written back), then an evaluation,
+    which reads rows without creating any."""
+    import numpy as np
+    import torch
+
+    from tests.distributed.dist_cases import rank_batches
+    from trainer.config import DEFAULT_LR
+    from trainer.distributed.store_shard import StoreShard, store_table_factory
+    from trainer.distributed.trainer import sharded_table_factory
+
+    batches = rank_batches(str(dist_dataset), rank=0, world=1, dedup=True, steps=7)
+    stores: list = []
+    runs = {
+        "memory": _world_of_one(dist_dataset, sharded_table_factory(optimizer="adagrad")),
+        "store": _world_of_one(dist_dataset, store_table_factory(
+            optimizer="adagrad", lr=DEFAULT_LR["adagrad"], root=tmp_path, rank=0,
+            world_size=1, open_step=None, stores=stores)),
+    }  # fmt: skip
+    assert all(isinstance(t.shard, StoreShard) for t in runs["store"].tables)
+    losses: dict[str, list] = {name: [] for name in runs}
+    for name, trainer in runs.items():
+        for step, batch in enumerate(batches[:6]):
+            if step == 2:  # the first batch's ids of every table become hot
+                trainer.sparse.set_hot([np.sort(t.shard.export()[0][:5]) for t in trainer.tables])
+            if step == 4:
+                trainer.sparse.set_hot([np.zeros(0, np.int64) for _ in trainer.tables])
+            losses[name].append(float(trainer.train_step(batch)[0]))
+    assert losses["memory"] == losses["store"]
+    rows = {name: trainer.sparse.owned_rows() for name, trainer in runs.items()}
+    for table, saved in rows["memory"].items():
+        got = rows["store"][table]
+        assert torch.equal(saved["ids"], got["ids"])
+        assert torch.equal(saved["values"], got["values"]) and torch.equal(
+            saved["state"], got["state"]
+        )
+    before = [s.num_rows for s in stores]
+    evals = {name: trainer.evaluate(batches[6:]) for name, trainer in runs.items()}
+    assert evals["memory"] == evals["store"]
+    assert [s.num_rows for s in stores] == before  # the held-out ids are not added
+    for store in stores:
+        store.close()
+
+
 def _close(a: list[float], b: list[float], tol: float = 1e-6) -> float:
     assert len(a) == len(b)
     worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
@@ -30,6 +87,7 @@ def _close(a: list[float], b: list[float], tol: float = 1e-6) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_two_ranks_with_stores_train_as_one_process_with_a_store(data, tmp_path):  # noqa: F811
     """`--nproc 2 --store hybrid --batch-size B` gives the per-step losses of one process
     `--store hybrid --batch-size 2B` within 1e-6 (float32; exact dense gradients), with a hot
