@@ -641,15 +641,19 @@ class _TrainJobs:
         argv = [sys.executable, "-m", "trainer", *self.common, *flags, "--threads", "1",
                 "--quiet", "--json", str(summary), "--metrics", str(metrics)]  # fmt: skip
         port = 29500 + self.jobs % 500  # a fresh port per job: no wait on the last one's
+        before = _link_counters(self.cluster)
         procs = self.cluster.launch(argv, self.placement, env=_rank_env(), logs=out, port=port)
         codes = wait_all(procs, timeout_s=self.timeout_s)
+        moved = [[a - b for a, b in zip(x, y, strict=True)]
+                 for x, y in zip(_link_counters(self.cluster), before, strict=True)]  # fmt: skip
         if any(c != 0 for c in codes):
             tails = "\n".join(f"-- {p.name}\n" + p.read_text(errors="replace")[-2000:]
                               for p in sorted(out.glob("rank-*.log")))  # fmt: skip
             msg = f"`{name}` ({' '.join(flags)}) ranks exited with {codes} (None: deadline)"
             raise RuntimeError(f"{msg}\n{tails}")
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-        return {"summary": json.loads(summary.read_text()), **steady_rate(records)}
+        return {"summary": json.loads(summary.read_text()), "link_bytes": moved,
+                **steady_rate(records)}  # fmt: skip
 
     def alternated(self, cases: dict[str, list[str]], *, repeats: int,
                    seed: int) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
@@ -669,6 +673,31 @@ class _TrainJobs:
 
         runs = alternate({n: case(n) for n in cases}, repeats=repeats, warmup=False)
         return {n: [t.value for t in ts] for n, ts in runs.items()}
+
+
+def _link_counters(cluster: Any) -> list[list[int]]:
+    """Bytes each host's link interface has sent and received so far: ``[[tx, rx], ...]``."""
+    from recpipe.testing.cluster import INTERFACE
+
+    out = []
+    for host in cluster.hosts:
+        argv = ["ip", "-n", host.namespace, "-s", "-j", "link", "show", "dev", INTERFACE]
+        stats = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True,
+                                          timeout=30).stdout)[0]["stats64"]  # fmt: skip
+        out.append([int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])])
+    return out
+
+
+def _wire(jobs: list[dict[str, Any]], steps: int, rates_mbit: list[float]) -> dict[str, Any]:
+    """What each host's link carried in a case's first repeat (every step, the start-up and
+    the final evaluation included), per step, and the seconds per step its busier direction
+    needs at the link's rate."""
+    moved = jobs[0]["link_bytes"]
+    return {
+        "link_mb_per_step_by_host": [[b / steps / 1e6 for b in tx_rx] for tx_rx in moved],
+        "link_s_per_step_by_host": [max(tx_rx) / steps / (r * 1e6 / 8)
+                                    for tx_rx, r in zip(moved, rates_mbit, strict=True)],
+    }  # fmt: skip
 
 
 def _link(cluster: Any, src: int, dst: int, rate_mbit: float) -> float:
@@ -745,6 +774,7 @@ def _dmt(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         per_sample = towers["cross_host_bytes_per_sample"]
         where[name] = {
             **_step_where(jobs_, unshaped[name]),
+            **_wire(jobs_, args.dmt_steps, [rate, rate]),
             "cross_host_bytes_per_sample": per_sample,
             # each host's link carries its half of the bytes that cross hosts, each way
             "wire_s_per_step_at_rate": per_sample * global_batch / 2 / (rate * 1e6 / 8),
@@ -824,6 +854,7 @@ def _esd(args: argparse.Namespace, dataset: Path, work: Path) -> dict[str, Any]:
         dist = jobs_[0]["summary"]["distributed"]
         where[name] = {
             **_step_where(jobs_, unshaped[name]),
+            **_wire(jobs_, args.esd_steps, rates),
             "cache": dist["cache"],
             "reads_by_rank": [c["reads"] for c in dist["cache_per_rank"]],
             "transfers_by_rank": [
@@ -1003,6 +1034,10 @@ def _train_rows(results: dict[str, Any], part: str, figures: list[str]) -> list[
                      f"step {w['step_s']['median'] * 1e3:.0f} ms shaped / "
                      f"{w['unshaped_step_s'] * 1e3:.0f} ms unshaped "
                      f"(link {w['link_share_of_step']:.0%})"))  # fmt: skip
+        if "link_s_per_step_by_host" in w:
+            rows.append((f"{part} {name} on the wire", "each host's link needs " + ", ".join(
+                f"{t * 1e3:.0f}" for t in w["link_s_per_step_by_host"])
+                + " ms per step for the bytes it carried"))  # fmt: skip
     return rows
 
 
