@@ -219,3 +219,16 @@ def test_a_rank_killed_mid_checkpoint_loses_nothing(data, tmp_path):  # noqa: F8
         assert resumed["resumed_from"] == 3, point
         after = resumed["losses"][-6:]  # steps 4..9 (what the killed run logged may be lost)
         assert after == straight["losses"][3:], point
+
+
+def test_what_the_store_as_a_shard_does_not_support_is_refused_in_one_line():
+    from recpipe.errors import RecpipeError
+    from trainer.distributed.store_shard import check_store_options
+
+    check_store_options(optimizer="sgd", cache_rows=0)
+    check_store_options(optimizer="adagrad", cache_rows=0)
+    with pytest.raises(RecpipeError, match="not `--optimizer` adam") as adam:
+        check_store_options(optimizer="adam", cache_rows=0)
+    with pytest.raises(RecpipeError, match="`--cache-rows` 100 with `--store` 'hybrid'") as cache:
+        check_store_options(optimizer="adagrad", cache_rows=100)
+    assert "\n" not in str(adam.value) + str(cache.value)
