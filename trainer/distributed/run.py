@@ -200,7 +200,8 @@ def check_config(config: TrainConfig) -> None:
 class RankEngine:
     """One rank's step engine (:class:`trainer.loop.StepEngine`): a
     :class:`DistributedTrainer` (sharded tables, the 2FP exchange or caches), its cost model,
-    hot set and collective checkpoints.
+    hot set and collective checkpoints. With ``--store hybrid`` the rows it owns live in its
+    own embedding stores (:mod:`trainer.distributed.store_shard`).
 
     Args:
         config: the run (``batch_size`` per rank).
@@ -220,7 +221,12 @@ class RankEngine:
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
         self.resume_state = resume_state
         self.stores: list[Any] = []  # with --store hybrid: this rank's stores, one per table
-        self.trainer = self._make_trainer()  # exact dense warns of what it cannot cover
+        try:
+            self.trainer = self._make_trainer()  # exact dense warns of what it cannot cover
+        except BaseException:
+            for store in self.stores:  # a temporary store's directory goes with it
+                store.close()
+            raise
         self.shadow_cut: Any = None  # the dispatch cut, when it runs in this process
         self._shadow_missed: list[int] = []  # per step checked: 1 where this rank differed
         self.hot_chosen = bool(options.cache_rows)  # a job with caches has no hot set
