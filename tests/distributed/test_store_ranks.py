@@ -232,3 +232,52 @@ def test_what_the_store_as_a_shard_does_not_support_is_refused_in_one_line():
     with pytest.raises(RecpipeError, match="`--cache-rows` 100 with `--store` 'hybrid'") as cache:
         check_store_options(optimizer="adagrad", cache_rows=100)
     assert "\n" not in str(adam.value) + str(cache.value)
+
+
+def test_a_new_rank_reads_its_rows_of_an_old_store_read_only(tmp_path):
+    """`read_owned_rows` gives each rank of 2 exactly its rows of a store's commit, the last
+    one or the one before it (a store one commit ahead of checkpoint.pt), checksummed, and
+    writes nothing: every id and of the rows only the owned ones are read."""
+    import numpy as np
+    import torch
+
+    from recpipe.errors import StoreError
+    from trainer.distributed.shard import owner_of
+    from trainer.distributed.store_shard import StoreShard, read_owned_rows
+    from trainer.store import EmbeddingStore, StoreConfig
+
+    root = tmp_path / "store"
+    config = StoreConfig(dim=4, optimizer="rowwise_adagrad", lr=0.1, chunk_rows=8, sync="process")
+    store = EmbeddingStore.create(root, config)
+    shard = StoreShard(store)
+    ids = np.arange(0, 60, 3)
+    shard.write(ids, torch.randn(ids.size, 4), torch.rand(ids.size))
+    store.checkpoint(1)
+    saved = {1: store.export()}
+    shard.write(ids[:7], torch.randn(7, 4), None)
+    shard.rows(np.array([100, 101, 3]))  # two new rows
+    store.checkpoint(2)
+    saved[2] = store.export()
+    store.close()
+    files = {p.name: p.read_bytes() for p in root.iterdir()}
+    width = 4 + 1
+    for step, (want_ids, want_rows) in saved.items():
+        got = [read_owned_rows(root, step=step, rank=r, world_size=2) for r in range(2)]
+        for r, part in enumerate(got):
+            assert (owner_of(part["ids"].numpy(), 2) == r).all()
+            assert (
+                part["bytes"]
+                == 8 * want_ids.size
+                + -(-want_ids.size // 8)
+                + part["ids"].numel() * (width + 1) * 4
+            )
+        ids_got = np.concatenate([p["ids"].numpy() for p in got])
+        rows_got = torch.cat([torch.cat([p["values"], p["state"][:, None]], 1) for p in got])
+        order, want_order = np.argsort(ids_got), np.argsort(want_ids)
+        assert np.array_equal(ids_got[order], want_ids[want_order])
+        assert torch.equal(
+            rows_got[torch.from_numpy(order)], torch.from_numpy(want_rows[want_order])
+        )
+    assert {p.name: p.read_bytes() for p in root.iterdir()} == files
+    with pytest.raises(StoreError, match="not of step 0"):
+        read_owned_rows(root, step=0, rank=0, world_size=2)

@@ -33,6 +33,7 @@ adam`` (the store keeps row-wise Adagrad's or no state) and float64 tables.
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from collections.abc import Mapping
@@ -48,8 +49,14 @@ from trainer.distributed.shard import SparseOptimizer, owner_of
 from trainer.modules import TableConfig, TableFactory, table_seed
 from trainer.store import init_rows
 from trainer.store.config import StoreConfig
-from trainer.store.persist import RowFile, StoreMeta
-from trainer.store.recovery import Recovery
+from trainer.store.persist import (
+    CommitRecord,
+    RowFile,
+    StoreMeta,
+    load_current,
+    read_copies,
+    read_ids,
+)
 from trainer.store.store import EmbeddingStore, Locations, open_store
 
 if TYPE_CHECKING:
@@ -66,6 +73,8 @@ __all__ = [
     "save_store_checkpoint",
     "store_table_factory",
 ]
+
+_log = logging.getLogger(__name__)
 
 _STORE_OPTIMIZER = {"sgd": "sgd", "rowwise_adagrad": "rowwise_adagrad"}
 
@@ -328,29 +337,48 @@ def save_store_checkpoint(
     return path
 
 
+def _commit_of(root: Path, step: int) -> CommitRecord:
+    """The store's commit of ``step``: CURRENT, or PREVIOUS where the store committed once
+    more after it (a job killed before its ``checkpoint.pt``). Reads only."""
+    current = load_current(root)
+    if current.step == step:
+        return current
+    kept = CommitRecord.load(root, "PREVIOUS") if (root / "PREVIOUS").exists() else None
+    if kept is None or kept.step != step or kept.epoch >= current.epoch:
+        msg = f"store {str(root)!r} holds the checkpoint of step {current.step}, not of step {step}"
+        raise StoreError(msg)
+    return kept
+
+
 def read_owned_rows(path: str | Path, *, step: int, rank: int, world_size: int) -> dict[str, Any]:
     """The rows of the store at ``path``, as committed at ``step``, that rank ``rank`` of
-    ``world_size`` owns: ``{"ids", "values", "state"}`` (CPU tensors; ``state`` ``[n]`` or
-    ``None``). Read-only: the commit record, the ids (every one), the committed copies' map,
-    and of ``rows.bin`` only the owned rows (checksummed)."""
+    ``world_size`` owns: ``{"ids", "values", "state", "bytes"}`` (CPU tensors; ``state``
+    ``[n]`` or ``None``; ``bytes`` read). Read-only: the commit record, the ids (every one, 8
+    bytes a row), the committed copies' bitmap (a bit a row), and of ``rows.bin`` only the
+    owned rows (checksummed)."""
     root = Path(path)
     meta = StoreMeta.load(root)
-    rec = Recovery.read(root, step=step, num_shards=StoreConfig.num_shards)
-    mine = np.flatnonzero(owner_of(rec.ids, world_size) == rank)
+    commit = _commit_of(root, step)
+    ids = read_ids(root / "ids.bin", commit.num_rows, commit.ids_crc)
+    copies = read_copies(root / f"copies-{commit.epoch}.bin", commit)
+    mine = np.flatnonzero(owner_of(ids, world_size) == rank)
     rows = np.empty((mine.size, meta.width), dtype=np.float32)
     if mine.size:
         file = RowFile(root / "rows.bin", meta, writable=False)
         try:
-            rec.check_rows(file)
-            pos = 2 * mine + rec.copies[mine].astype(np.int64)
+            if file.capacity < commit.num_rows:
+                msg = f"store file {str(file.path)!r} is truncated: {file.capacity} rows, the checkpoint has {commit.num_rows}"
+                raise StoreError(msg)
+            pos = 2 * mine + copies[mine].astype(np.int64)
             file.read(pos, rows.view(np.uint32), np.arange(mine.size, dtype=np.int64))
         finally:
             file.close()
     state = torch.from_numpy(rows[:, meta.dim].copy()) if meta.state_dim else None
     return {
-        "ids": torch.from_numpy(rec.ids[mine].copy()),
+        "ids": torch.from_numpy(ids[mine].copy()),
         "values": torch.from_numpy(np.ascontiguousarray(rows[:, : meta.dim])),
         "state": state,
+        "bytes": ids.nbytes + -(-ids.size // 8) + mine.size * meta.disk_width * 4,
     }
 
 
@@ -372,7 +400,7 @@ def load_store_sparse(
         for table in sparse.tables:
             table.shard.step = opt_step
     else:
-        parts = []
+        parts, read = [], 0
         for r in range(saved):
             folder = rank_store_dir(root, r, saved)
             part = {}
@@ -383,8 +411,11 @@ def load_store_sparse(
                 except StoreError as exc:
                     msg = f"cannot resume at step {step} from {saved} ranks' stores: {exc}"
                     raise RecpipeError(msg) from None
+                read += rows.pop("bytes")
                 part[key] = {**rows, "step": opt_step}
             parts.append(part)
+        _log.debug("rank %d of %d: read %d bytes of %d ranks' stores for its rows",
+                   comm.rank, comm.world_size, read, saved)  # fmt: skip
         sparse.load_owned_rows(parts)
     hot = state.get("hot", {})
     sparse.set_hot([hot[name].copy() if name in hot else [] for name in sparse.names])
