@@ -28,7 +28,8 @@ stores, read-only at the checkpoint's step, the ids (all of them: 8 bytes a row)
 values and state of only the rows it now owns (:func:`read_owned_rows`).
 
 Not supported (refused in one line): the per-rank caches (``--cache-rows``), ``--optimizer
-adam`` (the store keeps row-wise Adagrad's or no state) and float64 tables.
+adam`` (the store keeps row-wise Adagrad's or no state), a CUDA device, towers. The stores keep
+float32 rows, in a host cache without a bound (as one process's ``--store hybrid``).
 """
 
 from __future__ import annotations
