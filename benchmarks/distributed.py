@@ -39,6 +39,21 @@ Figures (written to benchmarks/results/distributed.json):
                            `a2a_sent_bytes_per_step`). TorchRec's table-wise sharding sends each
                            bag's pooled vector, 2FP every distinct cold row: the ratio shows which
                            moves more on this job (report)
+
+`--only store` measures just these and merges them into the results file (the other figures,
+and the environment they were measured in, stay; these carry theirs under `store_bench`):
+  vs_torchrec_dmp_store    samples/s of ours with `--store hybrid` (every owned row in the rank's
+                           own EmbeddingStore per table: trainer/distributed/store_shard.py;
+                           temporary stores) / TorchRec DMP's on the same batches, at the R the
+                           cost model chooses (report); `vs_torchrec_dmp_module` the same run's
+                           in-memory shards / TorchRec DMP
+  store_vs_module          samples/s ours with the store / ours with in-memory shards (the
+                           store's own cost; report)
+  checkpoint_overhead_2ranks  wall time of the store job for `--ckpt-steps` steps (200) with a
+                           checkpoint every `--ckpt-every` steps (100, benchmarks/store.py's
+                           defaults) / without: benchmarks/store.py's checkpoint_overhead with 2
+                           ranks (with / without time ratio). Target <= 1.05;
+                           `checkpoint_overhead_2ranks_in_run` = wall / (wall - time in saves)
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -55,7 +71,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import alternate, ratio_spread, spread, write_results
+from benchmarks._common import alternate, environment, ratio_spread, spread, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed.json"
 WORLD = 2
@@ -83,6 +99,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-rows", type=int, default=65536, help="largest cost probe")
     parser.add_argument("--data", type=Path, help="an existing clustered dataset (skip synth)")
     parser.add_argument("--work", type=Path, help="working directory (default: a temp dir)")
+    parser.add_argument(
+        "--only", choices=["store"],
+        help="store: measure only the --store hybrid figures (vs_torchrec_dmp_store, "
+             "store_vs_module, checkpoint_overhead_2ranks) and merge them into --out",
+    )  # fmt: skip
+    parser.add_argument("--ckpt-every", type=int, default=100,
+                        help="checkpoint interval (steps) of checkpoint_overhead_2ranks")  # fmt: skip
+    parser.add_argument("--ckpt-steps", type=int, default=200,
+                        help="steps of a checkpoint_overhead_2ranks run")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     return parser.parse_args(argv)
@@ -123,12 +148,15 @@ def _model_config(args: dict) -> Any:
                        num_embeddings=args["num_embeddings"], attention="none")  # fmt: skip
 
 
-def _ours(dataset: str, args: dict, comm: Any, *, exact_dense: bool = False) -> Any:
+def _ours(
+    dataset: str, args: dict, comm: Any, *, exact_dense: bool = False, factory: Any = None
+) -> Any:
+    """Our trainer (adagrad at its default lr) over in-memory shards, or over ``factory``'s."""
     from readers.dataset import dataset_schema
     from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
     from trainer.models import DLRM
 
-    factory = sharded_table_factory(optimizer="adagrad")
+    factory = factory or sharded_table_factory(optimizer="adagrad")
     model = DLRM.from_schema(dataset_schema(dataset), _model_config(args), table_factory=factory)
     return DistributedTrainer(model, comm=comm, optimizer="adagrad", hot_budget_rows=1 << 24,
                               exact_dense=exact_dense)  # fmt: skip
@@ -249,30 +277,50 @@ def _paired_steps(ours, theirs, *, pairs: int, barrier) -> list[list[float]]:
     return out
 
 
+def _dmp_step(dmp: Any, optimizer: Any, plain: list[Any]) -> Any:
+    """One TorchRec DMP step on ``plain[k % len(plain)]`` (dense, KJT, labels): ``step(k)``."""
+    import torch.nn.functional as F
+
+    def step(k: int) -> None:
+        dense, kjt, labels = plain[k % len(plain)]
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _hot_plan(comm: Any, args: dict, base: Any, on: list[Any]) -> tuple[Any, Any, Any]:
+    """The cost model fitted on ``comm`` (probes up to ``probe_rows``), the hot-row
+    candidates counted by ``base`` on the batches ``on``, and the hot-set size it chooses."""
+    from trainer.distributed.costs import choose_num_hot, fit_costs
+
+    top = args["probe_rows"]
+    fit = fit_costs(comm, dim=args["embedding_dim"],
+                    ar_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
+                    a2a_rows=[max(top // k, 1) for k in (64, 16, 4, 1)])  # fmt: skip
+    for batch in on:
+        base.sparse.count(batch)
+    candidates = base.sparse.gather_counts(budget=1 << 24)
+    return fit, candidates, choose_num_hot(candidates, fit)
+
+
 def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     """One rank of the benchmark job (started by elastic_launch)."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     from recpipe.torchrec_interop import to_torchrec
     from trainer.distributed.comm import Comm, init_from_env
-    from trainer.distributed.costs import choose_num_hot, fit_costs
 
     torch.set_num_threads(1)
     comm = init_from_env(device="cpu", timeout_s=600.0)
     rank, world = comm.rank, comm.world_size
     on = _batches(dataset, args, rank=rank, world=world, dedup=True)
     off = _batches(dataset, args, rank=rank, world=world, dedup=False)
-    top = args["probe_rows"]
-    fit = fit_costs(comm, dim=args["embedding_dim"],
-                    ar_rows=[max(top // k, 1) for k in (64, 16, 4, 1)],
-                    a2a_rows=[max(top // k, 1) for k in (64, 16, 4, 1)])  # fmt: skip
     base = _ours(dataset, args, comm)
-    for batch in on:
-        base.sparse.count(batch)
-    candidates = base.sparse.gather_counts(budget=1 << 24)
-    plan = choose_num_hot(candidates, fit)
+    fit, candidates, plan = _hot_plan(comm, args, base, on)
     everything = int(candidates.counts.size)
     sizes = sorted({0, plan.num_hot, everything // 64, everything // 16, everything // 4,
                     everything})  # fmt: skip
@@ -304,12 +352,7 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
 
         return case
 
-    def their_step(k: int) -> None:
-        dense, kjt, labels = plain[k % len(plain)]
-        dmp_opt.zero_grad(set_to_none=True)
-        loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels)
-        loss.backward()
-        dmp_opt.step()
+    their_step = _dmp_step(dmp, dmp_opt, plain)
 
     def theirs() -> None:
         comm.barrier(what="benchmark")
@@ -386,6 +429,98 @@ def _worker(dataset: str, args: dict) -> dict[str, Any] | None:
     }
 
 
+def _store_trainer(dataset: str, args: dict, comm: Any, *, root: str | None,
+                   stores: list[Any]) -> Any:  # fmt: skip
+    """Our trainer with every owned row in this rank's hybrid stores (``recpipe train --nproc N
+    --store hybrid``): under ``root`` as a checkpointing job keeps them, or temporary ones."""
+    from trainer.config import DEFAULT_LR
+    from trainer.distributed.store_shard import store_table_factory
+
+    factory = store_table_factory(optimizer="adagrad", lr=DEFAULT_LR["adagrad"], root=root,
+                                  rank=comm.rank, world_size=comm.world_size, open_step=None,
+                                  stores=stores)  # fmt: skip
+    return _ours(dataset, args, comm, factory=factory)
+
+
+def _store_worker(dataset: str, args: dict) -> dict[str, Any] | None:
+    """One rank of ``--only store``: ours over in-memory shards, ours over the rank's hybrid
+    stores, TorchRec DMP (``steps`` steps each), and the store job for ``ckpt_steps`` steps
+    without and with a checkpoint every ``ckpt_every`` steps, alternated."""
+    import torch
+
+    from recpipe.torchrec_interop import to_torchrec
+    from trainer.distributed.comm import init_from_env
+    from trainer.distributed.store_shard import save_store_checkpoint
+
+    torch.set_num_threads(1)
+    comm = init_from_env(device="cpu", timeout_s=600.0)
+    on = _batches(dataset, args, rank=comm.rank, world=comm.world_size, dedup=True)
+    off = _batches(dataset, args, rank=comm.rank, world=comm.world_size, dedup=False)
+    module = _ours(dataset, args, comm)
+    _, candidates, plan = _hot_plan(comm, args, module, on)
+    stores: list[Any] = []
+    root = args["ckpt_root"]
+    store = _store_trainer(dataset, args, comm, root=None, stores=stores)
+    ckpt = _store_trainer(dataset, args, comm, root=root, stores=stores)
+    for trainer in (module, store, ckpt):
+        trainer.sparse.candidates, trainer.sparse.count_left = candidates, 0
+        trainer.sparse.reshard(plan.num_hot)
+    dmp, dmp_opt = _torchrec_dmp(dataset, args)
+    their_step = _dmp_step(dmp, dmp_opt, [(b.dense, to_torchrec(b.to_plain().kjt), b.labels)
+                                          for b in off])  # fmt: skip
+    steps, every = args["steps"], args["ckpt_every"]
+    saves: list[float] = []  # seconds of each checkpoint (rank 0's)
+
+    def ours(trainer: Any, count: int, *, checkpoints: bool = False) -> Any:
+        def case() -> None:
+            comm.barrier(what="benchmark")
+            seconds = 0.0
+            for k in range(count):
+                trainer.train_step(on[k % len(on)], reduce_loss=False)
+                if checkpoints and trainer.step % every == 0:  # as the loop's save()
+                    start = time.perf_counter()
+                    trainer.pending_losses()
+                    save_store_checkpoint(root, comm=comm, sparse=trainer.sparse,
+                                          step=trainer.step,
+                                          state={"trainer": trainer.state_dict(),
+                                                 "hot_chosen": True})  # fmt: skip
+                    seconds += time.perf_counter() - start
+            trainer.pending_losses()
+            if checkpoints:
+                saves.append(seconds)
+
+        return case
+
+    def theirs() -> None:
+        comm.barrier(what="benchmark")
+        for k in range(steps):
+            their_step(k)
+
+    cases = {
+        "module": ours(module, steps),
+        "store": ours(store, steps),
+        "torchrec_dmp": theirs,
+        "store_without_ckpt": ours(store, args["ckpt_steps"]),
+        "store_with_ckpt": ours(ckpt, args["ckpt_steps"], checkpoints=True),
+    }
+    try:
+        runs = alternate(cases, repeats=args["repeats"])
+        rows = [s.num_rows for s in stores]
+    finally:
+        for s in stores:
+            s.close()
+    if comm.rank != 0:
+        return None
+    return {
+        "runs": {name: [[t.wall_s, t.cpu_s] for t in ts] for name, ts in runs.items()},
+        "checkpoint_seconds": saves[1:],  # each timed run's (the first: the warm-up's)
+        "chosen": plan.num_hot,
+        "store_rows_rank0": rows,
+        "steps": steps,
+        "world": comm.world_size,
+    }
+
+
 def _line(line: Any) -> dict[str, Any]:
     return {"slope": line.slope, "intercept": line.intercept, "r2": line.r2,
             "sizes": list(line.sizes), "seconds": list(line.seconds)}  # fmt: skip
@@ -398,7 +533,8 @@ def _dedup_factor(batch: Any) -> float:
 
 
 # -- the job ------------------------------------------------------------------------------------
-def _launch(dataset: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _launch(dataset: Path, args: argparse.Namespace, worker: Any = None,
+            **extra: Any) -> dict[str, Any]:  # fmt: skip
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -407,7 +543,7 @@ def _launch(dataset: Path, args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     options = {k: getattr(args, k) for k in ("batch_size", "batches", "steps", "repeats", "pairs",
                                                "embedding_dim", "num_embeddings", "probe_rows")}  # fmt: skip
-    results = elastic_launch(config, _worker)(str(dataset), options)
+    results = elastic_launch(config, worker or _worker)(str(dataset), {**options, **extra})
     return results[0]
 
 
@@ -425,10 +561,7 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                       for r in ours_r}  # fmt: skip
 
     def rate_ratio(a: str, b: str) -> dict[str, Any]:
-        # rates: samples_a / time_a over samples_b / time_b, repeat by repeat
-        wall = ratio_spread([samples[a] / t for t in walls[a]], [samples[b] / t for t in walls[b]])
-        cpu = ratio_spread([samples[a] / t for t in cpus[a]], [samples[b] / t for t in cpus[b]])
-        return {"median": wall["median"], "wall": wall, "cpu": cpu}
+        return _rate_ratio(walls, cpus, samples, a, b)
 
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -466,6 +599,116 @@ def _summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "exchange": ex,
         "dedup_factor": raw["dedup_factor"],
     }
+
+
+def _rate_ratio(walls: dict, cpus: dict, samples: dict, a: str, b: str) -> dict[str, Any]:
+    """Samples/s of case ``a`` / of case ``b``, repeat by repeat: wall and CPU spreads."""
+    wall = ratio_spread([samples[a] / t for t in walls[a]], [samples[b] / t for t in walls[b]])
+    cpu = ratio_spread([samples[a] / t for t in cpus[a]], [samples[b] / t for t in cpus[b]])
+    return {"median": wall["median"], "wall": wall, "cpu": cpu}
+
+
+STORE_MEANS = (
+    "--only store: one 2-rank job (gloo, CPU, one torch thread a rank) holding three trainers "
+    "on the same batches, the hot-set size R chosen by the cost model as the job does: ours over "
+    "in-memory shards (RowShard), ours with --store hybrid (every owned row in the rank's own "
+    "EmbeddingStore per table, trainer/distributed/store_shard.py; temporary stores), TorchRec "
+    "DMP as vs_torchrec_dmp. vs_torchrec_dmp_store = samples/s ours with the store / TorchRec "
+    "DMP's; store_vs_module = ours with the store / ours in memory; vs_torchrec_dmp_module = "
+    "ours in memory / TorchRec DMP's in the same run (`steps` steps per case and repeat). "
+    "checkpoint_overhead_2ranks = wall time of the store job for `ckpt_steps` steps with a "
+    "checkpoint every `ckpt_every` steps / the same steps without checkpoints (benchmarks/store.py's "
+    "checkpoint_overhead: with / without time ratio = samples/s without / with; K and the steps "
+    "as its defaults, 100 and 200). A checkpoint = what `recpipe train --nproc 2 --store hybrid "
+    "--checkpoint-every K` does (trainer/loop.py save): the pending losses reduced, then "
+    "save_store_checkpoint: each rank writes its owned hot rows into its stores and every store "
+    "commits incrementally (rows changed since its last commit; sync='full': fsync + atomic "
+    "commit record), rank headers and rank 0's checkpoint.pt (dense model, optimizers) last. "
+    "Unlike store.py's runs the batches are read before timing (no loader time on either side: "
+    "the ratio is the stricter) and the stores persist across repeats (every checkpoint after "
+    "the warm-up's first is incremental; with the batches cycling, each still rewrites every row "
+    "the batches touch). All five cases alternated (the order rotates each repeat) after one "
+    "untimed call of each; medians of the per-repeat ratios with their spread and CPU twins. "
+    "checkpoint_overhead_2ranks_in_run: wall / (wall - rank 0's seconds inside the saves), "
+    "per run with checkpoints."
+)
+
+
+STORE_CONFIG = ("requests", "batch_size", "batches", "steps", "repeats", "ckpt_steps", "ckpt_every",
+                "embedding_dim", "num_embeddings")  # fmt: skip
+
+
+def _summarise_store(raw: dict[str, Any], args: argparse.Namespace,
+                     load: list[float]) -> dict[str, Any]:  # fmt: skip
+    """The ``--only store`` figures (see STORE_MEANS)."""
+    world, batch = raw["world"], args.batch_size
+    walls = {name: [w for w, _ in ts] for name, ts in raw["runs"].items()}
+    cpus = {name: [c for _, c in ts] for name, ts in raw["runs"].items()}
+    long = ("store_without_ckpt", "store_with_ckpt")
+    samples = {n: world * batch * (args.ckpt_steps if n in long else raw["steps"]) for n in walls}
+    with_, without = walls["store_with_ckpt"], walls["store_without_ckpt"]
+    overhead = ratio_spread(with_, without)
+    cpu = ratio_spread(cpus["store_with_ckpt"], cpus["store_without_ckpt"])
+    saves = raw["checkpoint_seconds"]
+    in_run = spread([w / (w - s) for w, s in zip(with_, saves, strict=True)])
+    return {
+        "vs_torchrec_dmp_store": _rate_ratio(walls, cpus, samples, "store", "torchrec_dmp"),
+        "store_vs_module": _rate_ratio(walls, cpus, samples, "store", "module"),
+        "vs_torchrec_dmp_module": _rate_ratio(walls, cpus, samples, "module", "torchrec_dmp"),
+        "checkpoint_overhead_2ranks": overhead["median"],
+        "checkpoint_overhead_2ranks_spread": {"wall": overhead, "cpu": cpu},
+        "checkpoint_overhead_2ranks_in_run": in_run["median"],
+        "checkpoint_overhead_2ranks_in_run_spread": in_run,
+        "store_bench": {
+            "measures": STORE_MEANS,
+            "samples_per_s_spread": {
+                name: spread([samples[name] / t for t in ws]) for name, ws in walls.items()
+            },
+            "checkpoint_seconds_per_run": saves,
+            "train_seconds_with": with_,
+            "train_seconds_without": without,
+            "chosen_r": raw["chosen"],
+            "store_rows_rank0": raw["store_rows_rank0"],
+            "load_average_before_after": load,
+            "config": {k: getattr(args, k) for k in STORE_CONFIG},
+            "environment": environment(),
+        },
+    }
+
+
+def run_store_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--only store``: the store figures, merged into the results already in ``args.out``
+    (whose other figures, and the ``environment`` they were measured in, stay as they are)."""
+    with tempfile.TemporaryDirectory(prefix="recpipe-bench-dist-store-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        dataset = args.data or build_dataset(work, requests=args.requests, seed=args.seed)
+        before = list(os.getloadavg())
+        raw = _launch(dataset, args, _store_worker, ckpt_root=str(work / "checkpoint"),
+                      ckpt_every=args.ckpt_every, ckpt_steps=args.ckpt_steps)  # fmt: skip
+        got = _summarise_store(raw, args, [*before, *os.getloadavg()])
+        got["store_bench"]["wall_s"] = time.perf_counter() - t0
+    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**merged, **got}, indent=1, default=float) + "\n")
+    return got
+
+
+def _store_table(got: dict[str, Any]) -> str:
+    def ratio(key: str) -> str:
+        w = got[key]["wall"] if "wall" in got[key] else got[key]
+        return f"{w['median']:.3f} ({w['min']:.3f}-{w['max']:.3f})"
+
+    rows = [
+        ("vs_torchrec_dmp_store", ratio("vs_torchrec_dmp_store")),
+        ("store_vs_module", ratio("store_vs_module")),
+        ("vs_torchrec_dmp_module", ratio("vs_torchrec_dmp_module")),
+        ("checkpoint_overhead_2ranks", ratio("checkpoint_overhead_2ranks_spread")),
+        ("checkpoint_overhead_2ranks_in_run", ratio("checkpoint_overhead_2ranks_in_run_spread")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
 def _paired_spread(pairs: list[list[float]]) -> dict[str, Any]:
@@ -516,6 +759,12 @@ def _table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.only == "store":
+        got = run_store_only(args)
+        print(f"benchmarks/distributed.py --only store: {WORLD} ranks (gloo, CPU) -> {args.out}")
+        print(_store_table(got))
+        print(json.dumps({"wall_s": round(got["store_bench"]["wall_s"], 1)}))
+        return 0
     results = run(args)
     path = write_results(results, args.out)
     print(f"benchmarks/distributed.py: {WORLD} ranks (gloo, CPU) -> {path}")

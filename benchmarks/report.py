@@ -945,6 +945,34 @@ DISTRIBUTED = Table(
             target=Target(">=", 1.0),
         ),
         Row(
+            "`vs_torchrec_dmp_store` (our samples/s with `--store hybrid`, every owned row in "
+            "the rank's own stores / TorchRec DMP's on the same batches; `--only store`)",
+            "vs_torchrec_dmp_store",
+            lambda d: (
+                f"{{v}} (ours in memory in the same run: {x(d['vs_torchrec_dmp_module'])}; "
+                f"chosen R = {d['store_bench']['chosen_r']:,})"
+            ),
+            reference="report",
+        ),
+        Row(
+            "`store_vs_module` (our samples/s with `--store hybrid` / with in-memory shards)",
+            "store_vs_module",
+            lambda d: "{v}",
+            reference="report",
+        ),
+        Row(
+            "`checkpoint_overhead_2ranks` (wall time of the 2-rank `--store hybrid` job with a "
+            "checkpoint every K steps / without; incremental fsynced store commits)",
+            "checkpoint_overhead_2ranks",
+            lambda d: (
+                f"{{v}} (K = {d['store_bench']['config']['ckpt_every']}, "
+                f"{d['store_bench']['config']['ckpt_steps']} steps a run; the saves' own share: "
+                f"{x(d['checkpoint_overhead_2ranks_in_run'], 3)})"
+            ),
+            fmt=lambda v: x(v, 3),
+            target=Target("<=", 1.05),
+        ),
+        Row(
             "`a2a_bytes_vs_torchrec` (bytes a rank sends by all-to-all per step, ours at the "
             "chosen R / TorchRec DMP's, both intercepted the same way)",
             "a2a_bytes_vs_torchrec",
