@@ -28,7 +28,8 @@ stores, read-only at the checkpoint's step, the ids (all of them: 8 bytes a row)
 values and state of only the rows it now owns (:func:`read_owned_rows`).
 
 Not supported (refused in one line): the per-rank caches (``--cache-rows``), ``--optimizer
-adam`` (the store keeps row-wise Adagrad's or no state), a CUDA device, towers. The stores keep
+adam`` (the store keeps row-wise Adagrad's or no state), a CUDA device. Towers keep each
+rank's tables in its stores the same way (:mod:`trainer.towers.run`). The stores keep
 float32 rows, in a host cache without a bound (as one process's ``--store hybrid``).
 """
 
@@ -69,8 +70,10 @@ if TYPE_CHECKING:
 __all__ = [
     "StoreShard",
     "check_store_options",
+    "commit_stores",
     "rank_store_dir",
     "read_owned_rows",
+    "reopened_stores",
     "save_store_checkpoint",
     "store_table_factory",
 ]
@@ -383,6 +386,19 @@ def read_owned_rows(path: str | Path, *, step: int, rank: int, world_size: int) 
     }
 
 
+def reopened_stores(
+    sparse: ShardedEmbeddings, *, optimizer_step: int, hot: Mapping[str, Any] | None = None
+) -> None:
+    """Resume over stores reopened at the checkpoint's step (:func:`store_table_factory`'s
+    ``open_step``): the optimizer's step count, and the saved hot sets when ``hot`` is given."""
+    _store_shards(sparse)
+    sparse.optimizer_step = optimizer_step
+    for table in sparse.tables:
+        table.shard.step = optimizer_step
+    if hot is not None:
+        sparse.set_hot([np.asarray(hot[n]).copy() if n in hot else [] for n in sparse.names])
+
+
 def load_store_sparse(
     root: str | Path, state: Mapping[str, Any], *, sparse: ShardedEmbeddings
 ) -> None:
@@ -397,9 +413,7 @@ def load_store_sparse(
     first = read_part(root, state, "sparse", rank=0, world_size=saved)
     opt_step = int(first.get("optimizer_step", step))
     if saved == comm.world_size:
-        sparse.optimizer_step = opt_step
-        for table in sparse.tables:
-            table.shard.step = opt_step
+        reopened_stores(sparse, optimizer_step=opt_step)
     else:
         parts, read = [], 0
         for r in range(saved):

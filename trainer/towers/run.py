@@ -210,29 +210,78 @@ class TowersEngine:
 
     Checkpoints: every rank writes its own part (its tables' rows, its tower, the head, the
     optimizers) under ``CK/towers/step-N/``; rank 0 writes ``checkpoint.pt`` last, naming the
-    folder. A towers checkpoint resumes with the same plan on the same number of ranks.
+    folder. A towers checkpoint resumes with the same plan on the same number of ranks. With
+    ``--store hybrid`` the rows of the tables a rank holds live in its own embedding stores
+    (``CK/store/rank-R-of-W/<table>/``), which commit the step before the headers are written.
     """
 
     def __init__(self, config: TrainConfig, options: TowersConfig, comm: Comm, *,
-                 schema: Any) -> None:  # fmt: skip
-        from trainer.distributed.trainer import DistributedTrainer, sharded_table_factory
-
-        if config.store != "module":
-            msg = "`store` 'hybrid' with towers: not supported yet (the towers' tables are sharded rows)"
-            raise RecpipeError(msg)
+                 schema: Any, resume_state: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.config, self.options, self.comm, self.schema = config, options, comm, schema
         self.world_size, self.writer = comm.world_size, comm.rank == 0
         self.device = comm.device if comm.device.type == "cuda" else torch.device(config.device)
         plan = checked_plan(config, options, schema=schema)
         self.plan = plan
+        self.per_host = _ranks_per_host(options, comm.world_size)
+        if resume_state is not None:
+            self._check_layout(resume_state)  # before any store is reopened (or replaced)
+        self.stores: list[Any] = []  # with --store hybrid: this rank's stores, one per table
+        try:
+            self._build(resume_state)
+        except BaseException:
+            for store in self.stores:  # a temporary store's directory goes with it
+                store.close()
+            raise
+        self.samples = 0  # training samples of this process (the traffic's denominator)
+        self.summary: TowersSummary | None = None
+
+    def _table_factory(self, tables: Any, resume_state: dict[str, Any] | None) -> Any:
+        """Sharded tables; with ``--store hybrid`` the tables this rank holds keep their rows
+        in its own stores (``CK/store/rank-R-of-W/<table>/``, reopened at the checkpoint's
+        step on a resume), the others stay empty in-memory shards this rank never touches."""
+        from trainer.config import DEFAULT_LR
+        from trainer.distributed.trainer import sharded_table_factory
+
+        cfg, comm = self.config, self.comm
+        plain = sharded_table_factory(optimizer=cfg.optimizer, device=self.device)
+        if cfg.store == "module":
+            return plain
+        from trainer.distributed.store_shard import check_store_options, store_table_factory
+        from trainer.towers.layout import SPTTLayout
+
+        check_store_options(optimizer=cfg.optimizer, cache_rows=0)
+        if self.device.type != "cpu":
+            msg = f"`--store` 'hybrid' with towers on {self.device.type}: not supported yet (CPU only)"
+            raise RecpipeError(msg)
+        held = {t.name for t in SPTTLayout(self.plan, tables, comm.world_size,
+                                           self.per_host).tables_of(comm.rank)}  # fmt: skip
+        stored = store_table_factory(
+            optimizer=cfg.optimizer,
+            lr=DEFAULT_LR[cfg.optimizer] if cfg.lr is None else float(cfg.lr),
+            root=cfg.checkpoint,
+            rank=comm.rank,
+            world_size=comm.world_size,
+            open_step=None if resume_state is None else int(resume_state["step"]),
+            stores=self.stores,
+        )
+
+        def factory(table: Any, seed: int) -> Any:
+            return (stored if table.name in held else plain)(table, seed)
+
+        return factory
+
+    def _build(self, resume_state: dict[str, Any] | None) -> None:
+        from trainer.distributed.trainer import DistributedTrainer
+
+        config, options, comm, schema, plan = (
+            self.config, self.options, self.comm, self.schema, self.plan)  # fmt: skip
         mcfg = model_config(config)
         tables = model_tables(schema, mcfg, plan.features)
         mcfg = replace(mcfg, tables=tables)
-        factory = sharded_table_factory(optimizer=config.optimizer, device=self.device)
+        factory = self._table_factory(tables, resume_state)
         model = TowerDLRM.from_schema(schema, mcfg, plan=plan,
                                       towers=options.module_config(), table_factory=factory)  # fmt: skip
         self.model = model
-        self.per_host = _ranks_per_host(options, comm.world_size)
         if comm.world_size == 1:
             self.schedule = "local"
             self.trainer: Any = DistributedTrainer(model, comm=comm, optimizer=config.optimizer,
@@ -248,8 +297,6 @@ class TowersEngine:
             self.trainer = SPTTTrainer(model, layout=layout, groups=groups,
                                        optimizer=config.optimizer, lr=config.lr,
                                        device=self.device, schedule=options.schedule)  # fmt: skip
-        self.samples = 0  # training samples of this process (the traffic's denominator)
-        self.summary: TowersSummary | None = None
 
     @property
     def step(self) -> int:
@@ -301,7 +348,12 @@ class TowersEngine:
             "step": self.step,
             "model": (trainer.module if self.schedule == "local" else trainer.model).state_dict(),
             "optimizers": [opt.state_dict() for opt in trainer.optimizers],
-            "rows": None if sparse is None else sparse.owned_rows(),
+            # with --store hybrid the rows are in the rank's stores (committed at this step)
+            "rows": None if sparse is None or self.stores else sparse.owned_rows(),
+            "optimizer_step": None if sparse is None else sparse.optimizer_step,
+            "hot": None
+            if sparse is None
+            else dict(zip(sparse.names, sparse.hot_sets(), strict=True)),
         }
 
     def save(self, state: dict[str, Any]) -> Path:
@@ -309,6 +361,11 @@ class TowersEngine:
 
         cfg, comm = self.config, self.comm
         assert cfg.checkpoint is not None
+        sparse = self.trainer.sparse
+        if self.stores and sparse is not None:  # the stores commit before any header is written
+            from trainer.distributed.store_shard import commit_stores
+
+            commit_stores(sparse, self.step)
         layout = {"kind": "towers", "world_size": comm.world_size,
                   "ranks_per_host": self.per_host, "towers": [list(t) for t in self.plan.towers],
                   "schedule": self.schedule, "store": cfg.store,
@@ -317,9 +374,9 @@ class TowersEngine:
                           part=self._own_state(),
                           doc={**state, "layout": layout, "step": self.step})  # fmt: skip
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def _check_layout(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint written by another layout (or another ``--store``)."""
         from trainer.checkpoint import checkpoint_file
-        from trainer.distributed.checkpoint import read_part
 
         comm, cfg = self.comm, self.config
         path = checkpoint_file(cfg.checkpoint or ".")
@@ -336,6 +393,19 @@ class TowersEngine:
                 "written, or start afresh with --overwrite"
             )
             raise RecpipeError(msg)
+        saved = layout.get("store", "module")
+        if saved != cfg.store:
+            msg = (
+                f"{path}: written with `--store` {saved!r}, this run trains with {cfg.store!r}: "
+                "resume it as it was written, or start afresh with --overwrite"
+            )
+            raise RecpipeError(msg)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        from trainer.distributed.checkpoint import read_part
+
+        comm, cfg = self.comm, self.config
+        self._check_layout(state)
         part = read_part(cfg.checkpoint or ".", state, "towers", rank=comm.rank,
                          world_size=comm.world_size)  # fmt: skip
         trainer = self.trainer
@@ -344,14 +414,26 @@ class TowersEngine:
         )
         for opt, saved in zip(trainer.optimizers, part["optimizers"], strict=True):
             opt.load_state_dict(saved)
-        if trainer.sparse is not None and part["rows"] is not None:
+        if trainer.sparse is not None and self.stores:  # reopened at the step when built
+            from trainer.distributed.store_shard import reopened_stores
+
+            reopened_stores(trainer.sparse, optimizer_step=int(part["optimizer_step"]),
+                            hot=part["hot"])  # fmt: skip
+        elif trainer.sparse is not None and part["rows"] is not None:
             trainer.sparse.load_owned_rows([part["rows"]])
         trainer.step = int(part["step"])
 
     def close(self, *, failing: bool) -> None:
-        """The summary (the traffic summed over ranks: collective; skipped when failing)."""
-        if failing:
-            return
+        """The summary (the traffic summed over ranks: collective; skipped when failing); the
+        stores are closed (changes after their last checkpoint are not kept)."""
+        try:
+            if not failing:
+                self._summarise()
+        finally:
+            for store in self.stores:
+                store.close()
+
+    def _summarise(self) -> None:
         traffic = {}
         if self.schedule != "local":
             traffic = self.trainer.traffic.merged(self.comm)
@@ -424,7 +506,7 @@ def train_towers(
             note = global_batch_change(state, config, path=path, world_size=comm.world_size)
             if note is not None and comm.rank == 0:
                 _log.warning("%s", note)
-    engine = TowersEngine(config, options, comm, schema=schema)
+    engine = TowersEngine(config, options, comm, schema=schema, resume_state=state)
     stream = open_stream(config, schema, rank=comm.rank, world_size=comm.world_size,
                          device=engine.device)  # fmt: skip
     result = run_loop(config, engine, stream, resume_state=state, progress=progress,
