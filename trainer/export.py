@@ -426,8 +426,33 @@ def _fill(
             mine = {k.removeprefix(f"towers.{t}."): v for k, v in saved.items()
                     if k.startswith(f"towers.{t}.")}  # fmt: skip
             model.towers[t].load_state_dict(mine)
+    if state["layout"].get("store") == "hybrid":  # the rows are in the tower ranks' stores
+        return _rows_from_tower_stores(model, root, state, path=path)
     rows = [p["rows"] for p in parts if p.get("rows") is not None]
     return _rows_from_parts(model, rows, path=path)
+
+
+def _rows_from_tower_stores(
+    model: DLRM, root: Path, state: dict[str, Any], *, path: Path
+) -> dict[str, int]:
+    """Write every table's rows from the store of the one tower rank that holds it
+    (``root/store/rank-R-of-W/<table>``), read-only at the checkpoint's step."""
+    from recpipe.errors import StoreError
+    from trainer.distributed.store_shard import read_owned_rows
+
+    world, step = int(state["layout"]["world_size"]), int(state["step"])
+    written = {}
+    for name, table in _tables_by_name(model).items():
+        found = sorted((root / "store").glob(f"rank-*-of-{world:05d}/{name}/meta.json"))
+        if len(found) != 1:
+            msg = f"{path}: table {name!r} is in {len(found)} tower ranks' stores under {str(root / 'store')!r}, not 1"
+            raise RecpipeError(msg)
+        try:
+            rows = read_owned_rows(found[0].parent, step=step, rank=0, world_size=1)
+        except StoreError as exc:
+            raise RecpipeError(f"{path}: {exc}") from None
+        written[name] = _place(table, rows["ids"].numpy(), rows["values"], path=path)
+    return written
 
 
 def _without_store_tables(saved: dict[str, Any]) -> dict[str, Any]:

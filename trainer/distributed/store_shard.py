@@ -396,7 +396,7 @@ def reopened_stores(
     for table in sparse.tables:
         table.shard.step = optimizer_step
     if hot is not None:
-        sparse.set_hot([np.asarray(hot[n]).copy() if n in hot else [] for n in sparse.names])
+        sparse.set_hot([np.array(hot.get(n, ()), dtype=np.int64) for n in sparse.names])
 
 
 def load_store_sparse(
