@@ -289,25 +289,6 @@ def sgd_update(table, slots, grads, lr):
 
 
 @njit(cache=True, nogil=True)
-def rowwise_adagrad_update(table, slots, grads, lr, eps):
-    """Row-wise Adagrad (fbgemm's): state += mean(g^2); w -= lr * g / (sqrt(state) + eps).
-
-    The state is column D of the table, beside the row.
-    """
-    dim = grads.shape[1]
-    for i in range(slots.size):
-        s = slots[i]
-        acc = np.float32(0.0)
-        for j in range(dim):
-            acc += grads[i, j] * grads[i, j]
-        state = table[s, dim] + acc / np.float32(dim)
-        table[s, dim] = state
-        mult = np.float32(lr) / (np.sqrt(state) + np.float32(eps))
-        for j in range(dim):
-            table[s, j] -= mult * grads[i, j]
-
-
-@njit(cache=True, nogil=True)
 def count_rows(rows, counts):
     """counts[rows[i]] += 1 for every i (access frequencies for the hot set)."""
     for i in range(rows.size):

@@ -25,6 +25,7 @@ import numpy as np
 
 from recpipe.errors import StoreError
 from trainer._kernels import init_rows as hash_init_rows
+from trainer._kernels import rowwise_adagrad
 from trainer.store import _kernels as K
 
 if TYPE_CHECKING:
@@ -261,7 +262,9 @@ def sparse_step(
     if optimizer == "sgd":
         K.sgd_update(table, slots, g, float(lr))
     else:
-        K.rowwise_adagrad_update(table, slots, g, float(lr), float(eps))
+        dim = g.shape[1]  # the state is column D of the table, beside the row
+        f32 = np.float32
+        rowwise_adagrad(table[:, :dim], table[:, dim], slots, g, f32(lr), f32(eps), f32(dim))
 
 
 def coalesce(
