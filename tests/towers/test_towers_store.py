@@ -29,14 +29,21 @@ def _store_tables(ck) -> dict[int, list[str]]:
 @pytest.mark.slow
 def test_towers_on_two_hosts_of_two_ranks_with_stores_train_as_one_process(data, tmp_path):  # noqa: F811
     """Per-step losses within 1e-6 of one process `--store hybrid` on the global batch (float32
-    rounding of the tables' gradient sums); every table lives in exactly one rank's stores."""
+    rounding of the tables' gradient sums), as towers in one process with `--store hybrid`;
+    every table lives in exactly one rank's stores; `recpipe export` gives one process's model."""
     one = _train(data, "one process", tmp_path / "one", *FLAGS, "--steps", STEPS,
                  "--batch-size", 2 * BATCH)  # fmt: skip
+    local = _train(data, "one process", tmp_path / "local", *FLAGS, "--towers", data[1],
+                   "--steps", STEPS, "--batch-size", 2 * BATCH)  # fmt: skip
+    assert local["towers"]["schedule"] == "local"
     towers = _towers(data, tmp_path / "towers", "--steps", STEPS)
     assert towers["towers"]["schedule"] == "sptt" and towers["towers"]["world_size"] == 4
     assert len(one["losses"]) == len(towers["losses"]) == STEPS
     worst = max(abs(a - b) for a, b in zip(one["losses"], towers["losses"], strict=True))
     assert worst <= 1e-6, (worst, one["losses"], towers["losses"])
+    assert local["losses"][0] == pytest.approx(one["losses"][0], abs=1e-7)
+    worst = max(abs(a - b) for a, b in zip(one["losses"], local["losses"], strict=True))
+    assert worst <= 1e-6, ("towers in one process", worst)
     held = _store_tables(tmp_path / "towers")
     assert sorted(held) == [0, 1, 2, 3] and all(held.values()), held
     names = [t for tables in held.values() for t in tables]
@@ -100,3 +107,25 @@ def test_towers_with_stores_resume_from_their_checkpoint(data, tmp_path):  # noq
     for name, (ids, rows) in want.items():
         assert np.array_equal(got[name][0], ids), name
         assert np.abs(got[name][1] - rows).max() <= 1e-6, name
+
+
+def test_a_towers_checkpoint_resumes_with_the_store_it_was_written_with(data, tmp_path, capsys):  # noqa: F811
+    """One process towers, 2 steps with `--store module`; `--resume --store hybrid` is refused
+    in one line naming both, the checkpoint untouched (and the other way round: no store is
+    replaced)."""
+    from recpipe_cli import main
+
+    for saved, other in (("module", "hybrid"), ("hybrid", "module")):
+        ck = tmp_path / saved
+        _train(data, "one process", ck, "--towers", data[1], "--attention", "none",
+               "--steps", 2, "--store", saved)  # fmt: skip
+        before = sorted(p.relative_to(ck) for p in ck.rglob("*"))
+        args = ["train", data[0], "--towers", data[1], "--attention", "none", "--steps", 4,
+                "--batch-size", BATCH, "--checkpoint", ck, "--resume", "--store", other,
+                "--quiet"]  # fmt: skip
+        capsys.readouterr()
+        assert main([str(a) for a in args]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "`--store`" in err and f"with {saved!r}, this run gives {other!r}" in err, err
+        assert "\n" not in err
+        assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before

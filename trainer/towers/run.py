@@ -253,8 +253,11 @@ class TowersEngine:
         if self.device.type != "cpu":
             msg = f"`--store` 'hybrid' with towers on {self.device.type}: not supported yet (CPU only)"
             raise RecpipeError(msg)
-        held = {t.name for t in SPTTLayout(self.plan, tables, comm.world_size,
-                                           self.per_host).tables_of(comm.rank)}  # fmt: skip
+        if comm.world_size == 1:  # one process: every table (the towers are structure only)
+            held = {t.name for t in tables}
+        else:
+            layout = SPTTLayout(self.plan, tables, comm.world_size, self.per_host)
+            held = {t.name for t in layout.tables_of(comm.rank)}
         stored = store_table_factory(
             optimizer=cfg.optimizer,
             lr=DEFAULT_LR[cfg.optimizer] if cfg.lr is None else float(cfg.lr),
@@ -375,7 +378,8 @@ class TowersEngine:
                           doc={**state, "layout": layout, "step": self.step})  # fmt: skip
 
     def _check_layout(self, state: Mapping[str, Any]) -> None:
-        """Refuse a checkpoint written by another layout (or another ``--store``)."""
+        """Refuse a checkpoint written by another layout (``check_resume`` refuses another
+        ``--store``)."""
         from trainer.checkpoint import checkpoint_file
 
         comm, cfg = self.comm, self.config
@@ -391,13 +395,6 @@ class TowersEngine:
                 f"{path}: written by {_written_by(layout)}; this run trains towers {towers} on "
                 f"{comm.world_size} ranks ({self.per_host} per host): resume it as it was "
                 "written, or start afresh with --overwrite"
-            )
-            raise RecpipeError(msg)
-        saved = layout.get("store", "module")
-        if saved != cfg.store:
-            msg = (
-                f"{path}: written with `--store` {saved!r}, this run trains with {cfg.store!r}: "
-                "resume it as it was written, or start afresh with --overwrite"
             )
             raise RecpipeError(msg)
 
