@@ -197,8 +197,9 @@ def test_the_same_flags_train_the_same_model_in_every_engine(data, tmp_path):
     runs = {
         "one process": _train(data, "one process", tmp_path / "one", *flags),
         "--nproc 1": _train(data, "2 ranks", tmp_path / "nproc1", *flags, "--nproc", 1),
-        "--store hybrid": _train(data, "one process", tmp_path / "store", *flags,
-                                 "--store", "hybrid"),  # fmt: skip
+        "--store hybrid": _train(
+            data, "one process", tmp_path / "store", *flags, "--store", "hybrid"
+        ),
         "towers": _train(data, "one process", tmp_path / "towers", *flags, "--towers", data[1]),
     }
     reference = runs.pop("one process")["losses"]
