@@ -208,3 +208,13 @@ def test_the_same_flags_train_the_same_model_in_every_engine(data, tmp_path):
         assert run["losses"][0] == pytest.approx(reference[0], abs=1e-7), name
         worst = max(abs(a - b) for a, b in zip(reference, run["losses"], strict=True))
         assert worst <= 1e-6, (name, worst)
+
+
+def test_the_store_with_caches_is_refused_before_any_rank_starts(data, tmp_path):
+    """`--store hybrid --cache-rows` on ranks: one line from the launching process (no
+    worker started, so no "workers failed" line after it)."""
+    done = _recpipe("train", data[0], "--nproc", 2, "--store", "hybrid", "--cache-rows", 64,
+                    "--steps", 1, "--quiet", *MODEL)  # fmt: skip
+    assert done.returncode == 1
+    one_error_line(done.stderr, "`--cache-rows` 64", "hybrid")
+    assert "worker" not in done.stderr

@@ -226,7 +226,7 @@ def run(
     options = distributed_config(args)
     quiet = bool(getattr(args, "quiet", False))
     if not launched_by_torchrun():
-        check_config(config)  # before any worker starts (a worker checks after the settings)
+        check_config(config, options)  # before any worker starts (a worker checks again)
         worker = argparse.Namespace(
             nproc=None, quiet=quiet, json=getattr(args, "json", None), distributed=options
         )

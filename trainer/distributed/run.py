@@ -182,14 +182,15 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def check_config(config: TrainConfig) -> None:
+def check_config(config: TrainConfig, options: DistributedConfig | None = None) -> None:
     """Refuse what a multi-rank run does not support (before any process is started).
 
     Raises:
         RecpipeError: naming the option and why.
     """
     if config.store == "hybrid":
-        check_store_options(optimizer=config.optimizer, cache_rows=0)
+        cache_rows = 0 if options is None else options.cache_rows
+        check_store_options(optimizer=config.optimizer, cache_rows=cache_rows)
     if config.batch_size < 2:
         msg = (
             f"`batch_size` (per rank) must be >= 2 with several processes, got {config.batch_size}"
