@@ -8,6 +8,7 @@ and options it parsed, pickled into a private temporary directory.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import sys
@@ -41,5 +42,16 @@ def worker_main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _leave(code: int) -> None:
+    """Exit once everything is written, without the interpreter's teardown: a worker's
+    process group and torch's native thread pools are still alive then, and destroying them in
+    C++ static destructors sometimes aborted a rank that had finished its work (SIGABRT,
+    "terminate called without an active exception")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    _leave(worker_main())
