@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from trainer._kernels import rowwise_adagrad as rowwise_adagrad  # the one row-wise Adagrad
-
 __all__: list[str] = []  # private: used by trainer.distributed.exchange and .shard
 
 

@@ -28,11 +28,11 @@ import torch
 
 from recpipe.errors import RecpipeError
 from trainer.distributed import _kernels as K
+from trainer.optim import rowwise_adagrad_
 from trainer.store import IdIndex, init_rows
 
 __all__ = ["RowShard", "SparseOptimizer", "owner_of", "pack_rows", "sparse_optimizer"]
 
-_NUMBA_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 _SALT = np.uint64(0xD6E8FEB86659FD93)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -110,17 +110,7 @@ class SparseOptimizer:
         if self.kind == "adam":
             self._adam(values, state, rows, grads.to(values.dtype), step)
             return
-        if values.device.type == "cpu" and values.dtype in _NUMBA_DTYPES and grads.shape[1]:
-            float_type = _NUMBA_DTYPES[values.dtype]  # one compiled loop, no temporaries
-            K.rowwise_adagrad(values.numpy(), state.numpy(), rows.contiguous().numpy(),
-                              grads.to(values.dtype).contiguous().numpy(), float_type(self.lr),
-                              float_type(self.eps), float_type(grads.shape[1]))  # fmt: skip
-            return
-        acc = (grads * grads).sum(1)  # (n,)
-        s = state.index_select(0, rows) + acc / grads.shape[1]
-        state.index_copy_(0, rows, s)
-        mult = self.lr / (s.sqrt() + self.eps)  # (n,)
-        values.index_add_(0, rows, grads * mult.unsqueeze(1), alpha=-1.0)
+        rowwise_adagrad_(values, state, rows, grads, lr=self.lr, eps=self.eps)
 
     def _adam(
         self,
