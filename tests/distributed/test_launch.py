@@ -146,3 +146,23 @@ def test_a_diverging_multi_rank_run_stops_without_saving(dist_dataset, tmp_path)
     state = torch.load(ckpt / "checkpoint.pt", weights_only=False)
     stopped = int(proc.stderr.split("step ")[1].split(":")[0])
     assert 1 <= state["trainer"]["step"] < stopped
+
+
+def test_the_failure_message_names_the_killed_rank_first_whichever_torchrun_saw_first():
+    """A rank killed by a signal leaves no error; the rank that lost it exits 1 a moment later
+    and may carry the earlier timestamp (the race CI hit). The signal is the cause."""
+    from types import SimpleNamespace
+
+    from trainer.distributed.launch import _failures
+
+    failures = {
+        0: SimpleNamespace(exitcode=1, timestamp=100),
+        1: SimpleNamespace(exitcode=-9, timestamp=101),
+    }
+    text = _failures(SimpleNamespace(failures=failures))
+    assert text.startswith("rank 1 (killed by signal 9), rank 0 (exit code 1)")
+    two_exits = {
+        3: SimpleNamespace(exitcode=1, timestamp=7),
+        2: SimpleNamespace(exitcode=2, timestamp=5),
+    }
+    assert _failures(SimpleNamespace(failures=two_exits)).startswith("rank 2 (exit code 2), rank 3")

@@ -181,6 +181,20 @@ def _error(msg: str) -> Exception:
     return DistributedError(msg)
 
 
+def _failures(exc: Any) -> str:
+    """Name each failed rank, the likely cause first: a rank killed by a signal left no error of
+    its own, and the ranks that lost it fail a moment later with "another rank died"; which of
+    them torchrun saw first is a race, so a signal outranks an exit code, then time decides."""
+
+    def why(failure: Any) -> str:
+        code = failure.exitcode
+        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+    order = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
+    named = ", ".join(f"rank {rank} ({why(failure)})" for rank, failure in order)
+    return f"{named}; the errors they printed are above"
+
+
 def launch_workers(
     launch: LaunchConfig, worker: argparse.Namespace, config: Any, *, module: str = "trainer"
 ) -> None:
@@ -189,7 +203,8 @@ def launch_workers(
     workers need, parsed here), readable by this user only.
 
     Raises:
-        DistributedError: a worker failed (naming the first), or the node options are wrong.
+        DistributedError: a worker failed (naming each, the likely cause first), or the node options
+            are wrong.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
@@ -201,17 +216,7 @@ def launch_workers(
         try:
             torchrun(parse_args(_torchrun_args(launch, spec, module=module)))
         except ChildFailedError as exc:
-            first = min(exc.failures.items(), key=lambda kv: kv[1].timestamp)
-            rank, failure = first
-            why = (
-                f"exit code {failure.exitcode}"
-                if failure.exitcode >= 0
-                else f"killed by signal {-failure.exitcode}"
-            )
-            msg = (
-                f"{len(exc.failures)} of {launch.nproc} worker(s) failed; the first was rank "
-                f"{rank} ({why}); its error is above"
-            )
+            msg = f"{len(exc.failures)} of {launch.nproc} worker(s) failed: " + _failures(exc)
             raise _error(msg) from exc
 
 
