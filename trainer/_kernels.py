@@ -1,4 +1,4 @@
-"""Numba CPU kernels of the trainer's own autograd functions (private).
+"""Numba CPU kernels of the trainer's own autograd functions and of a batch's id plan (private).
 
 One pass over the rows, no ``[n, D]`` intermediate. The sums run in row order, as torch's
 single-threaded ``index_add_`` adds, so they give the same values.
@@ -11,7 +11,8 @@ from numba import njit
 
 from recpipe.kernels.splitmix import GOLDEN, mix64
 
-__all__: list[str] = []  # private: used by trainer.modules, trainer.store and trainer.distributed
+# private: used by trainer.modules, trainer.idplan, trainer.store and trainer.distributed
+__all__: list[str] = []
 
 _GOLDEN = np.uint64(GOLDEN)
 _S40 = np.uint64(40)
@@ -71,3 +72,47 @@ def rowwise_adagrad(values, state, rows, grads, lr, eps, dim):
         mult = lr / (np.sqrt(s) + eps)
         for j in range(grads.shape[1]):
             values[r, j] -= grads[i, j] * mult
+
+
+@njit(cache=True, nogil=True)
+def first_unique(ids, sizes, tables, shift):
+    """The distinct keys ``ids[i] + (table << shift)`` (``ids`` one feature after the other,
+    ``sizes[f]`` values of feature ``f`` reading table ``tables[f]``) in order of first
+    appearance, and for each value the index of its key among them: one pass over an
+    open-addressing hash table. ``ok`` is False when an id leaves no room for the table's
+    number (negative, or ``>= 2**shift``); the rest is then meaningless."""
+    n = ids.size
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    slots = np.full(size, -1, dtype=np.int64)
+    keys = np.empty(n, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    limit = np.int64(1) << shift
+    k = 0
+    i = 0
+    for f in range(sizes.size):
+        high = tables[f] << shift
+        for _ in range(sizes[f]):
+            v = ids[i]
+            if v < 0 or v >= limit:
+                return keys[:0], inverse, False
+            key = v + high
+            h = np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
+            j = np.int64((h ^ (h >> np.uint64(29))) & np.uint64(mask))
+            while True:
+                s = slots[j]
+                if s < 0:
+                    slots[j] = k
+                    keys[k] = key
+                    inverse[i] = k
+                    k += 1
+                    break
+                if keys[s] == key:
+                    inverse[i] = s
+                    break
+                j = (j + 1) & mask
+            i += 1
+    return keys[:k], inverse, True
+

@@ -35,6 +35,13 @@ factory* builds the module that holds it (:class:`ParameterTable` by default: an
 ``nn.Parameter``). Any module with ``pool(ids, offsets, mode=...)`` and ``rows(ids)`` (see
 :class:`TableBackend`) works, e.g. one backed by the hybrid embedding store of
 :mod:`trainer.store`.
+
+A batch's id plan (:class:`IdPlan`, computed once by :func:`trainer.idplan.plan_batch`) lists
+each table's distinct ids and where each feature's ids sit among them. A
+:class:`PlannedBatch` carries it to the collections, which look its features up by position
+in tables that read plans (:class:`PlannedTable`, e.g. the sharded tables, whose rows the
+exchange fetched for the plan's ids); other tables, and batches without a plan, are looked up
+by id.
 """
 
 from __future__ import annotations
@@ -42,9 +49,9 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -62,9 +69,12 @@ from trainer.config import PoolingMode, TableConfig
 
 __all__ = [
     "FeatureRows",
+    "IdPlan",
     "JaggedEmbeddings",
     "PackedRows",
     "ParameterTable",
+    "PlannedBatch",
+    "PlannedTable",
     "PooledEmbeddings",
     "PoolingMode",
     "SequenceEmbeddings",
@@ -80,6 +90,7 @@ __all__ = [
     "init_table",
     "locate_features",
     "locate_windows",
+    "lookup_values",
     "table_ids",
     "table_seed",
 ]
@@ -103,6 +114,24 @@ class TableBackend(Protocol):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` embeddings of ``ids`` [n] (no pooling)."""
+        ...
+
+
+@runtime_checkable
+class PlannedTable(Protocol):
+    """A table backend that reads a batch through its :class:`IdPlan` (the rows of the plan's
+    distinct ids fetched once for the batch, each feature's lookups by position among them)."""
+
+    config: TableConfig
+
+    def pool_planned(
+        self, plan: IdPlan, feature: str, offsets: torch.Tensor, *, mode: PoolingMode
+    ) -> torch.Tensor:
+        """Pooled ``[R, D]`` bags of ``feature``'s ids (``offsets`` [R + 1])."""
+        ...
+
+    def rows_planned(self, plan: IdPlan, feature: str) -> torch.Tensor:
+        """``[n, D]`` rows of ``feature``'s ids."""
         ...
 
 
@@ -403,6 +432,8 @@ def dedup_batch(
         if rest
         else KeyedJaggedTensor.from_jagged_dict({}, stride=batch.batch_size)
     )
+    if isinstance(batch, PlannedBatch):  # new lookups: the plan no longer describes them
+        batch = batch.unplanned()
     return replace(batch, kjt=plain, ikjts={**batch.ikjts, **ikjts})
 
 
@@ -448,6 +479,81 @@ def locate_windows(
             ids, positions, offsets = groups[name].key_windows(key)
             packed[key] = PackedRows(ids, positions, offsets, name)
     return packed, rest
+
+
+def lookup_values(features: SparseInput, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The ids the collections look up for each of ``keys``: a partial group's packed ids
+    (:func:`locate_windows`), otherwise the values of the rows :func:`locate_features` finds."""
+    packed, rest = locate_windows(features, keys)
+    found = locate_features(features, rest)
+    return {k: packed[k].ids if k in packed else found[k].jagged.values() for k in keys}
+
+
+# -------------------------------------------------------------------------------------------
+# a batch's id plan (the input-dist stage: computed once, read by every consumer)
+
+
+@dataclass(frozen=True)
+class IdPlan:
+    """Which rows a batch reads, per table, computed once (:func:`trainer.idplan.plan_batch`)
+    and read by every consumer: the exchange and the caches fetch the rows of ``ids``, the
+    collections look a feature up by its ``positions`` among them::
+
+        table "items", features item_id, liked          (ids after :func:`table_ids`)
+        lookups     item_id [7 3 7]   liked [3 9]
+        ids         [7 3 9]                              [U] first appearance
+        positions   item_id [0 1 0]   liked [1 2]        index into ids, per feature
+
+    Attributes:
+        serial: the plan's number (unique in the process): a table checks that the rows it
+            holds were fetched for this plan.
+        tables: the planned tables' names, in the planner's order.
+        ids: per table, int64 ``[U]`` numpy array of its distinct ids in order of first
+            appearance.
+        positions: ``{feature: [n] int64}``: where each id the collection looks up for the
+            feature (:func:`lookup_values`) sits in its table's ``ids``.
+        table_of: ``{feature: index into tables}``.
+    """
+
+    serial: int
+    tables: tuple[str, ...]
+    ids: tuple[np.ndarray, ...]
+    positions: Mapping[str, torch.Tensor]
+    table_of: Mapping[str, int]
+
+    @property
+    def num_unique(self) -> int:
+        """Distinct ids of all tables."""
+        return sum(int(u.size) for u in self.ids)
+
+
+@dataclass(eq=False, kw_only=True)
+class PlannedBatch(Batch):
+    """A :class:`~recpipe.batch.Batch` with its :class:`IdPlan` (what the lookups of the
+    batch's rows read). The collections look its planned features up by position in tables
+    that read plans (:class:`PlannedTable`); moving it (``to``, ``pin_memory``) or
+    deduplicating it again gives a plain batch (the plan's positions belong to these
+    tensors)."""
+
+    plan: IdPlan
+
+    @classmethod
+    def of(cls, batch: Batch, plan: IdPlan) -> PlannedBatch:
+        """``batch`` (its tensors, not copied) with ``plan``."""
+        return cls(**{f.name: getattr(batch, f.name) for f in fields(Batch)}, plan=plan)
+
+    def unplanned(self) -> Batch:
+        """The batch without its plan (the same tensors)."""
+        return Batch(**{f.name: getattr(self, f.name) for f in fields(Batch)})
+
+
+def _plan_of(features: SparseInput) -> IdPlan | None:
+    return features.plan if isinstance(features, PlannedBatch) else None
+
+
+def _planned(table: nn.Module, plan: IdPlan | None, key: str) -> bool:
+    """Whether ``key`` is looked up through ``plan`` in ``table``."""
+    return plan is not None and key in plan.positions and isinstance(table, PlannedTable)
 
 
 class _ExpandRows(torch.autograd.Function):
@@ -522,19 +628,28 @@ class PooledEmbeddings(nn.Module):
         """``{feature: [B, D]}`` for every feature of the collection, in table order."""
         packed, rest = locate_windows(features, self.features)
         found = locate_features(features, rest)
+        plan = _plan_of(features)
         out = {}
         for key in self.features:
             table = self.tables[self.feature_table[key]]
             mode = table.config.pooling
+            planned = _planned(table, plan, key)
             if key in packed:
                 p = packed[key]
-                rows = _lookup(table, key, table.rows, p.ids)  # (P, D)
+                rows = (
+                    table.rows_planned(plan, key)
+                    if planned
+                    else _lookup(table, key, table.rows, p.ids)
+                )  # (P, D)
                 out[key] = F.embedding_bag(
                     p.positions, rows, p.offsets, mode=mode, include_last_offset=True
                 )  # (B, D): the bags of the expanded rows, gathered from the P packed rows
                 continue
             jt = found[key].jagged
-            pooled = _lookup(table, key, table.pool, jt.values(), jt.offsets(), mode=mode)  # (R, D)
+            if planned:
+                pooled = table.pool_planned(plan, key, jt.offsets(), mode=mode)  # (R, D)
+            else:
+                pooled = _lookup(table, key, table.pool, jt.values(), jt.offsets(), mode=mode)
             out[key] = expand_rows(pooled, found[key].inverse)  # (B, D)
         return out
 
@@ -620,16 +735,26 @@ class SequenceEmbeddings(nn.Module):
         """
         packed, rest = locate_windows(features, self.features)
         found = locate_features(features, rest)
+        plan = _plan_of(features)
         out = {}
         for key in self.features:
             table = self.tables[self.feature_table[key]]
+            planned = _planned(table, plan, key)
             if key in packed:
                 p = packed[key]
-                rows = _lookup(table, key, table.rows, p.ids)  # (P, D)
+                rows = (
+                    table.rows_planned(plan, key)
+                    if planned
+                    else _lookup(table, key, table.rows, p.ids)
+                )  # (P, D)
                 values = rows.index_select(0, p.positions)  # (N, D)
                 out[key] = JaggedEmbeddings(values, p.offsets, None, p.group)
                 continue
             jt = found[key].jagged
-            values = _lookup(table, key, table.rows, jt.values())  # (N, D)
+            values = (
+                table.rows_planned(plan, key)
+                if planned
+                else _lookup(table, key, table.rows, jt.values())
+            )  # (N, D)
             out[key] = JaggedEmbeddings(values, jt.offsets(), found[key].inverse, found[key].group)
         return out

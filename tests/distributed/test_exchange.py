@@ -89,14 +89,14 @@ def test_unique_per_table_matches_torch_unique_per_table(big):
     """All tables in one hash pass (ids with room for the table's number in the high bits)
     and one table at a time (ids that leave none) give each table's distinct ids in order of
     first appearance, and the inverse."""
-    from trainer.distributed.exchange import _unique_per_table
+    from trainer.idplan import unique_per_table
 
     rng = np.random.default_rng(3)
     per_table = [2, 1, 3]
     ids = [torch.from_numpy(rng.integers(0, 50, size=n)) for n in (7, 0, 11, 5, 9, 4)]
     if big:  # a negative id and one near 2**62: no room left in the key
         ids[0][0], ids[3][1] = -3, 2**62 + 1
-    uniq, inverse = _unique_per_table(ids, per_table)
+    uniq, inverse = unique_per_table(ids, per_table)
     at, start = 0, 0
     for t, n in enumerate(per_table):
         flat = torch.cat(ids[at : at + n])
@@ -469,7 +469,7 @@ def test_hot_rows_no_rank_touched_are_not_updated(dist_dataset):
             super().apply(values, state, rows, grads, **kwargs)
 
     sparse.optimizer = Recording(**{f: getattr(sparse.optimizer, f) for f in ("kind", "lr", "eps")})
-    ids = sparse._batch_ids(batches[0])
+    ids = sparse.plan(batches[0]).plan.ids
     trainer.train_step(batches[0])
     touched = [int(np.isin(t.hot_ids, u).sum()) for t, u in zip(sparse.tables, ids, strict=True)]
     hot_tables = [n for n, t in zip(touched, sparse.tables, strict=True) if t.num_hot]

@@ -43,12 +43,14 @@ from trainer.distributed.exchange import (
     ExchangeStats,
     ShardedEmbeddings,
     _group_order,
+    place_rows,
 )
 from trainer.distributed.shard import SparseOptimizer, owner_of, pack_rows, unpack_state
 from trainer.store.index import IdIndex
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
+    from trainer.modules import PlannedBatch
 
 __all__ = ["RECORD_KINDS", "CacheRecord", "CachedEmbeddings"]
 
@@ -383,10 +385,12 @@ class CachedEmbeddings:
         return out, _pairs(self._rank_of_table[asked_table], asked)
 
     # -- forward ------------------------------------------------------------------------------------
-    def prepare(self, batch: Batch, *, train: bool = True) -> None:
-        """Bring the latest version of every row ``batch`` reads (collective)."""
+    def prepare(self, batch: Batch, *, train: bool = True) -> PlannedBatch:
+        """Bring the latest version of every row ``batch`` reads (collective); returns the
+        batch with its id plan (:meth:`ShardedEmbeddings.plan`), to run the model on."""
         w, n_t = self.comm.world_size, len(self.tables)
-        uniq = self.base._batch_ids(batch, positions=True)
+        planned = self.base.plan(batch)
+        uniq = list(planned.plan.ids)
         sizes = np.array([u.size for u in uniq], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(sizes)])
         ids = np.concatenate(uniq)
@@ -444,9 +448,9 @@ class CachedEmbeddings:
         if not train:
             values = torch.empty(ids.size, self.dim, dtype=self.dtype)
             values[torch.from_numpy(pulled)] = rows[:, : self.dim]
-            self._place(values, uniq, starts, grad=None)
+            place_rows(self.tables, planned.plan, values, None)
             self._prepared = None
-            return
+            return planned
         for t in range(n_t):
             sel = np.flatnonzero(table_of == t)
             slots[sel] = self.cache.install(t, ids[sel], slots[sel])
@@ -454,7 +458,7 @@ class CachedEmbeddings:
         self.cache.version[slots[pulled]] = my_flags[pulled, 1]
         values = self.cache.values.index_select(0, torch.from_numpy(slots))
         grad = values.new_zeros(values.shape, dtype=GRAD_DTYPE)
-        self._place(values, uniq, starts, grad=grad)
+        place_rows(self.tables, planned.plan, values, grad)
         pairs_t = self._rank_of_table[table_of]
         shared = (my_flags[:, 0] & _SHARED) > 0
         record = {
@@ -471,13 +475,7 @@ class CachedEmbeddings:
             got_table=got_table, got_row=got_row, got_src=got_src, got_shared=got_shared,
             record=record,
         )  # fmt: skip
-
-    def _place(self, values, uniq, starts, *, grad) -> None:
-        for t, table in enumerate(self.tables):
-            lo, hi = int(starts[t]), int(starts[t + 1])
-            table._batch.uniq = uniq[t]
-            table._batch.rows = values[lo:hi]
-            table._batch.grad = None if grad is None else grad[lo:hi]
+        return planned
 
     # -- backward -----------------------------------------------------------------------------------
     def step(self) -> None:

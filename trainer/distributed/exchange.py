@@ -9,14 +9,16 @@ Per table, the rows are split in two::
 
 A step, with every rank calling the same collectives in the same order (all tables at once)::
 
-    prepare(batch)   unique ids u of each table in the rank's batch (IKJT rows are unique
-                     already; ids are deduplicated again across rows and features)
+    prepare(batch)   the batch's id plan (trainer.idplan: unique ids u of each table in the
+                     rank's batch, IKJT rows unique already, ids deduplicated again across
+                     rows and features; computed here unless the batch carries it)
                      hot ids: rows from the replica
                      cold ids, grouped by owner:
                        1. all_to_all counts [W, T]      (sizes first: gloo aborts on mismatches)
                        2. all_to_all ids                owners create unseen rows (hash init)
                        3. all_to_all rows               back to the requesting ranks
-                     -> [U, D] rows per table; the model's lookups gather from them
+                     -> [U, D] rows per table, and the batch with its plan: the model's
+                        lookups gather from the rows at the plan's positions
     forward/backward (the model reads tables through pool()/rows(); gradients land in the leaves)
     step()           (gradients are accumulated and exchanged in float64, rounded once)
                      hot:  one all_reduce of [R, D] gradients + a [R] touched-rows mask;
@@ -57,7 +59,8 @@ from trainer.distributed.shard import (
     pack_rows,
     unpack_state,
 )
-from trainer.modules import PoolingMode, TableConfig, locate_features, table_ids
+from trainer.idplan import plan_batch
+from trainer.modules import IdPlan, PlannedBatch, PoolingMode, TableConfig, dedup_batch, table_ids
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
@@ -127,7 +130,7 @@ class _Pool(torch.autograd.Function):
 class _TableBatch:
     """What :meth:`ShardedEmbeddings.prepare` leaves a table for the batch's lookups."""
 
-    __slots__ = ("grad", "known", "rows", "uniq")
+    __slots__ = ("grad", "plan", "rows", "uniq")
 
     def __init__(self) -> None:
         self.clear()
@@ -136,14 +139,21 @@ class _TableBatch:
         self.uniq: np.ndarray | None = None  # distinct ids of the prepared batch (first seen first)
         self.rows: torch.Tensor | None = None  # [U, D] their rows
         self.grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
-        self.known: dict[tuple[int, ...], torch.Tensor] = {}  # feature values -> positions
+        self.plan: int | None = None  # the serial of the IdPlan the rows were fetched for
+
+    def set(self, plan: IdPlan, t: int, rows: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The rows (and gradient accumulator) of table ``t`` of ``plan``."""
+        self.uniq, self.rows, self.grad, self.plan = plan.ids[t], rows, grad, plan.serial
 
 
 class ShardedTable(nn.Module):
     """One embedding table of a multi-rank job: the rank's own rows and the hot replica.
 
-    Plugs into the model's collections as a table backend (``pool``/``rows``); lookups read the
-    rows that :meth:`ShardedEmbeddings.prepare` fetched for the current batch, and their
+    Plugs into the model's collections as a table backend that reads id plans
+    (:class:`~trainer.modules.PlannedTable`: ``pool_planned``/``rows_planned`` look a feature up
+    at its positions in the batch's plan; ``pool``/``rows`` search the ids among the prepared
+    ones); lookups read the rows that :meth:`ShardedEmbeddings.prepare` fetched for the current
+    batch, and their
     gradients collect in a float64 ``[U, D]`` accumulator that :meth:`ShardedEmbeddings.step`
     exchanges. It holds no ``nn.Parameter`` (DDP sees only the dense model).
 
@@ -177,13 +187,12 @@ class ShardedTable(nn.Module):
         return np.where(self.hot_ids[clipped] == ids, clipped, -1)
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        known = self._batch.known.get(_tensor_key(ids))
-        if known is not None:  # the very values prepare() saw: their positions are known
-            return known
+        """Positions of ``ids`` among the prepared ids, found by search (a batch without its
+        plan)."""
         if self._batch.uniq is None:
             msg = f"table {self.config.name!r}: no rows prepared; call ShardedEmbeddings.prepare(batch)"
             raise RecpipeError(msg)
-        order = np.argsort(self._batch.uniq, kind="stable")  # other values: found by search
+        order = np.argsort(self._batch.uniq, kind="stable")
         uniq = torch.from_numpy(self._batch.uniq[order]).to(self._batch.rows.device)
         ids = table_ids(self.config, ids.to(uniq.device))
         pos = torch.searchsorted(uniq, ids)
@@ -195,15 +204,37 @@ class ShardedTable(nn.Module):
             raise RecpipeError(msg)
         return torch.from_numpy(order).to(pos.device)[pos]
 
+    def _planned(self, plan: IdPlan, feature: str) -> torch.Tensor:
+        """``feature``'s positions in ``plan``, whose rows this table holds."""
+        if self._batch.plan != plan.serial:
+            msg = (
+                f"table {self.config.name!r}: the batch's id plan is not the one whose rows were "
+                "prepared; run the model on the batch ShardedEmbeddings.prepare(batch) returns"
+            )
+            raise RecpipeError(msg)
+        return plan.positions[feature]
+
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
         """Pooled ``[R, D]`` bags of the prepared rows."""
-        pos = self._positions(ids)
+        return self._pool(self._positions(ids), offsets, mode)
+
+    def pool_planned(
+        self, plan: IdPlan, feature: str, offsets: torch.Tensor, *, mode: PoolingMode
+    ) -> torch.Tensor:
+        """Pooled ``[R, D]`` bags of ``feature``'s ids, at their positions in ``plan``."""
+        return self._pool(self._planned(plan, feature), offsets, mode)
+
+    def _pool(self, pos: torch.Tensor, offsets: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
         offsets = offsets.to(pos.device, torch.int64)
         return _Pool.apply(self._anchor, self, pos, offsets, mode == "mean")  # (R, D)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` rows of ``ids``."""
         return _Lookup.apply(self._anchor, self, self._positions(ids))  # (n, D)
+
+    def rows_planned(self, plan: IdPlan, feature: str) -> torch.Tensor:
+        """``[n, D]`` rows of ``feature``'s ids, at their positions in ``plan``."""
+        return _Lookup.apply(self._anchor, self, self._planned(plan, feature))  # (n, D)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -311,9 +342,16 @@ def _empty_state(shard: RowShard) -> torch.Tensor | None:
     return None if shape is None else torch.zeros(0, *shape, dtype=shard.dtype, device=shard.device)
 
 
-def _tensor_key(t: torch.Tensor) -> tuple[int, ...]:
-    """Identifies a tensor's elements (the same storage, offset and length)."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.device.index or 0)
+def place_rows(
+    tables: Sequence[ShardedTable], plan: IdPlan, rows: torch.Tensor, grad: torch.Tensor | None
+) -> None:
+    """Hand each table its slice of ``rows`` (and ``grad``): every table's plan ids' rows,
+    tables one after the other."""
+    at = 0
+    for t, table in enumerate(tables):
+        n = int(plan.ids[t].size)
+        table._batch.set(plan, t, rows[at : at + n], None if grad is None else grad[at : at + n])
+        at += n
 
 
 def _group_order(key: np.ndarray, groups: int) -> np.ndarray:
@@ -330,45 +368,6 @@ def _table_slices(counts: np.ndarray, n_tables: int) -> list[np.ndarray]:
     order = _group_order(label, n_tables)  # stable: block by block, in buffer order
     bounds = np.concatenate([[0], np.cumsum(counts.sum(0))])
     return [order[bounds[t] : bounds[t + 1]] for t in range(n_tables)]
-
-
-def _unique_per_table(
-    ids: Sequence[torch.Tensor], features_per_table: Sequence[int]
-) -> tuple[list[np.ndarray], np.ndarray]:
-    """Each table's distinct ids in order of first appearance, and where each value of ``ids``
-    (int64 CPU tensors, one per feature, tables one after the other) sits among its table's.
-
-    First appearance, not sorted: the rows of a batch then sit in the order its values first
-    read them, so the poolings and their backward walk the rows nearly in order, and no sort
-    of the distinct keys is needed.
-
-    Every table's ids at once, the table's number in the key's high bits, when the ids leave
-    room for it (non-negative, below ``2**(63 - bits)``): one hash pass. Table by table
-    otherwise. Both give the same result.
-    """
-    n_tables = len(features_per_table)
-    sizes = np.asarray([i.numel() for i in ids], dtype=np.int64)
-    flat = torch.cat(list(ids)) if len(ids) > 1 else ids[0]
-    shift = 63 - max(n_tables - 1, 1).bit_length()
-    feature_table = np.repeat(np.arange(n_tables, dtype=np.int64), features_per_table)
-    first, inverse, ok = K.first_unique(flat.numpy(), sizes, feature_table, shift)
-    if ok:  # features come table after table, so their keys do too
-        starts = np.searchsorted(first >> shift, np.arange(n_tables + 1))
-        inverse -= starts[np.repeat(feature_table, sizes)]  # index within the value's table
-        ids_only = first & ((1 << shift) - 1)
-        return [ids_only[starts[t] : starts[t + 1]] for t in range(n_tables)], inverse
-    uniq, inverses, at = [], [], 0
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    for n in features_per_table:
-        part = flat[bounds[at] : bounds[at + n]].numpy()
-        at += n
-        sorted_ids, where, inv = np.unique(part, return_index=True, return_inverse=True)
-        order = np.argsort(where, kind="stable")  # sorted -> first appearance
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        uniq.append(sorted_ids[order])
-        inverses.append(rank[inv.reshape(-1)])
-    return uniq, np.concatenate(inverses) if inverses else np.zeros(0, dtype=np.int64)
 
 
 def _saved_state(part: Mapping[str, Any], name: str, row_shape: tuple[int, ...]) -> torch.Tensor:
@@ -433,6 +432,7 @@ class ShardedEmbeddings:
         self.comm = comm
         self.optimizer = optimizer
         self.hot_budget_rows = int(hot_budget_rows)
+        self.model = model  # its dedup groups: the batch its collections read
         self.names: list[str] = []
         self.tables: list[ShardedTable] = []
         for name, module in model.named_modules():
@@ -479,39 +479,47 @@ class ShardedEmbeddings:
         return sum(t.num_hot for t in self.tables)
 
     # -- forward --------------------------------------------------------------------------------
-    def _batch_ids(self, batch: Batch, *, positions: bool = False) -> list[np.ndarray]:
-        """Every table's distinct ids in ``batch`` (in order of first appearance). With
-        ``positions``, each table also learns where each of its features' values sits among
-        them (the model's lookups then need no search)."""
-        features = [f for table in self.tables for f in table.config.features]
-        found = locate_features(batch, features)
-        values = [found[f].jagged.values() for f in features]
-        configs = [table.config for table in self.tables for _ in table.config.features]
-        ids = [table_ids(c, v.detach().to("cpu")) for c, v in zip(configs, values, strict=True)]
-        per_table = [len(table.config.features) for table in self.tables]
-        uniq, inverse = _unique_per_table(ids, per_table)
-        if positions:
-            parts = torch.from_numpy(inverse).to(self.device).split([i.numel() for i in ids])
-            at = 0
-            for table, n in zip(self.tables, per_table, strict=True):
-                table._batch.known = {
-                    _tensor_key(v): part
-                    for v, part in zip(values[at : at + n], parts[at : at + n], strict=True)
-                }
-                at += n
-        return uniq
+    def plan(self, batch: Batch) -> PlannedBatch:
+        """``batch`` as the model's collections read it (deduplicated as the model deduplicates
+        it) with its id plan over this exchange's tables; a batch that carries one is kept."""
+        if isinstance(batch, PlannedBatch) and self._plans(batch.plan):
+            return batch
+        groups = getattr(self.model, "dedup_groups", ())
+        partial = getattr(self.model, "dedup_partial", ())
+        if groups or partial:
+            batch = dedup_batch(batch, groups, partial)
+        tables = [table.config for table in self.tables]
+        return plan_batch(batch, tables, device=self.device)
 
-    def count(self, batch: Batch) -> None:
-        """Count ``batch``'s accesses for the hot set without training on it."""
-        for counter, uniq in zip(self.counters, self._batch_ids(batch), strict=True):
+    def _plans(self, plan: IdPlan) -> bool:
+        """Whether ``plan`` is over this exchange's tables."""
+        return plan.tables == tuple(t.config.name for t in self.tables) and all(
+            plan.table_of.get(f) == t
+            for t, table in enumerate(self.tables)
+            for f in table.config.features
+        )
+
+    def count(self, batch: Batch) -> PlannedBatch:
+        """Count ``batch``'s accesses for the hot set without training on it; the batch with
+        its plan."""
+        planned = self.plan(batch)
+        for counter, uniq in zip(self.counters, planned.plan.ids, strict=True):
             counter.add(uniq)
         self.counted_steps += 1
+        return planned
 
-    def prepare(self, batch: Batch, *, train: bool = True) -> None:
+    def prepare(self, batch: Batch, *, train: bool = True) -> PlannedBatch:
         """Fetch the rows of every table's unique ids in ``batch`` (collective: every rank calls
-        it once per step, in the same order as :meth:`step`)."""
+        it once per step, in the same order as :meth:`step`).
+
+        Returns:
+            the batch with its id plan (:meth:`plan`): run the model on it, and its lookups
+            read the fetched rows at the plan's positions.
+        """
         comm, n_tables, device = self.comm, len(self.tables), self.device
-        uniq = self._batch_ids(batch, positions=True)
+        planned = self.plan(batch)
+        plan = planned.plan
+        uniq = list(plan.ids)
         if train and (self.count_left is None or self.count_left > 0):
             for counter, u in zip(self.counters, uniq, strict=True):
                 counter.add(u)
@@ -520,7 +528,6 @@ class ShardedEmbeddings:
                 self.count_left -= 1
         # every table's ids in one buffer, tables one after the other
         sizes = np.array([u.size for u in uniq], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(sizes)])
         all_ids = np.concatenate(uniq)
         table_of = np.repeat(np.arange(n_tables), sizes)
         hot_pos = hot_idx = cold = None
@@ -571,15 +578,11 @@ class ShardedEmbeddings:
                                  self._hot_values.index_select(0, idx))  # fmt: skip
             rows.index_copy_(0, torch.from_numpy(send_pos).to(device), fetched)
         grad = self._buffer("grad", all_ids.size, GRAD_DTYPE).zero_() if train else None
-        for t, table in enumerate(self.tables):
-            lo, hi = int(starts[t]), int(starts[t + 1])
-            table._batch.uniq = uniq[t]
-            table._batch.rows = rows[lo:hi]
-            table._batch.grad = None if grad is None else grad[lo:hi]
+        place_rows(self.tables, plan, rows, grad)
         self._account_forward(all_ids.size, send_ids.size, counts, recv_counts, train=train)
         if grad is None:
             self._prepared = None
-            return
+            return planned
         self._prepared = _Prepared(
             grad=grad,
             hot_pos=np.zeros(0, np.int64) if hot_pos is None else hot_pos,
@@ -590,6 +593,7 @@ class ShardedEmbeddings:
             recv_sel=recv_sel,
             owner_rows=owner_rows,
         )
+        return planned
 
     def _account_forward(self, accesses, cold, counts, recv_counts, *, train: bool) -> None:
         if not train:

@@ -3,8 +3,10 @@
 ::
 
     batch (this rank's micro-batch of the global batch)
-      -> sparse.prepare(batch)        fetch the rows of the batch's unique ids (all-to-all)
-      -> model(batch)                 DDP; batch norm over the global batch
+      -> sparse.prepare(batch)        the batch's id plan (computed once), and the rows of its
+                                      unique ids (all-to-all): the batch with its plan
+      -> model(planned batch)         DDP; lookups at the plan's positions; batch norm over the
+                                      global batch
       -> sum of losses / global B     backward: dense gradients summed by DDP
       -> dense optimizers, sparse.step()   hot gradients all-reduced, cold ones to their owners
       -> the step's loss: all-reduced sum / global B (the global batch's mean loss)
@@ -206,7 +208,7 @@ class DistributedTrainer:
         global_rows = batch.batch_size * self.comm.world_size
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        self.sparse.prepare(batch)
+        batch = self.sparse.prepare(batch)  # with its id plan
         logits = self.model(batch)
         loss_sum = F.binary_cross_entropy_with_logits(
             logits, batch.labels.to(logits.dtype), reduction="sum"
@@ -238,8 +240,7 @@ class DistributedTrainer:
         self.module.eval()
 
         def logits_of(batch: Batch) -> torch.Tensor:
-            self.sparse.prepare(batch, train=False)
-            return self.module(batch)
+            return self.module(self.sparse.prepare(batch, train=False))
 
         return evaluate_on_ranks(
             logits_of, batches, comm=self.comm, device=self.device, max_batches=max_batches

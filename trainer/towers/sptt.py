@@ -505,7 +505,7 @@ class SPTTTrainer:
         rows, dim = bags.batch_size, self.model.config.embedding_dim
         if self.local is None or self.sparse is None:
             return torch.zeros(rows, 0, dim, device=self.device)
-        self.sparse.prepare(bags, train=train)
+        bags = self.sparse.prepare(bags, train=train)  # with its id plan
         pooled = self.local(bags)
         return torch.stack([pooled[f] for f in self.features], dim=1)  # (G·B, n_g, N)
 
