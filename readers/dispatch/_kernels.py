@@ -252,18 +252,28 @@ def lru_live(queue_rows, queue_steps, state, last_use):
 
 
 @njit(cache=True, nogil=True)
-def piece_costs(state, dirty_on, piece, row, seconds, out):
+def piece_costs(state, dirty_on, home, piece, row, seconds, out):
     """``out[i, j] +=`` the cost of piece i's rows on rank j (readers.dispatch.cost), summed
-    over the (piece, row) pairs in their order."""
+    over the (piece, row) pairs in their order. ``home``: the rank of each row's home, or an
+    empty array (homes off the ranks: only the reader's and the pusher's links are charged)."""
     w = state.shape[0]
+    on_ranks = home.size > 0
     for p in range(piece.size):
         r = row[p]
-        h = dirty_on[r]
-        push = seconds[h] if h >= 0 else 0.0
+        d = dirty_on[r]
         i = piece[p]
+        if not on_ranks:
+            push = seconds[d] if d >= 0 else 0.0
+            for j in range(w):
+                if state[j, r] != _FRESH:
+                    out[i, j] += seconds[j] + push
+            continue
+        h = home[r]
+        th = seconds[h]
+        push = seconds[d] + th if d >= 0 and d != h else 0.0  # d's link and the home's
         for j in range(w):
-            if state[j, r] != _FRESH:
-                out[i, j] += seconds[j] + push
+            if state[j, r] != _FRESH:  # a pull from home over both links; none at home
+                out[i, j] += (seconds[j] + th if j != h else 0.0) + push
 
 
 @njit(cache=True, nogil=True)

@@ -44,7 +44,7 @@ import numpy as np
 
 from readers.dispatch.assign import REGRETS, flow_cost, greedy_flow, hybrid_flow
 from readers.dispatch.cost import piece_costs, piece_hits
-from readers.dispatch.keys import PieceRows, RowIndex, TableMap, distinct, piece_rows
+from readers.dispatch.keys import PieceRows, RowIndex, TableMap, distinct, home_ranks, piece_rows
 from readers.dispatch.pieces import Pieces, session_pieces
 from readers.dispatch.shadow import CacheShadow, StepTransfers
 from recpipe.errors import DataError
@@ -56,6 +56,7 @@ __all__ = ["POLICIES", "Dispatch", "DispatchConfig", "Dispatcher", "PiecedBatch"
 
 Policy = Literal["esd", "laia", "random", "round-robin"]
 _SHIFT = 40  # (rank << 40) | row
+HOMES = ("server", "ranks")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class DispatchConfig:
             rows the tables hold; 0: the ids as they are.
         regret: how ``esd`` orders pieces for its exact share and its greedy pass: ``mean``
             (mean minus smallest cost) or ``second`` (ESD's second-smallest minus smallest).
+        homes: where the rows' homes are, for the cost model: ``server`` (a parameter server
+            off the ranks, whose link is never the bottleneck: ESD's setting and the
+            simulator's) or ``ranks`` (each row's home is its owner rank, as in the trainer's
+            caches: a pull or push also crosses the home's link, and none crosses a link at
+            home; see :mod:`readers.dispatch.cost`).
     """
 
     policy: Policy = "esd"
@@ -90,10 +96,14 @@ class DispatchConfig:
     seed: int = 0
     id_modulus: int = 0
     regret: Literal["mean", "second"] = "mean"
+    homes: Literal["server", "ranks"] = "server"
 
     def __post_init__(self) -> None:
         if self.regret not in REGRETS:
             msg = f"`regret` must be one of {list(REGRETS)}, got {self.regret!r}"
+            raise DataError(msg)
+        if self.homes not in HOMES:
+            msg = f"`homes` must be one of {list(HOMES)}, got {self.homes!r}"
             raise DataError(msg)
         if self.policy not in POLICIES:
             msg = f"`policy` must be one of {sorted(POLICIES)}, got {self.policy!r}"
@@ -190,7 +200,7 @@ class _View:
     def costs(self) -> np.ndarray:
         if self._costs is None:
             d = self.dispatcher
-            self._costs = piece_costs(d.shadow, self.rows, d.seconds_per_row)
+            self._costs = piece_costs(d.shadow, self.rows, d.seconds_per_row, d.homes())
         return self._costs
 
     def hits(self) -> np.ndarray:
@@ -271,6 +281,19 @@ class Dispatcher:
         self.policy = POLICIES[config.policy]
         self.hot = np.zeros(0, dtype=np.bool_)  # by row: replicated on every rank
         self._last_cold: tuple[PiecedBatch, np.ndarray, PieceRows] | None = None
+        self._home = np.zeros(0, dtype=np.int64)  # home rank by row (homes="ranks")
+
+    def homes(self) -> np.ndarray | None:
+        """int64 over the index's rows: each row's home rank (``homes="ranks"``: the trainer's
+        owner of its id); ``None`` with ``homes="server"``."""
+        if self.config.homes == "server":
+            return None
+        have, n = self._home.size, self.index.num_rows
+        if have < n:
+            self._home = np.concatenate(
+                [self._home, home_ranks(self.index.id_of_row[have:n], self.world_size)]
+            )
+        return self._home
 
     def set_hot(self, tables: np.ndarray, ids: np.ndarray) -> StepTransfers:
         """Make the rows ``(tables[k], ids[k])`` the hot set (every other row leaves it).
