@@ -531,9 +531,9 @@ class IdPlan:
 class PlannedBatch(Batch):
     """A :class:`~recpipe.batch.Batch` with its :class:`IdPlan` (what the lookups of the
     batch's rows read). The collections look its planned features up by position in tables
-    that read plans (:class:`PlannedTable`); moving it (``to``, ``pin_memory``) or
-    deduplicating it again gives a plain batch (the plan's positions belong to these
-    tensors)."""
+    that read plans (:class:`PlannedTable`); moving it (``to``, ``pin_memory``), expanding it
+    (``to_plain``) or deduplicating it again gives a batch without a plan (the plan's
+    positions belong to these lookups)."""
 
     plan: IdPlan
 
@@ -545,6 +545,10 @@ class PlannedBatch(Batch):
     def unplanned(self) -> Batch:
         """The batch without its plan (the same tensors)."""
         return Batch(**{f.name: getattr(self, f.name) for f in fields(Batch)})
+
+    def to_plain(self) -> Batch:
+        """The batch without dedup (and without its plan: other lookups)."""
+        return self.unplanned().to_plain()
 
 
 def _plan_of(features: SparseInput) -> IdPlan | None:
