@@ -399,7 +399,8 @@ def rank_steps(
     ``num_workers``-th, of ``layout``: the cut of each step's :class:`GlobalBatch`.
 
     A cut that reads the whole batch gets its parts read a few steps at a time (one pass over
-    the steps of a chunk: their global batches are consecutive).
+    the steps of a chunk: their global batches are consecutive); one with an ``ahead(batch)``
+    method is handed each global batch one step before it is cut for it.
     """
     cut = cut or ContiguousCut()
     steps = list(range(start + worker_id, layout.batches_per_rank, num_workers))
@@ -412,13 +413,34 @@ def rank_steps(
             parts = tuple(table if r == rank else None for r in range(layout.world_size))
             yield t, cut(GlobalBatch(t, indices, parts), rank)
         return
+    # a cut with `ahead` (readers.dispatch.cut.DispatchOnceCut) gets each global batch one
+    # step before it is cut: its dispatch of step t + 1 overlaps step t
+    ahead = getattr(cut, "ahead", None)
+    batches = _global_batches(source, geometry, layout, steps)
+    current = next(batches, None)
+    if current is not None and ahead is not None:
+        ahead(current)
+    while current is not None:
+        following = next(batches, None)
+        if following is not None and ahead is not None:
+            ahead(following)
+        yield current.step, cut(current, rank)
+        current = following
+
+
+def _global_batches(
+    source: DatasetSource, geometry: StreamGeometry, layout: EpochLayout, steps: Sequence[int]
+) -> Iterator[GlobalBatch]:
+    """The whole global batches of ``steps`` (ascending), their parts read a few steps at a
+    time (one pass over the steps of a chunk: their global batches are consecutive)."""
+    lists = [layout.batches_of(r) for r in range(layout.world_size)]
     for at in range(0, len(steps), _WHOLE_BATCH_CHUNK):
         block = steps[at : at + _WHOLE_BATCH_CHUNK]
         wanted = sorted({lists[r][t] for t in block for r in range(layout.world_size)})
         tables = dict(rank_batches(source, geometry, wanted, epoch=layout.epoch))
         for t in block:
             indices = tuple(lists[r][t] for r in range(layout.world_size))
-            yield t, cut(GlobalBatch(t, indices, tuple(tables[k] for k in indices)), rank)
+            yield GlobalBatch(t, indices, tuple(tables[k] for k in indices))
 
 
 # -------------------------------------------------------------------------------------------

@@ -22,13 +22,25 @@ rank (:class:`~readers.dispatch.dispatcher.Dispatcher` guarantees both).
 The cut prices the ids the batch holds (before any preprocessing, one table per sparse
 feature) and does not know the trainer's hot set: its shadow models per-rank caches of every
 row the ranks read.
+
+**Dispatching once.** :class:`DispatchOnceCut` makes one rank (``source``) dispatch each global
+batch and hand every rank its placement, an int64 ``row_rank`` of the ``W * m`` rows (a fixed
+size: one broadcast, no counts), through a ``share`` collective the caller provides (the
+trainer: a gloo group of its own with the job's timeout). The other ranks neither convert nor
+dispatch the batch; they take their rows. The source runs its dispatches on one thread of their
+own, in the order the batches are handed to :meth:`DispatchOnceCut.ahead` (the reader hands
+over step ``t + 1`` before cutting step ``t``), so the dispatch of the next batch overlaps the
+current step and the dispatcher sees exactly the sequence of batches it would see called
+step by step: the decisions do not change.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -43,7 +55,7 @@ if TYPE_CHECKING:
     from readers.ranks import GlobalBatch
     from schemas import DatasetSchema
 
-__all__ = ["DISPATCH_CHOICES", "DispatchCut", "rank_cut"]
+__all__ = ["DISPATCH_CHOICES", "DispatchCut", "DispatchOnceCut", "pairs_digest", "rank_cut"]
 
 DISPATCH_CHOICES = ("contiguous", *sorted(POLICIES))
 """What ``--dispatch`` takes: ``contiguous`` (the readers' default cut) or a policy."""
@@ -141,6 +153,135 @@ class DispatchCut:
         """Rank ``rank``'s micro-batch: its rows of ``batch``, in the batch's order."""
         rows = self.dispatch(batch).rows[rank]
         return batch.table.take(np.asarray(rows, dtype=np.int64))
+
+
+def pairs_digest(pairs: np.ndarray) -> int:
+    """A 64-bit digest of ``[n, 2]`` (table, id) pairs (the form of
+    :meth:`DispatchCut.row_pairs` and of a rank cache's records): equal pairs, equal digests."""
+    pairs = np.ascontiguousarray(pairs, dtype=np.int64).reshape(-1, 2)
+    digest = hashlib.blake2b(
+        pairs.tobytes(), digest_size=8, salt=pairs.shape[0].to_bytes(8, "little")
+    )
+    return int(np.frombuffer(digest.digest(), dtype="<i8")[0])
+
+
+class DispatchOnceCut:
+    """A :class:`readers.ranks.RankCut` for one rank of a job in which one rank dispatches each
+    global batch for all (see the module docstring).
+
+    Every rank makes one and calls it for every step, in the same order (each call is a
+    collective). The payload ``share`` moves is int64: the rank of every row of the global
+    batch, then, with ``check_kinds``, ``W * len(check_kinds)`` digests (:func:`pairs_digest`)
+    of the transfers the dispatcher's shadow predicts for each rank, so every rank can check its
+    cache's transfers against them (:attr:`last_digests`).
+
+    Args:
+        cut: the dispatching cut (used on ``source`` only).
+        rank, world_size: this rank and the job's ranks W.
+        share: ``share(payload)`` -> ``source``'s payload, on every rank (a broadcast: collective;
+            the payload has the same size on every rank).
+        source: the dispatching rank.
+        check_kinds: :class:`~readers.dispatch.shadow.StepTransfers` fields whose predicted
+            rows travel as digests (none: only the placement).
+    """
+
+    whole_batch: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        cut: DispatchCut,
+        *,
+        rank: int,
+        world_size: int,
+        share: Callable[[np.ndarray], np.ndarray],
+        source: int = 0,
+        check_kinds: Sequence[str] = (),
+    ) -> None:
+        if not 0 <= source < world_size or not 0 <= rank < world_size:
+            msg = f"`rank` {rank!r} and `source` {source!r} must be in [0, world_size={world_size})"
+            raise DataError(msg)
+        self.cut, self.rank, self.world_size = cut, rank, world_size
+        self.share, self.source = share, source
+        self.check_kinds = tuple(check_kinds)
+        self.last_digests = np.zeros((world_size, len(self.check_kinds)), dtype=np.int64)
+        self._pending: collections.OrderedDict[
+            int, tuple[GlobalBatch, concurrent.futures.Future[np.ndarray]]
+        ] = collections.OrderedDict()
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def ahead(self, batch: GlobalBatch) -> None:
+        """Start dispatching ``batch`` (on the source; elsewhere nothing). Batches are
+        dispatched in the order they are handed over, and each must then be cut, in that
+        order, before a later one (a batch handed over and never cut still advances the
+        dispatcher, as cutting it would have)."""
+        if self.rank != self.source or id(batch) in self._pending:
+            return
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="recpipe-dispatch"
+            )
+        self._pending[id(batch)] = (batch, self._thread.submit(self._payload, batch))
+
+    def _payload(self, batch: GlobalBatch) -> np.ndarray:
+        """The source's payload for ``batch`` (on the dispatch thread)."""
+        out = self.cut.dispatch(batch)
+        b = sum(rows.size for rows in out.rows)
+        payload = np.empty(b + self.world_size * len(self.check_kinds), dtype=np.int64)
+        for j, rows in enumerate(out.rows):
+            payload[rows] = j
+        digests = payload[b:].reshape(self.world_size, len(self.check_kinds))
+        for k, kind in enumerate(self.check_kinds):
+            for j, rows in enumerate(getattr(out.transfers, kind)):
+                digests[j, k] = pairs_digest(self.cut.row_pairs(rows))
+        return payload
+
+    def _source_payload(self, batch: GlobalBatch) -> np.ndarray:
+        if id(batch) not in self._pending:  # (a batch held there is never another's id)
+            self.ahead(batch)
+        while True:  # batches handed over before this one and never cut are dropped
+            key, (_, future) = self._pending.popitem(last=False)
+            if key == id(batch):
+                return future.result()
+
+    def __call__(self, batch: GlobalBatch, rank: int) -> pa.Table:
+        """Rank ``rank``'s micro-batch (collective: every rank calls it for the step)."""
+        if rank != self.rank:
+            msg = f"this cut serves rank {self.rank}, asked for rank {rank}'s rows"
+            raise DataError(msg)
+        table = batch.table
+        w = self.world_size
+        size = table.num_rows + w * len(self.check_kinds)
+        if self.rank == self.source:
+            payload = self._source_payload(batch)
+        else:
+            payload = np.zeros(size, dtype=np.int64)
+        payload = self.share(payload)
+        if payload.shape != (size,):
+            msg = (
+                f"the placement of global batch {batch.step} has {payload.shape} values, not {size}"
+            )
+            raise DataError(msg)
+        row_rank = payload[: table.num_rows]
+        self.last_digests = payload[table.num_rows :].reshape(w, len(self.check_kinds)).copy()
+        rows = np.flatnonzero(row_rank == rank)
+        if rows.size * w != table.num_rows:
+            msg = (
+                f"the placement of global batch {batch.step} gives rank {rank} {rows.size} "
+                f"rows, not {table.num_rows // w}"
+            )
+            raise DataError(msg)
+        return table.take(rows)
+
+    def close(self) -> None:
+        """Stop the dispatch thread (dispatches under way finish first)."""
+        self._pending.clear()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+            self._thread = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        msg = "a DispatchOnceCut is one rank's collective: it cannot be copied to another process"
+        raise DataError(msg)
 
 
 def rank_cut(dispatch: str, *, schema: DatasetSchema, alpha: float = 1.0, **options: Any) -> Any:

@@ -58,6 +58,32 @@ def _policy_case(comm: Comm, dataset: str, policy: str, alpha: float, ref: dict)
     }
 
 
+def _once_case(comm: Comm, dataset: str) -> dict | None:
+    """Rank 0 dispatching for both ranks over the placement broadcast gives each rank the
+    micro-batches of its own copy of the cut, row for row."""
+    from readers.dispatch.cut import DispatchOnceCut
+    from trainer.distributed.run import placement_broadcast
+
+    schema = dataset_schema(dataset)
+    out = {}
+    options = {"schema": schema, "cache_rows": (64,),
+               "bandwidths": (1e9,) * (comm.world_size - 1) + (1e10,)}  # fmt: skip
+    for policy, alpha in POLICIES:
+        once = DispatchOnceCut(rank_cut(policy, alpha=alpha, **options), rank=comm.rank,
+                               world_size=comm.world_size, share=placement_broadcast(comm))  # fmt: skip
+        got = _stream(dataset, rank=comm.rank, world=comm.world_size, cut=once)
+        once.close()
+        want = _stream(dataset, rank=comm.rank, world=comm.world_size,
+                       cut=rank_cut(policy, alpha=alpha, **options))  # fmt: skip
+        same = all(
+            a.session_ids.tolist() == b.session_ids.tolist() and torch.equal(a.labels, b.labels)
+            for a, b in zip(got, want, strict=True)
+        )
+        every = comm.all_gather(torch.tensor([int(same), len(got)]), what="test")
+        out[f"{policy}_{alpha}"] = [[int(v) for v in e] for e in every]
+    return out if comm.rank == 0 else None
+
+
 def _train_rank_case(comm: Comm, dataset: str) -> dict | None:
     """``recpipe train``'s rank loop with ``--dispatch contiguous`` and ``--dispatch esd``."""
     from trainer.config import TrainConfig
@@ -83,7 +109,10 @@ def dispatch_job(rank: int, world_size: int, dataset: str, out: str) -> None:
     if rank == 0:
         ref = dist_cases.reference(dataset, "adagrad", True, torch.float32, world_size)
     results = [_policy_case(comm, dataset, p, a, ref) for p, a in POLICIES]
+    once = _once_case(comm, dataset)
     loop = _train_rank_case(comm, dataset)
     if rank == 0:
-        Path(out, "dispatch.json").write_text(json.dumps({"policies": results, "loop": loop}))
+        Path(out, "dispatch.json").write_text(
+            json.dumps({"policies": results, "once": once, "loop": loop})
+        )
     dist.barrier()

@@ -1,7 +1,9 @@
 """Dispatch changes where a sample trains, not what the job computes: 2 ranks (gloo, CPU) whose
 micro-batches ESD (alpha 1 and 0), LAIA-like or random dispatch chose train like one process on
-the same global batches, losses to 1e-6 relative in float32; and ``recpipe train``'s rank loop
-gives the same losses with ``--dispatch esd`` as with the contiguous cut."""
+the same global batches, losses to 1e-6 relative in float32; rank 0 dispatching once for both
+gives each rank the micro-batches its own copy of the cut gives; and ``recpipe train``'s rank
+loop (which dispatches once) gives the same losses with ``--dispatch esd`` as with the
+contiguous cut."""
 
 from __future__ import annotations
 
@@ -37,6 +39,15 @@ def test_dispatched_ranks_train_like_one_process(results, case):
 def test_the_dispatch_is_not_the_contiguous_cut(results):
     esd = results["policies"][0]
     assert sum(esd["steps_moved"]) > 0, esd
+
+
+def test_dispatching_once_gives_each_rank_its_own_cuts_batches(results):
+    """Rank 0 dispatches for both (the placement broadcast over gloo); rank 1 gets the rows its
+    own copy of the cut would have chosen, step for step."""
+    once = results["once"]
+    assert sorted(once) == sorted(f"{p}_{a}" for p, a in dispatch_cases.POLICIES)
+    for ranks in once.values():
+        assert ranks == [[1, dispatch_cases.dist_cases.STEPS]] * 2, once
 
 
 def test_the_rank_loop_with_esd_dispatch_gives_the_contiguous_losses(results):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -65,6 +66,7 @@ __all__ = [
     "DistributedSummary",
     "RankEngine",
     "check_config",
+    "placement_broadcast",
     "train_rank",
 ]
 
@@ -228,7 +230,8 @@ class RankEngine:
             for store in self.stores:  # a temporary store's directory goes with it
                 store.close()
             raise
-        self.shadow_cut: Any = None  # the dispatch cut, when it runs in this process
+        self.dispatch_cut: Any = None  # the dispatch-once cut, when the readers run here
+        self.shadow_cut: Any = None  # the same, when the caches are checked against it
         self._shadow_missed: list[int] = []  # per step checked: 1 where this rank differed
         self.hot_chosen = bool(options.cache_rows)  # a job with caches has no hot set
         self.fit: CostFit | None = None
@@ -295,7 +298,7 @@ class RankEngine:
     def cut(self) -> Any:
         """The dispatch cut of the training stream (``None`` through the service, which
         dispatches itself)."""
-        from readers.dispatch.cut import rank_cut
+        from readers.dispatch.cut import DispatchOnceCut, rank_cut
 
         opts = self.options
         if self.config.service is not None:
@@ -312,11 +315,16 @@ class RankEngine:
             extra["id_modulus"] = model.num_embeddings
         cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha,
                        bandwidths=opts.bandwidths, **extra)  # fmt: skip
-        # the caches' transfers can be checked against the dispatcher's shadow when the cut
-        # runs in this process (no DataLoader workers)
-        in_process = opts.cache_rows and self.config.workers == 0 and hasattr(cut, "recent")
-        self.shadow_cut = cut if in_process else None
-        return cut
+        if opts.dispatch == "contiguous" or self.config.workers:
+            return cut  # DataLoader workers: every rank's workers dispatch for it
+        # readers in this process: rank 0 dispatches each global batch once, for every rank;
+        # with caches each rank checks its transfers against the shadow's (digests travel)
+        once = DispatchOnceCut(cut, rank=self.comm.rank, world_size=self.world_size,
+                               share=placement_broadcast(self.comm),
+                               check_kinds=RECORD_KINDS if opts.cache_rows else ())  # fmt: skip
+        self.dispatch_cut = once
+        self.shadow_cut = once if opts.cache_rows else None
+        return once
 
     # -- the step ----------------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> torch.Tensor:
@@ -456,6 +464,8 @@ class RankEngine:
             if not failing:
                 self._sum_counters()
         finally:
+            if self.dispatch_cut is not None:
+                self.dispatch_cut.close()
             for store in self.stores:
                 store.close()
 
@@ -478,18 +488,39 @@ class RankEngine:
 
     def _check_shadow(self) -> None:
         """Compare this rank's cache transfers of the step with the dispatcher's prediction
-        (the step just dispatched: the readers run in this process, one batch at a time)."""
+        (digests that came with the step's placement: the readers run in this process, one
+        batch at a time)."""
         if self.shadow_cut is None:
             return
+        from readers.dispatch.cut import pairs_digest
+
         record = self.trainer.sparse.last_record
-        predicted = self.shadow_cut.recent()[-1].transfers
-        rank = self.comm.rank
-        same = all(
-            np.array_equal(getattr(record, kind),
-                           self.shadow_cut.row_pairs(getattr(predicted, kind)[rank]))
-            for kind in RECORD_KINDS
-        )  # fmt: skip
+        predicted = self.shadow_cut.last_digests[self.comm.rank]
+        same = all(pairs_digest(getattr(record, kind)) == int(predicted[k])
+                   for k, kind in enumerate(RECORD_KINDS))  # fmt: skip
         self._shadow_missed.append(0 if same else 1)
+
+
+def placement_broadcast(comm: Comm) -> Callable[[np.ndarray], np.ndarray]:
+    """The ``share`` of a :class:`readers.dispatch.cut.DispatchOnceCut`: an int64 payload
+    broadcast from rank 0 of ``comm``'s ranks over a gloo group of its own (CPU, ``comm``'s
+    timeout), so it never interleaves with the exchange's or DDP's collectives. Made by every
+    rank of ``comm`` (only those: the group is formed among them)."""
+    if comm.world_size == 1:
+        return lambda payload: payload
+    import torch.distributed as dist
+
+    ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+    group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
+                           timeout=timedelta(seconds=comm.timeout_s))  # fmt: skip
+    side = Comm.of(group, device="cpu", timeout_s=comm.timeout_s)
+
+    def share(payload: np.ndarray) -> np.ndarray:
+        with side.guard("the dispatch broadcast (rank 0's placement of the global batch)"):
+            dist.broadcast(torch.from_numpy(payload), group=group, group_src=0)
+        return payload
+
+    return share
 
 
 def train_rank(
