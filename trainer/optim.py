@@ -1,4 +1,5 @@
-"""Row-wise Adagrad: what ``--optimizer adagrad`` means for an embedding table in every backend.
+"""What ``--optimizer adagrad`` and ``--optimizer adam`` mean for an embedding table in every
+backend.
 
 fbgemm's (and TorchRec's) embedding optimizer: one accumulator per row, not per element::
 
@@ -8,10 +9,16 @@ Parameter tables train with :class:`RowwiseAdagrad`; the store and the sharded t
 multi-rank job apply the same formula through the same kernel
 (:func:`rowwise_adagrad_`), so one process, ``--store hybrid``, ``--nproc N`` and towers
 train the same model. Dense parameters keep torch's element-wise Adagrad.
+
+Adam for a table is torch's ``SparseAdam`` (lazy Adam: a row's moments move only in the steps
+that look it up), its bias correction counting the table's optimizer steps. Parameter tables
+train with ``torch.optim.SparseAdam`` itself; the store and the sharded tables apply
+:func:`sparse_adam_`, which gives its bits (the same operations in the same order).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,9 +28,11 @@ import torch
 from recpipe.errors import RecpipeError
 from trainer import _kernels
 
-__all__ = ["RowwiseAdagrad", "rowwise_adagrad_"]
+__all__ = ["ADAM_BETAS", "RowwiseAdagrad", "rowwise_adagrad_", "sparse_adam_"]
 
 _NUMBA_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+ADAM_BETAS = (0.9, 0.999)
+"""Adam's β1, β2 for the tables (torch's defaults, which ``SparseAdam`` uses)."""
 
 
 def rowwise_adagrad_(
@@ -54,6 +63,50 @@ def rowwise_adagrad_(
     state.index_copy_(0, rows, s)
     mult = lr / (s.sqrt() + eps)  # (n,)
     values.index_add_(0, rows, grads * mult.unsqueeze(1), alpha=-1.0)
+
+
+def sparse_adam_(
+    values: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    grads: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+    step: int,
+    betas: tuple[float, float] = ADAM_BETAS,
+) -> None:
+    """torch's ``SparseAdam`` in place on ``values[rows]`` (``[n, D]`` ``grads``, ``rows``
+    distinct) and their moments ``state[rows]`` (``[rows, 2D]``: m then v)::
+
+        m += (g - m)·(1 - β1)     v += (g² - v)·(1 - β2)
+        w -= lr·sqrt(1 - β2^t)/(1 - β1^t) · m / (sqrt(v) + eps)      t = ``step``
+
+    ``step`` counts this update (>= 1). ``torch.optim._functional.sparse_adam``'s tensor
+    operations in its order on every device (its ``update + m_old`` is the new ``m``; the
+    denominator's square root is taken of the new ``v``), so a float tensor gets the bits
+    ``SparseAdam`` gives it. No compiled kernel: torch's float32 ``sqrt`` on the CPU is not
+    the correctly rounded one (it differs in the last bit for about one value in ten), so a
+    kernel's would break the equality."""
+    if rows.numel() == 0:
+        return
+    if step < 1:
+        msg = f"Adam's `step` counts this update, so it must be >= 1, got {step!r}"
+        raise RecpipeError(msg)
+    dim = values.shape[1]
+    if tuple(state.shape[1:]) != (2 * dim,):
+        msg = f"Adam keeps [rows, 2D] state (m then v), got {tuple(state.shape)} for D = {dim}"
+        raise RecpipeError(msg)
+    beta1, beta2 = betas
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    grads = grads.to(values.dtype)
+    old = state.index_select(0, rows)  # (n, 2D)
+    m_old, v_old = old[:, :dim], old[:, dim:]
+    m_new = grads.sub(m_old).mul_(1 - beta1).add_(m_old)  # (n, D)
+    v_new = grads.pow(2).sub_(v_old).mul_(1 - beta2).add_(v_old)  # (n, D)
+    state.index_copy_(0, rows, torch.cat([m_new, v_new], 1))
+    denom = v_new.sqrt_().add_(eps)
+    values.index_add_(0, rows, -step_size * m_new.div_(denom))
 
 
 class RowwiseAdagrad(torch.optim.Optimizer):

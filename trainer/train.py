@@ -360,9 +360,6 @@ class LocalEngine:
     # -- hybrid store --------------------------------------------------------------------------
     def _store_factory(self) -> Any:
         cfg = self.config
-        if cfg.optimizer == "adam":
-            msg = "`store` 'hybrid' trains its rows with sgd or adagrad (row-wise), not adam"
-            raise RecpipeError(msg)
         root = None if cfg.checkpoint is None else Path(cfg.checkpoint) / "store"
 
         def factory(table: TableConfig, seed: int) -> nn.Module:
@@ -383,7 +380,7 @@ class LocalEngine:
                 st = StoreTable.create(
                     path,
                     table,
-                    optimizer=cfg.optimizer,  # sgd or adagrad (adam is refused above)
+                    optimizer=cfg.optimizer,
                     lr=lr,
                     seed=table_seed(seed, table.name),
                     device=device,

@@ -28,7 +28,7 @@ import torch
 
 from recpipe.errors import RecpipeError
 from trainer.distributed import _kernels as K
-from trainer.optim import rowwise_adagrad_
+from trainer.optim import ADAM_BETAS, rowwise_adagrad_, sparse_adam_
 from trainer.store import IdIndex, init_rows
 
 __all__ = ["RowShard", "SparseOptimizer", "owner_of", "pack_rows", "sparse_optimizer"]
@@ -69,7 +69,7 @@ class SparseOptimizer:
     kind: SparseKind = "rowwise_adagrad"
     lr: float = 0.05
     eps: float = 1e-8
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = ADAM_BETAS
 
     def __post_init__(self) -> None:
         if self.kind not in SPARSE_KINDS:
@@ -108,39 +108,13 @@ class SparseOptimizer:
             values.index_add_(0, rows, grads, alpha=-self.lr)
             return
         if self.kind == "adam":
-            self._adam(values, state, rows, grads.to(values.dtype), step)
+            if state is None:
+                msg = "Adam keeps [rows, 2D] state: build the shard with state_shape=(2D,)"
+                raise RecpipeError(msg)
+            sparse_adam_(values, state, rows, grads, lr=self.lr, eps=self.eps, step=step,
+                         betas=self.betas)  # fmt: skip
             return
         rowwise_adagrad_(values, state, rows, grads, lr=self.lr, eps=self.eps)
-
-    def _adam(
-        self,
-        values: torch.Tensor,
-        state: torch.Tensor | None,
-        rows: torch.Tensor,
-        grad: torch.Tensor,
-        step: int,
-    ) -> None:
-        """``torch.optim._functional.sparse_adam`` on ``rows``: the same operations in the same
-        order (its ``m + update`` is ``update + m`` in IEEE arithmetic: the numerator it
-        divides is the new ``m``, its denominator's square root is taken of the new ``v``)."""
-        if step < 1:
-            msg = f"Adam's `step` counts this update, so it must be >= 1, got {step!r}"
-            raise RecpipeError(msg)
-        if state is None:
-            msg = "Adam keeps [rows, 2D] state per table: build the shard with state_shape=(2D,)"
-            raise RecpipeError(msg)
-        dim = values.shape[1]
-        beta1, beta2 = self.betas
-        old = state.index_select(0, rows)  # (n, 2D)
-        m_old, v_old = old[:, :dim], old[:, dim:]
-        m_new = grad.sub(m_old).mul_(1 - beta1).add_(m_old)  # (n, D)
-        v_new = grad.pow(2).sub_(v_old).mul_(1 - beta2).add_(v_old)  # (n, D)
-        state.index_copy_(0, rows, torch.cat([m_new, v_new], 1))
-        denom = v_new.sqrt_().add_(self.eps)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = self.lr * math.sqrt(bias_correction2) / bias_correction1
-        values.index_add_(0, rows, -step_size * m_new.div_(denom))
 
 
 def sparse_optimizer(optimizer: str, lr: float) -> SparseOptimizer:

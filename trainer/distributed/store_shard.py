@@ -12,8 +12,8 @@ batch-consistent checkpoints, crash recovery), in place of the in-memory :class:
 (:class:`~trainer.distributed.exchange.ShardedEmbeddings`) reads and writes through it unchanged:
 ``rows(ids)`` prefetches the ids (new ids get the store's hash init, the rows pinned for the
 step) and returns their positions among the prefetch's unique rows, ``gather_into`` pulls them,
-``apply`` pushes the summed gradients and runs the store's own fused row-wise Adagrad / SGD
-(``store.update()``). The hot replica stays the exchange's: a hot row's copy in its owner's
+``apply`` pushes the summed gradients and runs the store's own row update (SGD, row-wise Adagrad,
+or Adam at the exchange's step count: ``store.update(step=)``). The hot replica stays the exchange's: a hot row's copy in its owner's
 store is refreshed when the row leaves the hot set and before every checkpoint.
 
 Checkpoints (collective, :func:`save_store_checkpoint`): every rank writes its owned hot rows
@@ -27,8 +27,7 @@ At another world size: each new rank creates fresh stores and reads from every o
 stores, read-only at the checkpoint's step, the ids (all of them: 8 bytes a row) and the
 values and state of only the rows it now owns (:func:`read_owned_rows`).
 
-Not supported (refused in one line): the per-rank caches (``--cache-rows``), ``--optimizer
-adam`` (the store keeps row-wise Adagrad's or no state), a CUDA device. Towers keep each
+Not supported (refused in one line): the per-rank caches (``--cache-rows``), a CUDA device. Towers keep each
 rank's tables in its stores the same way (:mod:`trainer.towers.run`). The stores keep
 float32 rows, in a host cache without a bound (as one process's ``--store hybrid``).
 """
@@ -50,7 +49,7 @@ from trainer.distributed import _kernels as K
 from trainer.distributed.shard import SparseOptimizer, owner_of
 from trainer.modules import TableConfig, TableFactory, table_seed
 from trainer.store import init_rows
-from trainer.store.config import StoreConfig
+from trainer.store.config import StoreConfig, store_optimizer
 from trainer.store.persist import (
     CommitRecord,
     RowFile,
@@ -80,7 +79,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-_STORE_OPTIMIZER = {"sgd": "sgd", "rowwise_adagrad": "rowwise_adagrad"}
+_STORE_OPTIMIZER = {"sgd": "sgd", "rowwise_adagrad": "rowwise_adagrad", "adam": "adam"}
 
 
 def rank_store_dir(root: str | Path, rank: int, world_size: int) -> Path:
@@ -94,12 +93,6 @@ def check_store_options(*, optimizer: str, cache_rows: int) -> None:
     Raises:
         RecpipeError: naming the flag.
     """
-    if optimizer == "adam":
-        msg = (
-            "`--store` 'hybrid' trains its rows with sgd or adagrad (row-wise), not `--optimizer` "
-            "adam; hint: --store module keeps Adam's moments with each row's owner"
-        )
-        raise RecpipeError(msg)
     if cache_rows:
         msg = (
             f"`--cache-rows` {cache_rows} with `--store` 'hybrid': not supported (the rows of a "
@@ -132,8 +125,9 @@ class StoreShard:
 
     @property
     def row_state_shape(self) -> tuple[int, ...] | None:
-        """``()`` (row-wise Adagrad's accumulator) or ``None`` (SGD)."""
-        return () if self._state else None
+        """``()`` (row-wise Adagrad's accumulator), ``(2D,)`` (Adam's moments) or ``None``
+        (SGD)."""
+        return _row_state_shape(self._state)
 
     @property
     def num_rows(self) -> int:
@@ -182,7 +176,7 @@ class StoreShard:
         full = torch.zeros(loc.num_unique, self.dim, dtype=torch.float32)
         full[torch.from_numpy(rows)] = grads.to(torch.float32)
         store.push(loc, full)
-        store.update()
+        store.update(step=self.step)  # Adam's bias correction: the exchange's step count
 
     def lookup(self, ids: np.ndarray) -> torch.Tensor:
         """Values of ``ids`` without creating rows (unknown ids get their init values)."""
@@ -201,7 +195,7 @@ class StoreShard:
         """Values and state of ``ids`` (created when new)."""
         loc = self.store.prefetch(np.ascontiguousarray(ids, dtype=np.int64))
         rows = torch.from_numpy(self.store.read_rows(loc))[loc.inverse]  # (n, D + state)
-        return rows[:, : self.dim], (rows[:, self.dim] if self._state else None)
+        return rows[:, : self.dim], _state_columns(rows, self.dim, self._state)
 
     def write(self, ids: np.ndarray, values: torch.Tensor, state: torch.Tensor | None) -> None:
         """Set the values (and state) of ``ids`` (distinct; created when new)."""
@@ -213,18 +207,31 @@ class StoreShard:
         at = loc.inverse.numpy()
         rows[at, : self.dim] = values.detach().to("cpu", torch.float32).numpy()
         if self._state and state is not None:
-            rows[at, self.dim] = state.detach().to("cpu", torch.float32).reshape(-1).numpy()
+            state = state.detach().to("cpu", torch.float32).reshape(ids.size, self._state)
+            rows[at, self.dim :] = state.numpy()
         self.store.write_rows(loc, rows)
 
     def export(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor | None]:
         """Every row: ``(ids, values [n, D], state [n] or None)`` in row order (copies)."""
         ids, rows = self.store.export()
         values = torch.from_numpy(np.ascontiguousarray(rows[:, : self.dim]))
-        state = torch.from_numpy(rows[:, self.dim].copy()) if self._state else None
-        return ids, values, state
+        state = _state_columns(torch.from_numpy(rows), self.dim, self._state)
+        return ids, values, None if state is None else state.contiguous()
 
     def close(self) -> None:
         self.store.close()
+
+
+def _row_state_shape(state_dim: int) -> tuple[int, ...] | None:
+    """One row's optimizer state of ``state_dim`` floats, shaped as :class:`RowShard` keeps
+    it: ``None`` (SGD), ``()`` (row-wise Adagrad), ``(2D,)`` (Adam's m | v)."""
+    return None if not state_dim else () if state_dim == 1 else (state_dim,)
+
+
+def _state_columns(rows: torch.Tensor, dim: int, state_dim: int) -> torch.Tensor | None:
+    """The state of store rows ``[n, D + state]``, shaped per :func:`_row_state_shape` (a view)."""
+    shape = _row_state_shape(state_dim)
+    return None if shape is None else rows[:, dim:].reshape(rows.shape[0], *shape)
 
 
 # -------------------------------------------------------------------------------------------
@@ -246,7 +253,7 @@ def store_table_factory(
     rows (a hash of ``table_seed(seed, name)`` and the id in ``±sqrt(1/num_embeddings)``).
 
     Args:
-        optimizer: ``"sgd"`` or ``"adagrad"`` (row-wise).
+        optimizer: ``"sgd"``, ``"adagrad"`` (row-wise) or ``"adam"``.
         lr: the tables' learning rate.
         root: the checkpoint directory (``None``: a temporary store per table).
         rank, world_size: this rank of the job.
@@ -276,7 +283,7 @@ def store_table_factory(
         else:
             config = StoreConfig(
                 dim=table.dim,
-                optimizer="sgd" if optimizer == "sgd" else "rowwise_adagrad",
+                optimizer=store_optimizer(optimizer),
                 lr=lr,
                 seed=table_seed(seed, table.name) % (1 << 31),
                 init_scale=math.sqrt(1.0 / table.num_embeddings),
@@ -357,7 +364,7 @@ def _commit_of(root: Path, step: int) -> CommitRecord:
 def read_owned_rows(path: str | Path, *, step: int, rank: int, world_size: int) -> dict[str, Any]:
     """The rows of the store at ``path``, as committed at ``step``, that rank ``rank`` of
     ``world_size`` owns: ``{"ids", "values", "state", "bytes"}`` (CPU tensors; ``state``
-    ``[n]`` or ``None``; ``bytes`` read). Read-only: the commit record, the ids (every one, 8
+    ``[n]`` (row-wise Adagrad), ``[n, 2D]`` (Adam) or ``None``; ``bytes`` read). Read-only: the commit record, the ids (every one, 8
     bytes a row), the committed copies' bitmap (a bit a row), and of ``rows.bin`` only the
     owned rows (checksummed)."""
     root = Path(path)
@@ -377,11 +384,11 @@ def read_owned_rows(path: str | Path, *, step: int, rank: int, world_size: int) 
             file.read(pos, rows.view(np.uint32), np.arange(mine.size, dtype=np.int64))
         finally:
             file.close()
-    state = torch.from_numpy(rows[:, meta.dim].copy()) if meta.state_dim else None
+    state = _state_columns(torch.from_numpy(rows), meta.dim, meta.state_dim)
     return {
         "ids": torch.from_numpy(ids[mine].copy()),
         "values": torch.from_numpy(np.ascontiguousarray(rows[:, : meta.dim])),
-        "state": state,
+        "state": None if state is None else state.contiguous(),
         "bytes": ids.nbytes + -(-ids.size // 8) + mine.size * meta.disk_width * 4,
     }
 

@@ -246,25 +246,36 @@ def sparse_step(
     optimizer: str,
     lr: float,
     eps: float,
+    step: int = 0,
 ) -> None:
-    """Apply the optimizer to rows ``table[slots]`` (embedding then state) in one Numba kernel.
+    """Apply the optimizer to rows ``table[slots]`` (embedding then state), the one row update
+    of every backend: SGD and row-wise Adagrad in one Numba kernel, Adam as
+    :func:`trainer.optim.sparse_adam_` (on views of the rows' values and moments).
 
     Args:
         table: float32 [slots, W], updated in place.
         slots: int64 [U] distinct rows of ``table``.
         grads: float32 [U, D] their gradients.
-        optimizer: ``"sgd"`` or ``"rowwise_adagrad"``.
+        optimizer: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``.
         lr, eps: the optimizer's settings.
+        step: Adam's step, counting this update (its bias correction).
     """
     import torch
 
-    g = grads.to("cpu", torch.float32).contiguous().numpy()
-    if optimizer == "sgd":
-        K.sgd_update(table, slots, g, float(lr))
+    g = grads.to("cpu", torch.float32).contiguous()
+    dim = g.shape[1]  # the state sits in the columns after the row's D values
+    if optimizer == "adam":
+        from trainer.optim import sparse_adam_
+
+        rows = torch.from_numpy(table)
+        sparse_adam_(rows[:, :dim], rows[:, dim:], torch.from_numpy(slots), g, lr=lr, eps=eps,
+                     step=step)  # fmt: skip
+    elif optimizer == "sgd":
+        K.sgd_update(table, slots, g.numpy(), float(lr))
     else:
-        dim = g.shape[1]  # the state is column D of the table, beside the row
         f32 = np.float32
-        rowwise_adagrad(table[:, :dim], table[:, dim], slots, g, f32(lr), f32(eps), f32(dim))
+        rowwise_adagrad(table[:, :dim], table[:, dim], slots, g.numpy(), f32(lr), f32(eps),
+                        f32(dim))  # fmt: skip
 
 
 def coalesce(

@@ -16,12 +16,36 @@ from recpipe.errors import StoreError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["STATE_DIM", "Locations", "Optimizer", "StoreConfig", "StoreStats", "SyncMode"]
+__all__ = [
+    "OPTIMIZERS",
+    "Locations",
+    "Optimizer",
+    "StoreConfig",
+    "StoreStats",
+    "SyncMode",
+    "state_dim",
+    "store_optimizer",
+]
 
-Optimizer = Literal["sgd", "rowwise_adagrad"]
+Optimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 SyncMode = Literal["full", "process"]
-STATE_DIM = {"sgd": 0, "rowwise_adagrad": 1}
-"""Floats of optimizer state stored beside each row's embedding, per optimizer."""
+OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
+_OF_FLAG = {"sgd": "sgd", "adagrad": "rowwise_adagrad", "adam": "adam"}
+
+
+def state_dim(optimizer: str, dim: int) -> int:
+    """Floats of optimizer state kept beside each row's ``dim`` values: none (SGD), row-wise
+    Adagrad's accumulator (1), Adam's first and second moments (``2 * dim``: m then v)."""
+    return {"sgd": 0, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
+
+
+def store_optimizer(flag: str) -> Optimizer:
+    """The store's optimizer for ``--optimizer`` ``flag``: ``sgd``, ``rowwise_adagrad`` for
+    ``adagrad`` (row-wise in every backend), ``adam`` (``SparseAdam``'s lazy Adam)."""
+    if flag not in _OF_FLAG:
+        msg = f"`optimizer` must be one of {sorted(_OF_FLAG)}, got {flag!r}"
+        raise StoreError(msg)
+    return _OF_FLAG[flag]  # type: ignore[return-value]
 
 
 @dataclass
@@ -30,9 +54,11 @@ class StoreConfig:
 
     Attributes:
         dim: embedding dimension D.
-        optimizer: ``"sgd"`` or ``"rowwise_adagrad"`` (fbgemm's row-wise Adagrad).
+        optimizer: ``"sgd"``, ``"rowwise_adagrad"`` (fbgemm's row-wise Adagrad) or ``"adam"``
+            (torch's ``SparseAdam``, :func:`trainer.optim.sparse_adam_`; its moments are kept
+            beside each row, its step count with the store's checkpoints).
         lr: learning rate.
-        eps: Adagrad epsilon.
+        eps: Adagrad's or Adam's epsilon.
         seed: seed of the deterministic row init.
         init_scale: new rows are uniform(-init_scale, init_scale).
         chunk_rows: rows per chunk of the home file (it grows by whole chunks).
@@ -64,8 +90,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.dim < 1:
             raise StoreError(f"`dim` must be >= 1, got {self.dim!r}")
-        if self.optimizer not in STATE_DIM:
-            msg = f"`optimizer` must be one of {sorted(STATE_DIM)}, got {self.optimizer!r}"
+        if self.optimizer not in OPTIMIZERS:
+            msg = f"`optimizer` must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}"
             raise StoreError(msg)
         if not self.lr > 0:
             raise StoreError(f"`lr` must be > 0, got {self.lr!r}")

@@ -331,13 +331,29 @@ class HotSet:
 
     # ------------------------------------------------------------------ the optimizer
 
-    def step(self, idx: torch.Tensor, g: torch.Tensor, *, optimizer: str, lr: float, eps: float):
-        """Apply the optimizer to hot rows ``idx`` (distinct) with gradients ``g`` [Uh, D]."""
-        if self.device.type == "cpu":  # the cold path's kernel: bitwise the same arithmetic
-            sparse_step(self.tensor.numpy(), idx.numpy(), g, optimizer=optimizer, lr=lr, eps=eps)
+    def step(
+        self,
+        idx: torch.Tensor,
+        g: torch.Tensor,
+        *,
+        optimizer: str,
+        lr: float,
+        eps: float,
+        step: int = 0,
+    ) -> None:
+        """Apply the optimizer to hot rows ``idx`` (distinct) with gradients ``g`` [Uh, D]
+        (``step``: Adam's, counting this update)."""
+        opt = {"optimizer": optimizer, "lr": lr, "eps": eps, "step": step}
+        if self.device.type == "cpu":  # the cold path's update: bitwise the same arithmetic
+            sparse_step(self.tensor.numpy(), idx.numpy(), g, **opt)
+            return
+        d = g.shape[1]
+        if optimizer == "adam":
+            from trainer.optim import sparse_adam_
+
+            sparse_adam_(self.tensor[:, :d], self.tensor[:, d:], idx, g, lr=lr, eps=eps, step=step)
             return
         rows = self.tensor.index_select(0, idx)  # (Uh, W)
-        d = g.shape[1]
         if optimizer == "sgd":
             rows[:, :d] -= lr * g
         else:

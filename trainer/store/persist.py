@@ -12,8 +12,9 @@ A store directory::
     index-<epoch>.bin  the id index as of checkpoint <epoch> (saved when the table grew by 1/4
                        since the last one); recovery loads it and indexes only the newer ids
     hot-<epoch>.bin    ids of the hot set at checkpoint <epoch>
-    CURRENT            the commit record: step, epoch, rows, CRCs of the files above; written to
-                       a temporary file, fsynced and renamed, so it is either old or new
+    CURRENT            the commit record: step, epoch, rows, CRCs of the files above, the
+                       optimizer's step count (Adam's bias correction); written to a temporary
+                       file, fsynced and renamed, so it is either old or new
     PREVIOUS           the commit record before CURRENT, kept (with its files) until the store
                        next writes a row: ``open_store(path, step=...)`` can still roll back to it
     checkpoints.jsonl  one line per completed checkpoint (for `recpipe store`); informational:
@@ -175,6 +176,9 @@ class CommitRecord:
     hot_crc: int
     copies_crc: int = 0
     index: dict[str, int] | None = None  # the saved index: epoch, rows, shards, slots, checksum
+    # the optimizer steps the store had taken (Adam's bias correction counts them); None in a
+    # record written before it was kept: the steps are then taken to be ``max(step, 0)``
+    optimizer_step: int | None = None
 
     @classmethod
     def empty(cls) -> CommitRecord:
@@ -193,6 +197,11 @@ class CommitRecord:
         except TypeError:
             msg = f"store file {str(root / name)!r} is corrupted (not a commit record)"
             raise StoreError(msg) from None
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The optimizer steps taken by the state this record commits."""
+        return max(self.step, 0) if self.optimizer_step is None else self.optimizer_step
 
     def files(self) -> set[str]:
         """The per-epoch files this record refers to."""

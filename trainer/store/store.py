@@ -6,8 +6,11 @@ Tiers of a row, fastest first::
     cache     host slab [slots, W]       LRU over the rest, bounded by `cache_rows`
     home      rows.bin on disk           every row not in memory; checkpoints + recovery
 
-``W = D + state``: the embedding and its optimizer state (row-wise Adagrad: 1 float) live side by
-side, so moving a row between tiers never loses optimizer state.
+``W = D + state``: the embedding and its optimizer state (row-wise Adagrad: 1 float; Adam: its
+moments m and v, 2D floats) live side by side, so moving a row between tiers never loses optimizer
+state. Adam's bias correction counts the store's optimizer steps
+(:attr:`EmbeddingStore.optimizer_step`: one per :meth:`EmbeddingStore.update`, or the step a
+caller gives it), kept in each commit record.
 
 A step::
 
@@ -60,7 +63,7 @@ import numpy as np
 from recpipe.errors import StoreError
 from trainer.store import _kernels as K
 from trainer.store.cache import RowCache, coalesce, init_rows, sparse_step
-from trainer.store.config import STATE_DIM, Locations, StoreConfig, StoreStats
+from trainer.store.config import Locations, StoreConfig, StoreStats, state_dim
 from trainer.store.home import Home
 from trainer.store.hotset import CostCoefficients, HotPlan, HotSet
 from trainer.store.index import IdIndex
@@ -134,6 +137,8 @@ class EmbeddingStore:
         self._upos = np.zeros(0, dtype=np.int64)
         self._seq = 0
         self._pending: list[tuple[Locations, torch.Tensor]] = []
+        # the optimizer steps taken (Adam's bias correction), committed with every checkpoint
+        self.optimizer_step = home.commit.optimizer_steps
         self._stats = StoreStats(0, 0, 0, 0, 0, 0)
         self._closed = False
 
@@ -147,7 +152,7 @@ class EmbeddingStore:
         root.mkdir(parents=True, exist_ok=True)
         meta = StoreMeta(
             dim=config.dim,
-            state_dim=STATE_DIM[config.optimizer],
+            state_dim=state_dim(config.optimizer, config.dim),
             optimizer=config.optimizer,
             eps=config.eps,
             seed=config.seed,
@@ -355,9 +360,18 @@ class EmbeddingStore:
             raise StoreError(msg)
         self._pending.append((loc, grads.detach()))
 
-    def update(self) -> None:
-        """Apply the optimizer to every pushed row (fused, sparse) and clear the pushes."""
+    def update(self, *, step: int | None = None) -> None:
+        """Apply the optimizer to every pushed row (fused, sparse) and clear the pushes.
+
+        Each call is one optimizer step, rows pushed or not (as ``torch.optim.SparseAdam``
+        counts a step whose gradient has no row): :attr:`optimizer_step` becomes ``step``, or
+        goes up by one when ``step`` is None. Adam's bias correction uses it; a caller that
+        counts steps for several stores (a rank's tables) gives its own count.
+        """
         with self._lock:
+            if step is not None and step < 1:
+                raise StoreError(f"`step` counts this update, so it must be >= 1, got {step!r}")
+            self.optimizer_step = self.optimizer_step + 1 if step is None else int(step)
             pending, self._pending = self._pending, []
             if not pending:
                 return
@@ -373,7 +387,8 @@ class EmbeddingStore:
                 hot_idx.append(loc.hot_idx)
                 hot_grads.append(g[loc.hot_pos])
                 self._hot.dirty[loc.hot_idx_cpu] = True
-            opt = {"optimizer": self.meta.optimizer, "lr": self.config.lr, "eps": self.meta.eps}
+            opt = {"optimizer": self.meta.optimizer, "lr": self.config.lr, "eps": self.meta.eps,
+                   "step": self.optimizer_step}  # fmt: skip
             slots, grads = coalesce(cold_slots, cold_grads)
             if slots.numel():
                 cache = self._cache
@@ -474,6 +489,7 @@ class EmbeddingStore:
             new_ids=self._ids_of_row[committed:num_rows].tobytes(),
             hot_ids=self._ids_of_row[self._hot.rows].tobytes(),
             seconds=time.perf_counter() - t0,
+            optimizer_step=self.optimizer_step,
         )
 
     # ------------------------------------------------------------------ hot set

@@ -17,7 +17,7 @@ from torch import nn
 
 from recpipe.errors import StoreError
 from trainer.modules import table_ids
-from trainer.store.config import StoreConfig
+from trainer.store.config import StoreConfig, store_optimizer
 from trainer.store.module import StoreEmbeddingBag
 from trainer.store.store import EmbeddingStore, open_store
 
@@ -53,7 +53,7 @@ class StoreTable(nn.Module):
         path: str | os.PathLike[str] | None,
         table: TableConfig,
         *,
-        optimizer: Literal["sgd", "adagrad"],
+        optimizer: Literal["sgd", "adagrad", "adam"],
         lr: float,
         seed: int,
         device: str,
@@ -63,14 +63,14 @@ class StoreTable(nn.Module):
         Args:
             path: the store directory (it must not hold a store).
             table: the table; its features set how many prefetches stay pinned.
-            optimizer: ``"sgd"``, or ``"adagrad"`` (the store's row-wise Adagrad).
+            optimizer: ``"sgd"``, ``"adagrad"`` (the store's row-wise Adagrad) or ``"adam"``.
             lr: learning rate.
             seed: seed of the rows' init (reduced to 31 bits).
             device: the training device.
         """
         config = StoreConfig(
             dim=table.dim,
-            optimizer="sgd" if optimizer == "sgd" else "rowwise_adagrad",
+            optimizer=store_optimizer(optimizer),
             lr=lr,
             seed=seed % (1 << 31),
             init_scale=math.sqrt(1.0 / table.num_embeddings),

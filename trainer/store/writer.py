@@ -50,6 +50,7 @@ class Snapshot:
         new_ids: the ids of the rows added since the last commit (int64 bytes).
         hot_ids: the ids of the hot set (int64 bytes).
         seconds: how long taking the snapshot blocked training.
+        optimizer_step: the optimizer steps the store has taken (Adam's bias correction).
     """
 
     step: int
@@ -61,6 +62,7 @@ class Snapshot:
     new_ids: bytes
     hot_ids: bytes
     seconds: float
+    optimizer_step: int = 0
 
 
 class CheckpointWriter:
@@ -162,6 +164,7 @@ class CheckpointWriter:
         return (
             commit.epoch > 0
             and snap.step == commit.step
+            and snap.optimizer_step == commit.optimizer_steps
             and snap.rows.size == 0
             and snap.index is None
             and snap.num_rows == commit.num_rows
@@ -269,6 +272,7 @@ class CheckpointWriter:
             hot_crc=zlib.crc32(snap.hot_ids),
             copies_crc=zlib.crc32(copies),
             index=index_info,
+            optimizer_step=snap.optimizer_step,
         )
         home.commit_to(commit)
         self._index_saved = index_info
