@@ -55,11 +55,13 @@ def _link_tx_bytes(cluster, host: int) -> int:  # noqa: F811
 def _on_hosts(cluster, data, placement, tmp: Path, *extra) -> dict:  # noqa: F811
     """``recpipe train``'s flags of ``_train`` run by ``len(placement)`` workers, rank k on host
     ``placement[k]``: rank 0's ``--json`` summary, its per-step ``losses`` and the bytes each
-    host's link sent (``tx_bytes``)."""
+    host's link sent (``tx_bytes``). One thread per rank: by default a rank's threads are its
+    host's cores divided among the host's ranks, and another count may sum in another order."""
     tmp.mkdir()
     args = [data[0], "--batch-size", BATCH, "--eval-batches", 1, "--seed", 0, "--quiet",
-            "--checkpoint", tmp / "ck", *MODEL, "--steps", STEPS, "--dist-timeout", 60,
-            "--json", tmp / "summary.json", "--metrics", tmp / "metrics.jsonl", *extra]  # fmt: skip
+            "--checkpoint", tmp / "ck", *MODEL, "--steps", STEPS, "--threads", 1,
+            "--dist-timeout", 60, "--json", tmp / "summary.json",
+            "--metrics", tmp / "metrics.jsonl", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     before = [_link_tx_bytes(cluster, h) for h in range(len(cluster.hosts))]
     procs = cluster.launch([sys.executable, "-m", "trainer", *map(str, args)], placement,
