@@ -4,6 +4,8 @@ like one process, and the shaping holds.
 Skipped, with the reason, where network namespaces cannot be made (not root, no CAP_NET_ADMIN,
 no iproute2 or tbf). Every process has a hard deadline; a hung rank is killed and fails the
 test. No namespace of the run outlives it (checked at the end of the module).
+``test_cluster_parity.py`` runs towers, ESD dispatch with caches and the hybrid store across
+hosts on this module's ``cluster`` fixture (imported there).
 """
 
 from __future__ import annotations
