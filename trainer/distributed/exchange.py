@@ -151,11 +151,11 @@ class ShardedTable(nn.Module):
 
     Plugs into the model's collections as a table backend that reads id plans
     (:class:`~trainer.modules.PlannedTable`: ``pool_planned``/``rows_planned`` look a feature up
-    at its positions in the batch's plan; ``pool``/``rows`` search the ids among the prepared
-    ones); lookups read the rows that :meth:`ShardedEmbeddings.prepare` fetched for the current
-    batch, and their
-    gradients collect in a float64 ``[U, D]`` accumulator that :meth:`ShardedEmbeddings.step`
-    exchanges. It holds no ``nn.Parameter`` (DDP sees only the dense model).
+    at its positions in the batch's plan; ``pool``/``rows``, for a batch without its plan,
+    search the ids among the prepared ones). Lookups read the rows that
+    :meth:`ShardedEmbeddings.prepare` fetched for the current batch, and their gradients
+    collect in a float64 ``[U, D]`` accumulator that :meth:`ShardedEmbeddings.step` exchanges.
+    It holds no ``nn.Parameter`` (DDP sees only the dense model).
 
     Args:
         config: the table (``num_embeddings`` only sets the init scale, as in the store: ids
