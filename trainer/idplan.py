@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from recpipe.errors import RecpipeError
 from trainer import _kernels as K
 from trainer.modules import IdPlan, PlannedBatch, lookup_values, table_ids
 
@@ -45,8 +46,18 @@ def plan_batch(
             deduplicates it: a later deduplication drops the plan).
         tables: the planned tables, in the order of the plan's ``ids``.
         device: where the positions go (the device of the rows they index).
+
+    Raises:
+        RecpipeError: a feature is in two of ``tables``.
     """
     features = [f for table in tables for f in table.features]
+    if len(set(features)) != len(features):
+        twice = sorted({f for f in features if features.count(f) > 1})
+        msg = (
+            f"features {twice!r} are each read by two planned tables; an id plan keys the "
+            "lookups by feature, so give each feature one table"
+        )
+        raise RecpipeError(msg)
     values = lookup_values(batch, features)
     configs = [table for table in tables for _ in table.features]
     ids = [

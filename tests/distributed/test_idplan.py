@@ -144,3 +144,5 @@ def test_plan_lists_each_tables_distinct_ids_and_each_features_positions(dist_da
     plain = PlannedBatch.of(batch.to_plain(), plan)  # (a plan of other lookups, for the test)
     groups = [tuple(g.keys()) for g in batch.ikjts.values()]
     assert type(dedup_batch(plain, groups)) is not PlannedBatch
+    with pytest.raises(RecpipeError, match=r"read by two planned tables"):
+        idplan.plan_batch(batch, [*tables, tables[0]])
