@@ -37,15 +37,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Any
 
 import numpy as np
 import torch
 
-from recpipe.errors import RecpipeError
 from trainer.distributed.comm import Comm
 from trainer.distributed.exchange import HotCandidates, ShardedEmbeddings, ShardedTable
 from trainer.distributed.shard import RowShard, SparseOptimizer
 from trainer.store import CostCoefficients, HotPlan
+from trainer.store.hotset import choose_on_curve
 
 __all__ = [
     "CostFit",
@@ -176,24 +177,25 @@ class CostFit:
         return min(self.all_reduce.r2, self.all_to_all.r2, self.hot_lookup.r2)
 
     def coefficients(self) -> CostCoefficients:
+        """The store's cost model with these coefficients (``A_ar`` and the standard errors
+        included): what :func:`choose_num_hot` chooses R with."""
         return CostCoefficients(
             c_ar=self.c_ar,
             c_a2a=self.c_a2a,
             source=f"fitted on the job's process group ({self.world_size} ranks, {self.backend})",
+            a_ar=self.a_ar,
+            c_ar_se=self.c_ar_se,
+            c_a2a_se=self.c_a2a_se,
         )
 
-    def cost(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float):
-        """``f(R)`` (see the module docstring)."""
-        r = np.asarray(num_hot, dtype=np.float64)
-        hot = np.where(r > 0, self.a_ar + r * self.c_ar, 0.0)
-        return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
+    def cost(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float) -> Any:
+        """``f(R)`` (:meth:`trainer.store.CostCoefficients.cost`)."""
+        return self.coefficients().cost(num_hot, rho, accesses)
 
-    def saving_se(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float):
-        """Standard error of the saving ``f(0) − f(R)`` (from :attr:`c_ar_se` and
-        :attr:`c_a2a_se`)."""
-        r = np.asarray(num_hot, dtype=np.float64)
-        a2a = accesses * np.asarray(rho) * self.c_a2a_se
-        return np.sqrt(a2a * a2a + (r * self.c_ar_se) ** 2)
+    def saving_se(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float) -> Any:
+        """Standard error of the saving ``f(0) − f(R)``
+        (:meth:`trainer.store.CostCoefficients.saving_se`)."""
+        return self.coefficients().saving_se(num_hot, rho, accesses)
 
 
 @dataclass(frozen=True)
@@ -462,22 +464,11 @@ def choose_num_hot(
 ) -> HotPlan:
     """The R in ``[0, len(candidates)]`` minimising ``f(R)`` (the smallest on ties), among R = 0
     and the R whose saving ``f(0) − f(R)`` exceeds ``confidence`` standard errors of it
-    (``confidence=0``: the plain minimum)."""
-    if not (isinstance(confidence, int | float) and 0 <= confidence < float("inf")):
-        msg = f"`confidence` must be a finite number of standard errors >= 0, got {confidence!r}"
-        raise RecpipeError(msg)
-    rho = candidates.rho()
-    accesses = candidates.accesses_per_step
-    sizes = np.arange(rho.size)
-    cost = fit.cost(sizes, rho, accesses)
-    sure = cost[0] - cost - confidence * fit.saving_se(sizes, rho, accesses) > 0
-    sure[0] = True
-    best = int(np.flatnonzero(sure)[np.argmin(cost[sure])])
-    return HotPlan(
-        num_hot=best,
-        rho=float(rho[best]),
-        cost=float(cost[best]),
-        cost_no_hot=float(cost[0]),
-        accesses_per_batch=float(accesses),
+    (``confidence=0``: the plain minimum): the store's choice
+    (:func:`trainer.store.hotset.choose_on_curve`) on the candidates' curve."""
+    return choose_on_curve(
+        candidates.rho(),
+        accesses_per_batch=candidates.accesses_per_step,
         coefficients=fit.coefficients(),
+        confidence=confidence,
     )

@@ -1,24 +1,30 @@
 """The hot set (HypeReca): rows replicated on the training device, chosen by a cost model.
 
 :class:`HotSet` holds the hot rows (a device tensor, with their optimizer state) and the access
-counts that choose them; :func:`choose_hot_rows` picks R from rho(R) and measured costs.
+counts that choose them.
 
 Hot rows are replicated on every accelerator and their gradients all-reduced each step, a cost
 that grows with R; every other row is fetched through the all-to-all/host path, a cost per id
 access. With N id accesses per batch and rho(R) the share of accesses covered by the R most
 frequent ids (HypeReca Algorithm 1), the per-step cost is::
 
-    f(R) = R * C_ar + N * (1 - rho(R)) * C_a2a
+    f(R) = [R > 0] * A_ar + R * C_ar + N * (1 - rho(R)) * C_a2a
 
-rho is concave (sorted frequencies), so f is convex and a ternary search over integers finds its
-minimum, bounded above by the device memory budget.
+One curve and one choice serve every engine: :func:`rho_curve` (the store's counts of its rows,
+or the ranks' top (table, id) pairs with the total of every access) and :func:`choose_on_curve`
+(the smallest-cost R up to a budget, exhaustively: ``A_ar`` makes f non-convex at 0, and
+evaluating f at every R is one vectorised pass). The coefficients come from
+:func:`measure_costs` (one process's micro-benchmark, or collectives where torch.distributed is
+set up) or from a fit on a job's own process group (:mod:`trainer.distributed.costs`, which adds
+``A_ar`` and the coefficients' standard errors: a saving the fit cannot tell from noise is not
+taken, ``confidence``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +43,7 @@ __all__ = [
     "HotPlan",
     "HotSet",
     "choose_hot_rows",
+    "choose_on_curve",
     "measure_costs",
     "rho_curve",
 ]
@@ -44,16 +51,46 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CostCoefficients:
-    """Seconds per hot row per step (``c_ar``) and per cold id access (``c_a2a``)."""
+    """The cost model's coefficients (see the module docstring).
+
+    Attributes:
+        c_ar: seconds per hot row per step.
+        c_a2a: seconds a cold id access costs more than a hot one.
+        source: where they come from (measured, fitted).
+        a_ar: seconds per all-reduce call, paid when R > 0.
+        c_ar_se, c_a2a_se: standard errors of ``c_ar`` and ``c_a2a`` (0: taken as exact).
+    """
 
     c_ar: float
     c_a2a: float
     source: str = "measured"
+    a_ar: float = 0.0
+    c_ar_se: float = 0.0
+    c_a2a_se: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.c_ar > 0 and self.c_a2a > 0):
             msg = f"cost coefficients must be > 0, got c_ar={self.c_ar!r}, c_a2a={self.c_a2a!r}"
             raise StoreError(msg)
+        if not (self.a_ar >= 0 and self.c_ar_se >= 0 and self.c_a2a_se >= 0):
+            msg = (
+                f"`a_ar` and the standard errors must be >= 0, got a_ar={self.a_ar!r}, "
+                f"c_ar_se={self.c_ar_se!r}, c_a2a_se={self.c_a2a_se!r}"
+            )
+            raise StoreError(msg)
+
+    def cost(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float) -> Any:
+        """``f(R)`` per step at ``num_hot`` R and its ``rho`` with ``accesses`` N per step."""
+        r = np.asarray(num_hot, dtype=np.float64)
+        hot = np.where(r > 0, self.a_ar + r * self.c_ar, 0.0)
+        return hot + accesses * (1.0 - np.asarray(rho)) * self.c_a2a
+
+    def saving_se(self, num_hot: np.ndarray | int, rho: np.ndarray | float, accesses: float) -> Any:
+        """Standard error of the saving ``f(0) − f(R)`` (from ``c_ar_se`` and ``c_a2a_se``,
+        taken as independent)."""
+        r = np.asarray(num_hot, dtype=np.float64)
+        a2a = accesses * np.asarray(rho) * self.c_a2a_se
+        return np.sqrt(a2a * a2a + (r * self.c_ar_se) ** 2)
 
 
 @dataclass(frozen=True)
@@ -68,19 +105,67 @@ class HotPlan:
     coefficients: CostCoefficients
 
 
-def rho_curve(counts: np.ndarray) -> np.ndarray:
+def rho_curve(counts: np.ndarray, *, total: int | None = None) -> np.ndarray:
     """``curve[R]`` = share of accesses covered by the R most frequent ids (``curve[0] = 0``).
 
     Args:
-        counts: access count per row (int [rows]).
+        counts: access counts (int [n], any order): every row's, or only the most accessed
+            ones' (the ranks' candidates) with ``total``.
+        total: accesses of every id counted (``None``: the sum of ``counts``).
     """
     counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
+    total = int(counts.sum()) if total is None else int(total)
     curve = np.zeros(counts.size + 1, dtype=np.float64)
     if total:
         ordered = np.sort(counts)[::-1]
         curve[1:] = np.cumsum(ordered) / total
     return curve
+
+
+def choose_on_curve(
+    rho: np.ndarray,
+    *,
+    accesses_per_batch: float,
+    coefficients: CostCoefficients,
+    max_rows: int | None = None,
+    confidence: float = 0.0,
+) -> HotPlan:
+    """The R in ``[0, min(max_rows, len(rho) - 1)]`` minimising ``f(R)`` (the smallest on
+    ties), among R = 0 and the R whose saving ``f(0) − f(R)`` exceeds ``confidence`` standard
+    errors of it (:meth:`CostCoefficients.saving_se`; ``0``: the plain minimum).
+
+    Args:
+        rho: :func:`rho_curve`.
+        accesses_per_batch: N, the mean id accesses per batch (step).
+        coefficients: the cost model's.
+        max_rows: the memory budget in rows (``None``: every R of the curve).
+        confidence: standard errors a hot set's saving must exceed.
+    """
+    if max_rows is not None and max_rows < 0:
+        raise StoreError(f"`max_rows` must be >= 0, got {max_rows!r}")
+    if not (isinstance(confidence, int | float) and 0 <= confidence < float("inf")):
+        msg = f"`confidence` must be a finite number of standard errors >= 0, got {confidence!r}"
+        raise StoreError(msg)
+    rho = np.asarray(rho, dtype=np.float64)
+    if max_rows is not None:
+        rho = rho[: max_rows + 1]
+    sizes = np.arange(rho.size)
+    cost = coefficients.cost(sizes, rho, accesses_per_batch)
+    sure = cost[0] - cost > 0
+    if confidence:
+        sure &= (
+            cost[0] - cost - confidence * coefficients.saving_se(sizes, rho, accesses_per_batch) > 0
+        )
+    sure[0] = True
+    best = int(np.flatnonzero(sure)[np.argmin(cost[sure])])
+    return HotPlan(
+        num_hot=best,
+        rho=float(rho[best]),
+        cost=float(cost[best]),
+        cost_no_hot=float(cost[0]),
+        accesses_per_batch=float(accesses_per_batch),
+        coefficients=coefficients,
+    )
 
 
 def choose_hot_rows(
@@ -90,7 +175,8 @@ def choose_hot_rows(
     coefficients: CostCoefficients,
     max_rows: int,
 ) -> HotPlan:
-    """Minimise ``f(R)`` over ``0 <= R <= min(max_rows, rows seen)`` by ternary search.
+    """:func:`choose_on_curve` on the rows' own counts: ``0 <= R <= min(max_rows, rows
+    seen)``.
 
     Args:
         counts: access count per row over the counted batches.
@@ -99,30 +185,13 @@ def choose_hot_rows(
         max_rows: the memory budget in rows.
     """
     if max_rows < 0:
-        msg = f"`max_rows` must be >= 0, got {max_rows!r}"
-        raise StoreError(msg)
-    curve = rho_curve(counts)
-    hi = min(max_rows, int(np.count_nonzero(counts)))
-
-    def cost(r: int) -> float:
-        return r * coefficients.c_ar + accesses_per_batch * (1.0 - curve[r]) * coefficients.c_a2a
-
-    lo = 0
-    while hi - lo > 2:
-        m1 = lo + (hi - lo) // 3
-        m2 = hi - (hi - lo) // 3
-        if cost(m1) <= cost(m2):
-            hi = m2
-        else:
-            lo = m1
-    best = min(range(lo, hi + 1), key=lambda r: (cost(r), r))
-    return HotPlan(
-        num_hot=best,
-        rho=float(curve[best]),
-        cost=cost(best),
-        cost_no_hot=cost(0),
-        accesses_per_batch=float(accesses_per_batch),
+        raise StoreError(f"`max_rows` must be >= 0, got {max_rows!r}")
+    seen = int(np.count_nonzero(counts))
+    return choose_on_curve(
+        rho_curve(counts)[: seen + 1],
+        accesses_per_batch=accesses_per_batch,
         coefficients=coefficients,
+        max_rows=max_rows,
     )
 
 
