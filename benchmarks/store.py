@@ -13,7 +13,13 @@ or loads each kernel on its first call in a process: seconds with an empty cache
 first run), so no first-call cost lands inside a timed section.
 
     python -m benchmarks.store            # defaults of the issue: batches of 4096 x 30 ids
+    python -m benchmarks.store --only checkpoint   # only checkpoint_overhead (and its twins)
     python -m benchmarks.store --help
+
+``--only checkpoint`` runs just the DLRM checkpoint runs (checkpoint_overhead, its CPU-time and
+in-run twins: ``checkpoint_overhead_*`` and ``checkpoint_model``) and merges them into ``--out``;
+the other figures, and the environment they were measured in, stay as they are (these carry
+theirs, and the load average before and after, under ``checkpoint_model``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import RESULTS, alternate, ratio_spread, spread, timing_ratio, write_results
+from benchmarks._common import (
+    RESULTS,
+    alternate,
+    environment,
+    ratio_spread,
+    spread,
+    timing_ratio,
+    write_results,
+)
 from trainer.store import (
     EmbeddingStore,
     IdIndex,
@@ -95,6 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (ours and fbgemm)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON written")
+    p.add_argument(
+        "--only",
+        choices=["checkpoint"],
+        help="checkpoint: only the DLRM checkpoint runs (checkpoint_overhead), merged into --out",
+    )
     return p.parse_args(argv)
 
 
@@ -308,14 +327,17 @@ MODEL_RATIO_MEANS = (
     "torch thread, the data read by the trainer's own loader) for `model_steps` steps with "
     "`--checkpoint-every ckpt_every` / the same run without checkpoints (TrainResult.wall_s: the "
     "training loop, the checkpoints taken inside it included; start-up and the final save "
-    "excluded; no held-out split). A checkpoint = every table's store checkpointed (only rows "
-    "changed since the last one; blocking, sync='full': fsync + atomic commit record) + the "
+    "excluded; no held-out split). A checkpoint = every table's store checkpointed, the stores "
+    "together (each one's writer thread at once: "
+    "trainer.store.checkpoints.checkpoint_stores; only "
+    "rows changed since the last one; blocking, sync='full': fsync + atomic commit record) + the "
     "dense model, optimizers and reader position saved atomically. Runs alternated (the order "
     "rotates each repeat) after one short untimed run of each mode (with a checkpoint: the "
     "writer's kernels are loaded before any timed run); median of the per-repeat ratios, with "
     "their spread and the process-CPU-time ratio of the same runs (whole train() call). "
     "checkpoint_overhead_in_run: 1 + the seconds the stores spent checkpointing inside the loop "
-    "(checkpoints.jsonl) / the rest of the same run's loop; it has none of the run-to-run noise, "
+    "(checkpoints.jsonl: each step's commits from the first start to the last end) / the rest of "
+    "the same run's loop; it has none of the run-to-run noise, "
     "but leaves out the dense state's save and any slowdown after a checkpoint."
 )
 
@@ -331,6 +353,18 @@ def build_dataset(work: Path, *, requests: int, seed: int) -> Path:
     schema = default_schema()
     build(logs.features, out, events=logs.events, schema=schema, config=BuildConfig())
     return out
+
+
+def _commit_seconds(info: list[dict]) -> float:
+    """Wall seconds the stores' checkpoints of each step took together (they commit at once:
+    from the first one's start to the last one's end), summed over the steps."""
+    by_step: dict[int, list[dict]] = {}
+    for c in info:
+        by_step.setdefault(c["step"], []).append(c)
+    return sum(
+        max(c["time"] for c in cs) - min(c["time"] - c["seconds"] for c in cs)
+        for cs in by_step.values()
+    )
 
 
 def bench_checkpoint_model(args, tmp: Path) -> dict:
@@ -377,7 +411,7 @@ def bench_checkpoint_model(args, tmp: Path) -> dict:
     cpu = ratio_spread([t.cpu_s for t in runs["with"]], [t.cpu_s for t in runs["without"]])
     in_run = []
     for t in runs["with"]:  # the checkpoints inside the loop (the final save is not timed)
-        inside = sum(c["seconds"] for c in t.value["info"] if c["step"] % args.ckpt_every == 0)
+        inside = _commit_seconds([c for c in t.value["info"] if c["step"] % args.ckpt_every == 0])
         in_run.append(t.value["wall"] / (t.value["wall"] - inside))
     info = runs["with"][-1].value["info"]
     by_step: dict[int, list[dict]] = {}  # store checkpoints per training step
@@ -402,7 +436,7 @@ def bench_checkpoint_model(args, tmp: Path) -> dict:
                     "store_checkpoints": len(cs),
                     "rows_written": sum(c["rows_written"] for c in cs),
                     "rows": sum(c["rows"] for c in cs),
-                    "seconds": round(sum(c["seconds"] for c in cs), 4),
+                    "seconds": round(_commit_seconds(cs), 4),  # first start to last end
                 }
                 for step, cs in sorted(by_step.items())
             ],
@@ -749,10 +783,40 @@ def bench_miss_rate(args, rng) -> dict:
     return out
 
 
+def run_checkpoint_only(args: argparse.Namespace) -> dict:
+    """``--only checkpoint``: checkpoint_overhead and its twins, merged into ``args.out`` (its
+    other figures and their ``environment`` stay)."""
+    tmp = Path(tempfile.mkdtemp(prefix="recpipe-store-bench-"))
+    try:
+        t0, before = time.perf_counter(), list(os.getloadavg())
+        got = bench_checkpoint_model(args, tmp)
+        got["checkpoint_model"].update(
+            load_average_before_after=[*before, *os.getloadavg()],
+            wall_s=round(time.perf_counter() - t0, 1),
+            environment=environment(),
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**merged, **got}, indent=1, default=float) + "\n")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    if args.only == "checkpoint":
+        got = run_checkpoint_only(args)
+        ck = got["checkpoint_overhead_spread"]
+        print(
+            f"checkpoint_overhead {got['checkpoint_overhead']:.3f} (wall "
+            f"{ck['wall']['min']:.3f}-{ck['wall']['max']:.3f}; CPU {ck['cpu']['median']:.3f}); "
+            f"in the run {got['checkpoint_overhead_in_run']:.3f}"
+        )
+        print(f"wrote {args.out}")
+        return 0
     rng = np.random.default_rng(args.seed)
     result: dict = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -397,17 +397,12 @@ class LocalEngine:
         path = checkpoint_file(cfg.checkpoint)
         self._check_finite()
         step = self.trainer.step
-        # every store commits this step, then the rest is saved: after a crash in between the
-        # stores are ahead of the state file, and resuming rolls them back (open_store(step=))
-        for store in self.stores:
-            try:
-                store.checkpoint(step)
-            except OSError as exc:
-                msg = (
-                    f"{store.root}: cannot write the embedding store's checkpoint of step "
-                    f"{step}: {exc.strerror or exc}; the previous checkpoint is kept"
-                )
-                raise RecpipeError(msg) from None
+        # every store commits this step (all at once), then the rest is saved: after a crash in
+        # between the stores are ahead of the state file, and resuming rolls them back
+        if self.stores:
+            from trainer.store.checkpoints import checkpoint_stores
+
+            checkpoint_stores(self.stores, step)
         layout = {"kind": "local", "world_size": 1, "store": cfg.store}
         save_checkpoint({"trainer": self.trainer.state_dict(), "layout": layout, **state}, path)
         return path

@@ -17,8 +17,9 @@ or Adam at the exchange's step count: ``store.update(step=)``). The hot replica 
 store is refreshed when the row leaves the hot set and before every checkpoint.
 
 Checkpoints (collective, :func:`save_store_checkpoint`): every rank writes its owned hot rows
-into its stores and each store commits the step (only the rows changed since its last commit),
-then :func:`trainer.distributed.checkpoint.save_parts` writes the rank headers and rank 0
+into its stores and its stores commit the step together (only the rows changed since each one's
+last commit; their writer threads write and fsync at once), then
+:func:`trainer.distributed.checkpoint.save_parts` writes the rank headers and rank 0
 ``checkpoint.pt`` last. A crash before that leaves stores one commit ahead of ``checkpoint.pt``;
 a resume reopens them at its step (``open_store(step=)`` rolls back one commit).
 
@@ -49,6 +50,7 @@ from trainer.distributed import _kernels as K
 from trainer.distributed.shard import SparseOptimizer, owner_of
 from trainer.modules import TableConfig, TableFactory, table_seed
 from trainer.store import init_rows
+from trainer.store.checkpoints import checkpoint_stores
 from trainer.store.config import StoreConfig, store_optimizer
 from trainer.store.persist import (
     CommitRecord,
@@ -306,22 +308,17 @@ def _store_shards(sparse: ShardedEmbeddings) -> list[StoreShard]:
 
 def commit_stores(sparse: ShardedEmbeddings, step: int) -> None:
     """Write the owned hot rows into their stores and commit every store at ``step`` (this
-    rank's part of a checkpoint)."""
+    rank's part of a checkpoint), the stores all at once
+    (:func:`~trainer.store.checkpoints.checkpoint_stores`)."""
     rank, world = sparse.comm.rank, sparse.comm.world_size
-    for table, shard in zip(sparse.tables, _store_shards(sparse), strict=True):
+    shards = _store_shards(sparse)
+    for table, shard in zip(sparse.tables, shards, strict=True):
         mine = owner_of(table.hot_ids, world) == rank
         if mine.any():
             idx = torch.from_numpy(np.flatnonzero(mine))
             state = None if table.hot_state is None else table.hot_state[idx]
             shard.write(table.hot_ids[mine], table.hot_values[idx], state)
-        try:
-            shard.store.checkpoint(step)
-        except OSError as exc:
-            msg = (
-                f"{shard.store.root}: cannot write the embedding store's checkpoint of step "
-                f"{step}: {exc.strerror or exc}; the previous checkpoint is kept"
-            )
-            raise RecpipeError(msg) from None
+    checkpoint_stores([shard.store for shard in shards], step)
 
 
 def save_store_checkpoint(
