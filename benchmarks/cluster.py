@@ -875,6 +875,9 @@ def _esd(args: argparse.Namespace, dataset: Path, work: Path) -> dict[str, Any]:
             "link_measured_mbit": link,
             "topology": topology,
             "cases": {n: " ".join(f) for n, f in ESD_CASES.items()},
+            # the homes `recpipe train --dispatch` gives the cost model (DispatchConfig.homes):
+            # each row's owner rank, whose link a pull or push crosses too
+            "cost_model_homes": "ranks",
             "common_flags": common,
             "samples_per_s": {
                 n: spread([j["samples_per_s"] for j in js]) for n, js in runs.items()

@@ -135,5 +135,6 @@ def test_tiny_train_parts_update_only_their_figures(tmp_path, no_namespace_left)
     )
     assert len(results["dmt_auc_delta"]["by_seed"]["values"]) == 1
     assert results["esd"]["rates_mbit"] == [500.0, 500.0, 50.0, 50.0]
+    assert results["esd"]["cost_model_homes"] == "ranks"  # the trainer's caches: owner homes
     assert "dmt_auc_delta" not in results["not_measured"]
     assert "hypereca_chosen_vs_best" in results["not_measured"]
