@@ -61,6 +61,7 @@ from trainer.distributed.shard import (
 )
 from trainer.idplan import plan_batch
 from trainer.modules import IdPlan, PlannedBatch, PoolingMode, TableConfig, dedup_batch, table_ids
+from trainer.store.hotset import rho_curve
 
 if TYPE_CHECKING:
     from recpipe.batch import Batch
@@ -330,10 +331,7 @@ class HotCandidates:
 
     def rho(self) -> np.ndarray:
         """``rho[R]``: share of accesses the top R pairs serve (``rho[0] = 0``)."""
-        curve = np.zeros(self.counts.size + 1, dtype=np.float64)
-        if self.total:
-            curve[1:] = np.cumsum(self.counts) / self.total
-        return curve
+        return rho_curve(self.counts, total=self.total)
 
 
 def _empty_state(shard: RowShard) -> torch.Tensor | None:
