@@ -243,8 +243,9 @@ def _dispatch_cut(args: argparse.Namespace) -> Any:
     from schemas import load_schema
 
     schema = dataset_schema(args.dataset) if args.schema is None else load_schema(args.schema)
+    # the rank clients' caches keep each row's home on its owner rank, as `recpipe train` does
     return rank_cut(args.dispatch, schema=schema, alpha=args.alpha, cache_rows=args.cache_rows,
-                    bandwidths=args.bandwidths)  # fmt: skip
+                    bandwidths=args.bandwidths, homes="ranks")  # fmt: skip
 
 
 def read_token(*, token: str | None, token_file: Path | None) -> str | None:

@@ -313,6 +313,8 @@ class RankEngine:
         model = model_config(self.config)
         if opts.dispatch != "contiguous" and model.hash_ids:  # the rows the tables hold
             extra["id_modulus"] = model.num_embeddings
+        if opts.dispatch != "contiguous":  # a row's home is its owner rank (owner_of)
+            extra["homes"] = "ranks"
         cut = rank_cut(opts.dispatch, schema=self.schema, alpha=opts.alpha,
                        bandwidths=opts.bandwidths, **extra)  # fmt: skip
         if opts.dispatch == "contiguous" or self.config.workers:
