@@ -307,7 +307,10 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
         vs_contiguous[rate] = {
             "saved_step_transfer_s": gain,
             "dispatch_s_per_step": per_step_s,
-            "dispatch_vs_saved": per_step_s / gain if gain > 0 else float("inf"),
+            # dispatched once per global batch (one rank, for all): a rank's share of it
+            "dispatch_vs_saved": per_step_s / replay.world / gain if gain > 0 else float("inf"),
+            # every rank dispatching the whole global batch itself (the per-rank cut)
+            "per_rank_cut_vs_saved": per_step_s / gain if gain > 0 else float("inf"),
             "step_transfer_s": {
                 n: r["step_transfer_s"]
                 for n, r in runs_at.items()
@@ -345,6 +348,8 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
         "saved_step_transfer_s": saved,
         "dispatch_vs_saved": vs_contiguous["model"]["dispatch_vs_saved"],
         "dispatch_vs_saved_10gbit": vs_contiguous["10gbit"]["dispatch_vs_saved"],
+        "per_rank_cut_vs_saved": vs_contiguous["model"]["per_rank_cut_vs_saved"],
+        "per_rank_cut_vs_saved_10gbit": vs_contiguous["10gbit"]["per_rank_cut_vs_saved"],
         "vs_contiguous": vs_contiguous,
         # the same per-step dispatch time against what esd saves over random (as reported
         # before the contiguous baseline): placement only, its CPU time, and with preparing
@@ -376,12 +381,20 @@ def train_rates(
     fast = max(min(round(ranks * args.fast_ranks / args.ranks), ranks), 0)  # the same share
     bandwidths = [args.bandwidth * args.fast_factor] * fast + [args.bandwidth] * (ranks - fast)
     row_bytes = 4 * (args.dim + 1)
-    rates: dict[str, list[float]] = {"esd": [], "random": []}
-    costs: dict[str, list[dict[str, float]]] = {"esd": [], "random": []}
+    here = Path(__file__).resolve().parents[1]
+    trees = {"": here}  # a case "esd" runs this tree, "esd_baseline" --baseline-tree
+    if args.baseline_tree is not None:
+        trees["_baseline"] = args.baseline_tree.resolve()
+    cases = [p + t for t in trees for p in ("esd", "random")]
+    rates: dict[str, list[float]] = {c: [] for c in cases}
+    costs: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
 
-    def case(policy: str) -> Any:
+    def case(name: str) -> Any:
+        policy, _, tree = name.partition("_")
+        tree = f"_{tree}" if tree else ""
+
         def call() -> None:
-            out = work / f"train-{policy}-{len(rates[policy])}.json"
+            out = work / f"train-{name}-{len(rates[name])}.json"
             argv = [
                 sys.executable, "-m", "recpipe_cli", "train", str(dataset), "--quiet",
                 "--nproc", str(ranks), "--batch-size", str(args.micro_batch),
@@ -390,12 +403,13 @@ def train_rates(
                 "--bandwidths", ",".join(f"{b:g}" for b in bandwidths),
                 "--embedding-dim", str(args.dim), "--seed", str(args.seed), "--json", str(out),
             ]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(trees[tree])}
+            done = subprocess.run(argv, capture_output=True, text=True, env=env,
+                                  cwd=trees[tree], timeout=3600)  # fmt: skip
             if done.returncode != 0:
                 sys.exit(f"recpipe train --dispatch {policy} failed:\n{done.stderr[-4000:]}")
             doc = json.loads(out.read_text())
-            rates[policy].append(float(doc["samples_per_s"]))
+            rates[name].append(float(doc["samples_per_s"]))
             per_rank = doc["distributed"]["cache_per_rank"]
             link = {
                 kind: sum(
@@ -404,17 +418,31 @@ def train_rates(
                 for kind in ("pulls", "pushes", "evict_pushes")
             }
             reads = sum(r["reads"] for r in per_rank)
-            costs[policy].append({
+            costs[name].append({
                 **link, "cost": link["pulls"] + link["pushes"],
                 "hit_rate": 1.0 - sum(r["pulls"] for r in per_rank) / max(reads, 1),
+                "train_loss": doc["train_loss"], "final_step_loss": doc["final_step_loss"],
             })  # fmt: skip
 
         return call
 
-    alternate({p: case(p) for p in rates}, repeats=args.train_repeats, warmup=False)
+    alternate({c: case(c) for c in cases}, repeats=args.train_repeats, warmup=False)
     # the caches' transfers depend on the placements only: the same in every repeat
     cost = {p: costs[p][0] for p in costs}
+    baseline = {}
+    if len(trees) > 1:  # this tree against --baseline-tree, same runs
+        baseline = {
+            "baseline_tree": str(trees["_baseline"]),
+            "samples_per_s_vs_baseline": {
+                p: statistics.median(rates[p]) / statistics.median(rates[f"{p}_baseline"])
+                for p in ("esd", "random")
+            },
+            "same_transfers_and_losses_as_baseline": {
+                p: cost[p] == cost[f"{p}_baseline"] for p in ("esd", "random")
+            },
+        }
     return {
+        **baseline,
         "ranks": ranks,
         "steps": args.train_steps,
         "cache_rows": cache_rows,
@@ -434,6 +462,7 @@ def train_rates(
 # argv = dataset, policy, ranks, micro-batch, steps, repeats, cache rows, bandwidths
 _READ_RATE = """
 import json, sys, time
+import numpy as np
 from readers.dataset import dataset_schema
 from readers.dispatch.cut import rank_cut
 from readers.ranks import RankBatchDataset
@@ -442,17 +471,41 @@ root, policy = sys.argv[1], sys.argv[2]
 ranks, batch, steps, repeats, cache = (int(v) for v in sys.argv[3:8])
 bandwidths = tuple(float(b) for b in sys.argv[8].split(","))
 schema = dataset_schema(root)
-def once(count):
+policy, _, role = policy.partition("@")  # esd@source / esd@other: dispatched once
+def cut_for():
     options = {} if policy == "contiguous" else {"cache_rows": (cache,), "bandwidths": bandwidths}
-    cut = rank_cut(policy, schema=schema, alpha=1.0, **options)
-    ds = RankBatchDataset(root, schema=schema, config=ReaderConfig(batch_size=batch), rank=0,
-                          world_size=ranks, cut=cut)
+    return rank_cut(policy, schema=schema, alpha=1.0, **options)
+def reader(cut, rank):
+    return RankBatchDataset(root, schema=schema, config=ReaderConfig(batch_size=batch),
+                            rank=rank, world_size=ranks, cut=cut)
+recorded = []
+if role:
+    from readers.dispatch.cut import DispatchOnceCut
+    def record(payload):
+        recorded.append(payload.copy())
+        return payload
+    # the placements rank 0 would broadcast (not timed): rank 1 receives them in order
+    if role == "other":
+        for _, _ in zip(range(steps), reader(DispatchOnceCut(cut_for(), rank=0, world_size=ranks, share=record), 0)):
+            pass
+def once(count):
+    if role == "source":  # rank 0: dispatches every global batch (its thread) for all ranks
+        cut, rank = DispatchOnceCut(cut_for(), rank=0, world_size=ranks, share=lambda p: p), 0
+    elif role == "other":  # rank 1: receives the placement, takes and converts its rows
+        feed = iter(recorded)
+        cut, rank = DispatchOnceCut(cut_for(), rank=1, world_size=ranks, share=lambda p: next(feed)), 1
+    else:
+        cut, rank = cut_for(), 0
+    ds = reader(cut, rank)
     wall, cpu, n = time.perf_counter(), time.process_time(), 0
     for _ in ds:
         n += 1
         if n == count:
             break
-    return n * batch / (time.perf_counter() - wall), (time.process_time() - cpu) / n
+    out = n * batch / (time.perf_counter() - wall), (time.process_time() - cpu) / n
+    if role:
+        cut.close()
+    return out
 once(min(steps, 3))  # compiles the kernels, warms the page cache
 print(json.dumps([once(steps) for _ in range(repeats)]))
 """
@@ -473,12 +526,15 @@ def read_rates(dataset: Path, args: argparse.Namespace, *, cache_rows: int) -> d
         trees["baseline"] = args.baseline_tree.resolve()
     bandwidth = [args.bandwidth * args.fast_factor] * args.fast_ranks
     bandwidth += [args.bandwidth] * (args.ranks - args.fast_ranks)
-    policies = ("contiguous", "esd", "random")
-    rates: dict[str, dict[str, list[float]]] = {t: {p: [] for p in policies} for t in trees}
-    cpu: dict[str, dict[str, list[float]]] = {t: {p: [] for p in policies} for t in trees}
+    plain = ("contiguous", "esd", "random")
+    once = ("esd@source", "esd@other")  # dispatched once: rank 0 for all, and rank 1
+    policies = {t: plain + (once if t == "current" else ()) for t in trees}
+    rates = {t: {p: [] for p in policies[t]} for t in trees}
+    cpu: dict[str, dict[str, list[float]]] = {t: {p: [] for p in policies[t]} for t in trees}
     for r in range(args.read_repeats):
         for tree in list(trees)[r % len(trees) :] + list(trees)[: r % len(trees)]:
-            for policy in policies[r % 3 :] + policies[: r % 3]:
+            mine = policies[tree]
+            for policy in mine[r % len(mine) :] + mine[: r % len(mine)]:
                 argv = [sys.executable, "-c", _READ_RATE, str(dataset), policy, str(args.ranks),
                         str(args.micro_batch), str(args.read_steps), "1", str(cache_rows),
                         ",".join(f"{b:g}" for b in bandwidth)]  # fmt: skip
@@ -504,6 +560,12 @@ def read_rates(dataset: Path, args: argparse.Namespace, *, cache_rows: int) -> d
             "dispatch_overhead_ms_per_step": statistics.median(cpu[tree]["esd"])
             - statistics.median(cpu[tree]["contiguous"]),
         }
+        if "esd@source" in cpu[tree]:  # dispatched once: what each rank adds to the cut's
+            base = statistics.median(cpu[tree]["contiguous"])
+            out[tree]["once_overhead_ms_per_step"] = {
+                role: statistics.median(cpu[tree][f"esd@{role}"]) - base
+                for role in ("source", "other")
+            }
     if "baseline" in trees:
         out["esd_samples_per_s_vs_baseline"] = statistics.median(
             rates["current"]["esd"]
@@ -528,7 +590,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cache_rows = head["dataset"]["cache_rows"]
         training = train_rates(next(iter(datasets.values())), args, work, cache_rows=cache_rows)
     figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
-               "dispatch_vs_saved", "dispatch_vs_saved_10gbit")  # fmt: skip
+               "dispatch_vs_saved", "dispatch_vs_saved_10gbit", "per_rank_cut_vs_saved",
+               "per_rank_cut_vs_saved_10gbit")  # fmt: skip
     return {
         "setting": {
             "ranks": args.ranks,

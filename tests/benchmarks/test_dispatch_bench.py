@@ -61,9 +61,13 @@ def test_tiny_run_writes_results(tmp_path):
         times = vs["step_transfer_s"]
         assert vs["saved_step_transfer_s"] == times["contiguous"] - times["esd_alpha1"]
     assert res["dispatch_vs_saved_10gbit"] > res["dispatch_vs_saved"]  # faster links save less
+    for figure in ("dispatch_vs_saved", "dispatch_vs_saved_10gbit"):  # once: a rank's share
+        every_rank = results[figure.replace("dispatch", "per_rank_cut")]
+        assert every_rank == pytest.approx(results[figure] * 4)
     reading = results["reading"]
-    for policy in ("contiguous", "esd", "random"):
+    for policy in ("contiguous", "esd", "random", "esd@source", "esd@other"):
         assert reading["current"]["samples_per_s"][policy]["median"] > 0
+    assert set(reading["current"]["once_overhead_ms_per_step"]) == {"source", "other"}
     training = results["training"]
     assert (training["ranks"], training["steps"]) == (2, 2)
     assert all(training["samples_per_s"][p]["median"] > 0 for p in ("esd", "random"))
