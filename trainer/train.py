@@ -45,11 +45,12 @@ from trainer.config import (
     TrainConfig,
 )
 from trainer.exact import ExactDense, global_batch_norms
+from trainer.idplan import plan_batch
 from trainer.metrics import (
     auc,
 )
 from trainer.models import DLRM
-from trainer.modules import ParameterTable, table_seed
+from trainer.modules import ParameterTable, PlannedTable, dedup_batch, table_seed
 from trainer.optim import RowwiseAdagrad
 from trainer.runlog import (
     EvalResult,
@@ -172,7 +173,10 @@ class Trainer:
             float32 autograd, faster).
 
     Table modules with an ``optimizer_step()`` method (store-backed tables, which are not
-    ``nn.Parameter`` s) are stepped after the torch optimizers.
+    ``nn.Parameter`` s) are stepped after the torch optimizers. When the tables read id plans
+    (:class:`~trainer.modules.PlannedTable`: the store's tables), each batch is planned once
+    (:func:`trainer.idplan.plan_batch`, as the model deduplicates it) when it reaches the
+    device, and the model runs on the batch with its plan.
     """
 
     def __init__(
@@ -192,12 +196,23 @@ class Trainer:
             self.exact = ExactDense(self.model)
         self.optimizers = make_optimizers(self.model, optimizer, lr=lr)
         self._extra_steps = [m for m in self.model.modules() if hasattr(m, "optimizer_step")]
+        self._planned = [m.config for m in self.model.modules() if isinstance(m, PlannedTable)]
         self.step = 0
+
+    def _plan(self, batch: Batch) -> Batch:
+        """``batch`` with its id plan when the tables read plans."""
+        if not self._planned:
+            return batch
+        groups = getattr(self.model, "dedup_groups", ())
+        partial = getattr(self.model, "dedup_partial", ())
+        if groups or partial:  # the lookups the model's collections make
+            batch = dedup_batch(batch, groups, partial)
+        return plan_batch(batch, self._planned)  # the store locates rows on the CPU
 
     def train_step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on ``batch``; returns the (detached) loss and logits."""
         self.model.train()
-        batch = batch.to(self.device, non_blocking=True)
+        batch = self._plan(batch.to(self.device, non_blocking=True))
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         logits = self.model(batch)
@@ -220,7 +235,10 @@ class Trainer:
     def evaluate(self, batches: Iterable[Batch], *, max_batches: int | None = None) -> EvalResult:
         """Loss and AUC over ``batches`` (at most ``max_batches``)."""
         self.model.eval()
-        return evaluate_batches(self.model, batches, device=self.device, max_batches=max_batches)
+        return evaluate_batches(
+            lambda batch: self.model(self._plan(batch)),
+            batches, device=self.device, max_batches=max_batches,
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizers and step."""

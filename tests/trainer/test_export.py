@@ -173,8 +173,7 @@ def _rank_logits(ck: Path, config, state):
     out = []
     with torch.no_grad():
         for batch in part_dataset(config, part="heldout", batch_size=config.batch_size):
-            trainer.sparse.prepare(batch, train=False)
-            out.append(trainer.module(batch).float())
+            out.append(trainer.module(trainer.sparse.prepare(batch, train=False)).float())
     return np.concatenate([o.numpy() for o in out])
 
 

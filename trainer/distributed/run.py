@@ -352,8 +352,7 @@ class RankEngine:
         trainer.module.eval()
 
         def logits_of(batch: Batch) -> torch.Tensor:
-            trainer.sparse.prepare(batch, train=False)
-            return trainer.module(batch)
+            return trainer.module(trainer.sparse.prepare(batch, train=False))
 
         return evaluate_batches(logits_of, batches, device=self.device, max_batches=max_batches)
 

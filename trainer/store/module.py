@@ -110,15 +110,20 @@ class StoreEmbeddingBag(nn.Module):
         if loc.inverse.numel() != ids.numel():
             msg = f"`locations` cover {loc.inverse.numel()} ids, `ids` has {ids.numel()}"
             raise StoreError(msg)
+        pooled = self.pool(loc, offsets)  # (U, D)
+        if inverse_lookup is None:
+            return pooled
+        return pooled.index_select(0, inverse_lookup.to(self.store.device))  # (B, D)
+
+    def pool(self, loc: Locations, offsets: torch.Tensor) -> torch.Tensor:
+        """The ``[U, D]`` bags (``offsets`` [U + 1]) of the ids whose rows ``loc`` locates
+        (``loc.inverse``: each id's row among the prefetched ones, e.g. one feature's ids among
+        the distinct ids of a batch's table, :class:`trainer.store.table.StoreTable`)."""
         dev = self.store.device
         if dev.type == "cpu":
             offsets = offsets.to("cpu", torch.int64).contiguous()
-            pooled = _StorePool.apply(self._anchor, self.store, loc, offsets, self.mode == "mean")
-        else:
-            rows = _StoreLookup.apply(self._anchor, self.store, loc)  # (Uid, D) unique ids
-            pooled = F.embedding_bag(
-                loc.inverse.to(dev), rows, offsets.to(dev), mode=self.mode, include_last_offset=True
-            )  # (U, D)
-        if inverse_lookup is None:
-            return pooled
-        return pooled.index_select(0, inverse_lookup.to(dev))  # (B, D)
+            return _StorePool.apply(self._anchor, self.store, loc, offsets, self.mode == "mean")
+        rows = _StoreLookup.apply(self._anchor, self.store, loc)  # (Uid, D) unique ids
+        return F.embedding_bag(
+            loc.inverse.to(dev), rows, offsets.to(dev), mode=self.mode, include_last_offset=True
+        )  # (U, D)

@@ -7,6 +7,7 @@ an :class:`~trainer.store.EmbeddingStore` instead of a parameter; :meth:`StoreTa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -17,12 +18,12 @@ from torch import nn
 
 from recpipe.errors import StoreError
 from trainer.modules import table_ids
-from trainer.store.config import StoreConfig, store_optimizer
+from trainer.store.config import Locations, StoreConfig, store_optimizer
 from trainer.store.module import StoreEmbeddingBag
 from trainer.store.store import EmbeddingStore, open_store
 
 if TYPE_CHECKING:
-    from trainer.modules import PoolingMode, TableConfig
+    from trainer.modules import IdPlan, PoolingMode, TableConfig
 
 __all__ = ["StoreTable"]
 
@@ -36,6 +37,19 @@ class StoreTable(nn.Module):
     pushed to the store in backward and applied by :meth:`optimizer_step` (``store.update()``),
     which :class:`trainer.train.Trainer` calls after the torch optimizers.
 
+    It reads id plans (:class:`~trainer.modules.PlannedTable`): the first lookup of a plan
+    prefetches the table's distinct ids (``plan.ids``) once, and every feature pools its ids
+    at their positions among them::
+
+        plan    ids [7 3 9]     item_id positions [0 1 0]   liked positions [1 2]
+        store   prefetch([7 3 9]) -> rows r7 r3 r9 (loc.inverse [0 1 2])
+        item_id loc.inverse[[0 1 0]] -> r7 r3 r7      liked loc.inverse[[1 2]] -> r3 r9
+
+    Each feature's backward pushes a ``[U, D]`` gradient over the table's U rows, zero where
+    the feature reads none (the store sums a step's pushes per row), so the rows train as
+    with a prefetch per feature; the store's hot-set counts see each row once per table and
+    step (as a rank's exchange counts them).
+
     Args:
         config: the table (``num_embeddings`` only sets the init scale).
         store: the store holding its rows.
@@ -46,6 +60,7 @@ class StoreTable(nn.Module):
         self.config = config
         self.store = store
         self.bags = nn.ModuleDict({m: StoreEmbeddingBag(store, mode=m) for m in ("sum", "mean")})
+        self._plan: tuple[int, int, Locations] | None = None  # last plan: serial, table, rows
 
     @classmethod
     def create(
@@ -117,6 +132,34 @@ class StoreTable(nn.Module):
         """``[n, D]`` rows (bags of one id each)."""
         offsets = torch.arange(ids.numel() + 1, device=ids.device)
         return self.bags["sum"](table_ids(self.config, ids), offsets)
+
+    def pool_planned(
+        self, plan: IdPlan, feature: str, offsets: torch.Tensor, *, mode: PoolingMode
+    ) -> torch.Tensor:
+        """Pooled ``[R, D]`` bags of ``feature``'s ids, at their positions in ``plan``."""
+        return self.bags[mode].pool(self._locations(plan, feature), offsets)
+
+    def rows_planned(self, plan: IdPlan, feature: str) -> torch.Tensor:
+        """``[n, D]`` rows of ``feature``'s ids, at their positions in ``plan``."""
+        loc = self._locations(plan, feature)
+        offsets = torch.arange(loc.inverse.numel() + 1)
+        return self.bags["sum"].pool(loc, offsets)
+
+    def _locations(self, plan: IdPlan, feature: str) -> Locations:
+        """Where ``feature``'s ids live: the plan's prefetch (made at its first lookup), with
+        the feature's positions among the table's distinct ids."""
+        t = plan.table_of[feature]
+        if plan.tables[t] != self.config.name:
+            msg = (
+                f"table {self.config.name!r}: the batch's id plan reads feature {feature!r} "
+                f"from table {plan.tables[t]!r}"
+            )
+            raise StoreError(msg)
+        if self._plan is None or self._plan[:2] != (plan.serial, t):
+            self._plan = (plan.serial, t, self.store.prefetch(plan.ids[t]))
+        loc = self._plan[2]
+        positions = plan.positions[feature].to(loc.inverse.device)
+        return dataclasses.replace(loc, inverse=loc.inverse.index_select(0, positions))
 
     def optimizer_step(self) -> None:
         """Apply the pushed gradients."""

@@ -327,8 +327,7 @@ class TowersEngine:
             trainer.module.eval()
 
             def logits_of(batch: Batch) -> torch.Tensor:
-                trainer.sparse.prepare(batch, train=False)
-                return trainer.module(batch)
+                return trainer.module(trainer.sparse.prepare(batch, train=False))
         else:
             trainer.model.eval()
 
