@@ -194,10 +194,11 @@ def _add_reader_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-rows",
         type=_numbers(int, zero=True),
-        default=(65536,),
+        default=None,
         metavar="ROWS[,ROWS...]",
         help="dispatch: rows of each rank's embedding cache the dispatcher's shadow models, "
-        "comma-separated (one value: every rank); give the trainers' --cache-rows (default 65536)",
+        "comma-separated (one value: every rank); give the trainers' --cache-rows (required "
+        "with esd and laia, which place samples by those caches)",
     )
     parser.add_argument(
         "--bandwidths",
@@ -242,10 +243,18 @@ def _dispatch_cut(args: argparse.Namespace) -> Any:
     from readers.dispatch.cut import rank_cut
     from schemas import load_schema
 
+    if args.cache_rows is None and args.dispatch in ("esd", "laia"):
+        msg = (
+            f"`--dispatch {args.dispatch}` without `--cache-rows`: {args.dispatch} places samples "
+            "by the rows each rank client's embedding cache holds; hint: give the trainers' "
+            "`--cache-rows`, or dispatch without caches (`--dispatch random` or `round-robin`)"
+        )
+        raise DataError(msg)
     schema = dataset_schema(args.dataset) if args.schema is None else load_schema(args.schema)
+    options = {} if args.cache_rows is None else {"cache_rows": args.cache_rows}
     # the rank clients' caches keep each row's home on its owner rank, as `recpipe train` does
-    return rank_cut(args.dispatch, schema=schema, alpha=args.alpha, cache_rows=args.cache_rows,
-                    bandwidths=args.bandwidths, homes="ranks")  # fmt: skip
+    return rank_cut(args.dispatch, schema=schema, alpha=args.alpha, bandwidths=args.bandwidths,
+                    homes="ranks", **options)  # fmt: skip
 
 
 def read_token(*, token: str | None, token_file: Path | None) -> str | None:

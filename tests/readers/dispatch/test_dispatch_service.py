@@ -13,6 +13,7 @@ from readers.ranks import RankBatchDataset
 from readers.service import DatasetProducer, ReaderServer, ServiceConfig
 from readers.service.client import ServiceRankDataset
 from readers.source import ReaderConfig
+from recpipe.errors import DataError
 
 BATCH, SEED, WORLD = 8, 3, 2
 
@@ -71,7 +72,7 @@ def test_serve_options_make_the_cut(dataset):
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())
     args = parser.parse_args(["serve", str(root), "--schema", schema_file, "--dispatch", "laia",
-                              "--alpha", "0.25"])  # fmt: skip
+                              "--alpha", "0.25", "--cache-rows", "64"])  # fmt: skip
     cut = _dispatch_cut(args)
     assert isinstance(cut, DispatchCut)
     assert (cut.config.policy, cut.config.alpha) == ("laia", 0.25)
@@ -91,8 +92,10 @@ def test_serve_prices_the_trainers_caches(dataset, capsys):
         parser.parse_args([*base, "--cache-rows", "512", "--bandwidths", "1e9,1e10"])
     )
     assert (cut.config.cache_rows, cut.config.bandwidths) == ((512,), (1e9, 1e10))
-    cut = _dispatch_cut(parser.parse_args(base))
-    assert (cut.config.cache_rows, cut.config.bandwidths) == ((65536,), (1e9,))
+    with pytest.raises(DataError, match="without `--cache-rows`"):  # no cache priced by default
+        _dispatch_cut(parser.parse_args(base))
+    random = ["serve", str(root), "--schema", schema_file, "--dispatch", "random"]
+    assert _dispatch_cut(parser.parse_args(random)).config.bandwidths == (1e9,)
     for bad in (["--cache-rows", "-1"], ["--cache-rows", "x"], ["--bandwidths", "1e9,-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args([*base, *bad])
