@@ -29,6 +29,8 @@ Figures (written to benchmarks/results/dispatch.json):
                          (no dispatch), at the replay's link rates. Target < 1
   dispatch_vs_saved_10gbit  the same with every link at 10 Gbit/s (esd and contiguous replayed
                          again at that rate)
+  dispatch_vs_saved_cluster_rates  the same at the cluster harness's ESD rates (fast ranks at
+                         100 Mbit/s, the others at 10; esd and contiguous replayed again)
   vs_contiguous          both, with the step transfer times and the seconds saved; `vs_random`:
                          the dispatch time against what esd saves over random dispatch
   reading                per-rank samples/s of a rank reader (readers.ranks.RankBatchDataset, rank
@@ -64,6 +66,8 @@ from benchmarks._common import alternate, spread, write_results
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "dispatch.json"
 KINDS = ("pulls", "pushes", "evict_pushes", "shared")
 TEN_GBIT = 10e9 / 8  # bytes/s
+# the cluster harness's ESD links (`benchmarks/cluster.py --only esd`): 100 and 10 Mbit/s
+CLUSTER_FAST, CLUSTER_SLOW = 100e6 / 8, 10e6 / 8  # bytes/s
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -192,12 +196,13 @@ class Replay:
 
     def run(
         self, policy: str, alpha: float = 1.0, regret: str = "mean", *,
-        bandwidth: float | None = None,
+        bandwidth: float | tuple[float, ...] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Replay every batch from empty caches: link seconds per kind, step times, hits.
 
         ``policy="contiguous"`` replays the undispatched cut (rank r trains on rows
-        ``[r*m, (r+1)*m)``); ``bandwidth`` puts every rank on a link of that many bytes/s.
+        ``[r*m, (r+1)*m)``); ``bandwidth`` puts every rank on a link of that many bytes/s (a
+        tuple: rank by rank).
         """
         from dataclasses import replace
 
@@ -205,7 +210,8 @@ class Replay:
 
         config = self.config("esd" if policy == "contiguous" else policy, alpha, regret)
         if bandwidth is not None:
-            config = replace(config, bandwidths=(bandwidth,))
+            rates = bandwidth if isinstance(bandwidth, tuple) else (bandwidth,)
+            config = replace(config, bandwidths=rates)
         d = Dispatcher(config, world_size=self.world, micro_batch=self.args.micro_batch,
                        tables=self.tables, index=self.index)  # fmt: skip
         d.set_hot(*self.hot_keys)
@@ -301,8 +307,12 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
     per_step_s = (esd_ms + statistics.median(replay.prepare_s) * 1e3) / 1e3
     fast = {name: replay.run(*CASES[name], bandwidth=TEN_GBIT)
             for name in ("esd_alpha1", "contiguous")}  # fmt: skip
+    # the cluster harness's rates: the replay's fast ranks at 100 Mbit/s, the others at 10
+    harness = (CLUSTER_FAST,) * args.fast_ranks + (CLUSTER_SLOW,) * (args.ranks - args.fast_ranks)
+    cluster = {name: replay.run(*CASES[name], bandwidth=harness)
+               for name in ("esd_alpha1", "contiguous")}  # fmt: skip
     vs_contiguous = {}
-    for rate, runs_at in (("model", results), ("10gbit", fast)):
+    for rate, runs_at in (("model", results), ("10gbit", fast), ("cluster", cluster)):
         gain = runs_at["contiguous"]["step_transfer_s"] - runs_at["esd_alpha1"]["step_transfer_s"]
         vs_contiguous[rate] = {
             "saved_step_transfer_s": gain,
@@ -350,6 +360,8 @@ def replay_order(dataset: Path, args: argparse.Namespace, *, label: str) -> dict
         "dispatch_vs_saved_10gbit": vs_contiguous["10gbit"]["dispatch_vs_saved"],
         "per_rank_cut_vs_saved": vs_contiguous["model"]["per_rank_cut_vs_saved"],
         "per_rank_cut_vs_saved_10gbit": vs_contiguous["10gbit"]["per_rank_cut_vs_saved"],
+        "dispatch_vs_saved_cluster_rates": vs_contiguous["cluster"]["dispatch_vs_saved"],
+        "per_rank_cut_vs_saved_cluster_rates": vs_contiguous["cluster"]["per_rank_cut_vs_saved"],
         "vs_contiguous": vs_contiguous,
         # the same per-step dispatch time against what esd saves over random (as reported
         # before the contiguous baseline): placement only, its CPU time, and with preparing
@@ -591,7 +603,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         training = train_rates(next(iter(datasets.values())), args, work, cache_rows=cache_rows)
     figures = ("cost_vs_laia_alpha1", "cost_vs_laia_alpha0", "cost_order_holds",
                "dispatch_vs_saved", "dispatch_vs_saved_10gbit", "per_rank_cut_vs_saved",
-               "per_rank_cut_vs_saved_10gbit")  # fmt: skip
+               "per_rank_cut_vs_saved_10gbit", "dispatch_vs_saved_cluster_rates",
+               "per_rank_cut_vs_saved_cluster_rates")  # fmt: skip
     return {
         "setting": {
             "ranks": args.ranks,

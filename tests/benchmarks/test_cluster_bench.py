@@ -58,6 +58,9 @@ def test_merge_keeps_other_parts_and_names_what_is_missing():
     assert "dmt_auc_delta" not in merged["not_measured"]
     assert "esd_vs_laia_samples_per_s" in merged["not_measured"]
     assert "hypereca_chosen_vs_best" in merged["not_measured"]
+    # measured by another benchmark at this harness's rates: named with where it is
+    assert "dispatch_vs_saved" not in merged["not_measured"]
+    assert "dispatch.json" in merged["measured_elsewhere"]["dispatch_vs_saved"]
     assert bench.merge_results(None, new)["dmt_auc_delta"] == {"median": 0.0}
 
 

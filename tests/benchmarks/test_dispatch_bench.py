@@ -54,14 +54,17 @@ def test_tiny_run_writes_results(tmp_path):
     assert set(res["piece_rows_sweep"]["1"]) == {"esd_alpha1", "laia", "random"}
     assert results["cost"] == {name: res["cost_s"][name]["cost"] for name in CASES}
     assert results["dispatch_ms_alpha1_spread"]["repeats"] == 2
-    for figure in ("dispatch_vs_saved", "dispatch_vs_saved_10gbit"):
+    for figure in ("dispatch_vs_saved", "dispatch_vs_saved_10gbit",
+                   "dispatch_vs_saved_cluster_rates"):  # fmt: skip
         assert results[figure] == res[figure] and results[figure] > 0
-    for rate in ("model", "10gbit"):  # against the contiguous cut, at two link rates
+    for rate in ("model", "10gbit", "cluster"):  # against the contiguous cut, at three rates
         vs = res["vs_contiguous"][rate]
         times = vs["step_transfer_s"]
         assert vs["saved_step_transfer_s"] == times["contiguous"] - times["esd_alpha1"]
     assert res["dispatch_vs_saved_10gbit"] > res["dispatch_vs_saved"]  # faster links save less
-    for figure in ("dispatch_vs_saved", "dispatch_vs_saved_10gbit"):  # once: a rank's share
+    assert res["dispatch_vs_saved_cluster_rates"] < res["dispatch_vs_saved"]  # slower: saves more
+    for figure in ("dispatch_vs_saved", "dispatch_vs_saved_10gbit",
+                   "dispatch_vs_saved_cluster_rates"):  # once: a rank's share  # fmt: skip
         every_rank = results[figure.replace("dispatch", "per_rank_cut")]
         assert every_rank == pytest.approx(results[figure] * 4)
     reading = results["reading"]
