@@ -1079,14 +1079,29 @@ DISPATCH = Table(
             reference="report",
         ),
         Row(
-            "`dispatch_vs_saved` (a rank's dispatch time per step / the step transfer time "
-            "it saves vs the contiguous cut, at the replay's links)",
+            "`dispatch_vs_saved` (dispatched once per global batch: a rank's share of the "
+            "job's dispatch time per step / the step transfer time it saves vs the contiguous "
+            "cut, at the replay's links)",
             "dispatch_vs_saved",
             lambda d: (
                 "{v}"
                 + (
                     f" (every link at 10 Gbit/s: {d['dispatch_vs_saved_10gbit']:.1f})"
                     if "dispatch_vs_saved_10gbit" in d
+                    else ""
+                )
+                + (
+                    f" (at the cluster harness's rates, 100 and 10 Mbit/s: "
+                    f"{d['dispatch_vs_saved_cluster_rates']:.3f})"
+                    if "dispatch_vs_saved_cluster_rates" in d
+                    else ""
+                )
+                + (
+                    f"; the dispatching rank's whole dispatch, on the step's path unless it "
+                    f"overlaps the step (also every rank's before dispatching once): "
+                    f"{d['per_rank_cut_vs_saved']:.2f}, at 10 Gbit/s "
+                    f"{d['per_rank_cut_vs_saved_10gbit']:.1f}"
+                    if "per_rank_cut_vs_saved_10gbit" in d
                     else ""
                 )
             ),
