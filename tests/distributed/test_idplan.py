@@ -48,10 +48,11 @@ def _trainer(dataset, **kwargs):
 def no_search(monkeypatch):
     """Lookups that search the prepared ids (a batch without its plan) fail the test."""
 
-    def search(self, ids):
+    def search(self, ids, *args, **kwargs):
         raise AssertionError(f"table {self.config.name!r} searched its ids: no plan used")
 
-    monkeypatch.setattr(ShardedTable, "_positions", search)
+    monkeypatch.setattr(ShardedTable, "pool", search)
+    monkeypatch.setattr(ShardedTable, "rows", search)
 
 
 @pytest.fixture

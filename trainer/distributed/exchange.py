@@ -60,7 +60,7 @@ from trainer.distributed.shard import (
     unpack_state,
 )
 from trainer.idplan import plan_batch
-from trainer.modules import IdPlan, PlannedBatch, PoolingMode, TableConfig, dedup_batch, table_ids
+from trainer.modules import IdPlan, PlannedBatch, PoolingMode, TableConfig, dedup_batch
 from trainer.store.hotset import rho_curve
 
 if TYPE_CHECKING:
@@ -131,20 +131,19 @@ class _Pool(torch.autograd.Function):
 class _TableBatch:
     """What :meth:`ShardedEmbeddings.prepare` leaves a table for the batch's lookups."""
 
-    __slots__ = ("grad", "plan", "rows", "uniq")
+    __slots__ = ("grad", "plan", "rows")
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.uniq: np.ndarray | None = None  # distinct ids of the prepared batch (first seen first)
         self.rows: torch.Tensor | None = None  # [U, D] their rows
         self.grad: torch.Tensor | None = None  # [U, D] float64 gradient (when training)
         self.plan: int | None = None  # the serial of the IdPlan the rows were fetched for
 
-    def set(self, plan: IdPlan, t: int, rows: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """The rows (and gradient accumulator) of table ``t`` of ``plan``."""
-        self.uniq, self.rows, self.grad, self.plan = plan.ids[t], rows, grad, plan.serial
+    def set(self, plan: IdPlan, rows: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The table's rows (and gradient accumulator) of ``plan``."""
+        self.rows, self.grad, self.plan = rows, grad, plan.serial
 
 
 class ShardedTable(nn.Module):
@@ -152,8 +151,8 @@ class ShardedTable(nn.Module):
 
     Plugs into the model's collections as a table backend that reads id plans
     (:class:`~trainer.modules.PlannedTable`: ``pool_planned``/``rows_planned`` look a feature up
-    at its positions in the batch's plan; ``pool``/``rows``, for a batch without its plan,
-    search the ids among the prepared ones). Lookups read the rows that
+    at its positions in the batch's plan; ``pool``/``rows``, a batch without its plan, are
+    refused). Lookups read the rows that
     :meth:`ShardedEmbeddings.prepare` fetched for the current batch, and their gradients
     collect in a float64 ``[U, D]`` accumulator that :meth:`ShardedEmbeddings.step` exchanges.
     It holds no ``nn.Parameter`` (DDP sees only the dense model).
@@ -187,24 +186,6 @@ class ShardedTable(nn.Module):
         clipped = np.minimum(pos, self.hot_ids.size - 1)
         return np.where(self.hot_ids[clipped] == ids, clipped, -1)
 
-    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """Positions of ``ids`` among the prepared ids, found by search (a batch without its
-        plan)."""
-        if self._batch.uniq is None:
-            msg = f"table {self.config.name!r}: no rows prepared; call ShardedEmbeddings.prepare(batch)"
-            raise RecpipeError(msg)
-        order = np.argsort(self._batch.uniq, kind="stable")
-        uniq = torch.from_numpy(self._batch.uniq[order]).to(self._batch.rows.device)
-        ids = table_ids(self.config, ids.to(uniq.device))
-        pos = torch.searchsorted(uniq, ids)
-        if ids.numel() and (pos.max() >= uniq.numel() or not torch.equal(uniq[pos], ids)):
-            msg = (
-                f"table {self.config.name!r}: ids not in the prepared batch; prepare() the batch "
-                "the model runs on"
-            )
-            raise RecpipeError(msg)
-        return torch.from_numpy(order).to(pos.device)[pos]
-
     def _planned(self, plan: IdPlan, feature: str) -> torch.Tensor:
         """``feature``'s positions in ``plan``, whose rows this table holds."""
         if self._batch.plan != plan.serial:
@@ -216,8 +197,8 @@ class ShardedTable(nn.Module):
         return plan.positions[feature]
 
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, *, mode: PoolingMode) -> torch.Tensor:
-        """Pooled ``[R, D]`` bags of the prepared rows."""
-        return self._pool(self._positions(ids), offsets, mode)
+        """Refused: the table reads a batch through its id plan (:meth:`pool_planned`)."""
+        raise self._unplanned()
 
     def pool_planned(
         self, plan: IdPlan, feature: str, offsets: torch.Tensor, *, mode: PoolingMode
@@ -230,8 +211,15 @@ class ShardedTable(nn.Module):
         return _Pool.apply(self._anchor, self, pos, offsets, mode == "mean")  # (R, D)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[n, D]`` rows of ``ids``."""
-        return _Lookup.apply(self._anchor, self, self._positions(ids))  # (n, D)
+        """Refused: the table reads a batch through its id plan (:meth:`rows_planned`)."""
+        raise self._unplanned()
+
+    def _unplanned(self) -> RecpipeError:
+        msg = (
+            f"table {self.config.name!r}: the batch carries no id plan; run the model on the "
+            "batch ShardedEmbeddings.prepare(batch) returns"
+        )
+        return RecpipeError(msg)
 
     def rows_planned(self, plan: IdPlan, feature: str) -> torch.Tensor:
         """``[n, D]`` rows of ``feature``'s ids, at their positions in ``plan``."""
@@ -348,7 +336,7 @@ def place_rows(
     at = 0
     for t, table in enumerate(tables):
         n = int(plan.ids[t].size)
-        table._batch.set(plan, t, rows[at : at + n], None if grad is None else grad[at : at + n])
+        table._batch.set(plan, rows[at : at + n], None if grad is None else grad[at : at + n])
         at += n
 
 
