@@ -115,4 +115,3 @@ def first_unique(ids, sizes, tables, shift):
                 j = (j + 1) & mask
             i += 1
     return keys[:k], inverse, True
-
