@@ -13,7 +13,8 @@ Modules, each importing only those above it::
     recovery   opening a store: its last commit, checked; verify_store (read-only)
     cache      the host slab, LRU, pins
     hotset     the hot set and its cost model
-    writer     the checkpoint writer thread and copy-on-write pool
+    writer     the checkpoint writer thread and copy-on-write pool; checkpoints: several
+               stores committing one step together
     store      EmbeddingStore, the facade over the parts above; open_store
     module     StoreEmbeddingBag; table: StoreTable; cli: `recpipe store`
 
