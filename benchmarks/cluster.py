@@ -54,8 +54,19 @@ it (ESD's 5 / 0.5 Gbit/s scaled down), every rank with a `--cache-rows` cache, `
 the links' rates:
   esd_vs_laia_samples_per_s steady samples/s of `--dispatch esd --alpha 1` / `--dispatch laia`
                             (target >= 1.3); also esd / random and esd alpha 0 / laia
-Both parts run their cases once more with the links unshaped (the link's share of each step),
-and count what crosses hosts (the towers' traffic, the caches' transfers per rank).
+Part service-train (`--only service-train`): 3 hosts, the reader service on host 2 (a server
+of IKJT frames and one of plain KJT frames, shuffled with `--seed`) on a link shaped to
+`--service-rate-mbit`, 2 ranks of `recpipe train --service` on hosts 0 and 1
+(`--service-batch-size` rows per rank; their links unshaped unless `--service-rank-rate-mbit`,
+so the step waits on the service's link, not on the ranks' own collectives):
+  service_ikjt_vs_kjt_train_samples_per_s  steady samples/s trained with IKJT frames (`--dedup
+                            on` at both ends) / with KJT frames (`--dedup off`: the model
+                            deduplicates, the same losses), alternated (`--service-repeats`),
+                            with the bytes per sample the service host sent, the samples/s
+                            its link allows, and the step shaped / unshaped. Target >= 1.3
+All three parts run their cases once more with the links unshaped (the link's share of each
+step), and count what crosses hosts (the towers' traffic, the caches' transfers per rank, the
+service host's frames).
 Steady samples/s: rank 0's per-step records (`--metrics`) after the first 3 steps.
 
 `--only PART,...` measures those parts alone and keeps the other parts' figures already in
@@ -86,7 +97,7 @@ TARGETS = {
     "dmt_auc_delta": -0.002,
     "esd_vs_laia_samples_per_s": 1.3,
 }
-PARTS = ("hypereca", "dmt", "esd")
+PARTS = ("hypereca", "dmt", "esd", "service-train")
 # every figure of the issue, and the part that measures it (None: no part does yet)
 FIGURE_PARTS = {
     "hypereca_best_r_vs_r0": "hypereca",
@@ -95,7 +106,7 @@ FIGURE_PARTS = {
     "dmt_sptt_tm_vs_flat": "dmt",
     "dmt_auc_delta": "dmt",
     "esd_vs_laia_samples_per_s": "esd",
-    "service_ikjt_vs_kjt_samples_per_s with training on the ranks": None,
+    "service_ikjt_vs_kjt_train_samples_per_s": "service-train",
     "vs_torchrec_dmp_shaped": "hypereca",
     "dispatch_vs_saved": None,
 }
@@ -157,6 +168,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dmt.add_argument("--dmt-embedding-dim", type=int, default=64)
     dmt.add_argument("--dmt-repeats", type=int, default=2,
                      help="alternated repeats (repeat i trains with --seed i)")  # fmt: skip
+    st = parser.add_argument_group(
+        "service-train (3 hosts: `recpipe train --service` on 2, the service on the third, "
+        "at --service-rate-mbit, --service-batch-size rows per rank)")  # fmt: skip
+    st.add_argument("--service-steps", type=int, default=40,
+                    help="training steps per run (within one epoch of the data)")  # fmt: skip
+    st.add_argument("--service-requests", type=int, default=60_000,
+                    help="synthetic requests (`--data`: that dataset instead)")  # fmt: skip
+    st.add_argument("--service-repeats", type=int, default=3, help="alternated repeats")
+    st.add_argument(
+        "--service-rank-rate-mbit", type=float, default=None,
+        help="the 2 trainer hosts' links, Mbit/s (default: unshaped, so that the ranks' own "
+        "all-to-alls and all-reduces do not wait on the link under test, the service's)",
+    )  # fmt: skip
     esd = parser.add_argument_group("esd (4 hosts x 1 rank, `recpipe train --dispatch`)")
     esd.add_argument("--esd-rate-mbit", type=float, default=10.0,
                      help="the 2 slow hosts' links, Mbit/s (the 2 fast ones: 10x)")  # fmt: skip
@@ -321,8 +345,9 @@ _TOKEN = "cluster-in-a-box"  # the service's shared secret (its hosts are the ru
 
 
 def _serve_rank(options: dict[str, Any]) -> None:
-    """The reader service on its host: one server of IKJT frames and one of KJT frames over
-    the same dataset, until killed; writes ``out`` once both listen."""
+    """The reader service on its host: one server of IKJT frames (``--dedup on``) and one of
+    plain KJT frames (``--dedup off``) over the same dataset, until killed; writes ``out`` once
+    both listen."""
     import io
 
     from readers.service import DatasetProducer, ReaderServer, ServiceConfig
@@ -331,7 +356,8 @@ def _serve_rank(options: dict[str, Any]) -> None:
     servers = {}
     for name, dedup in (("ikjt", True), ("kjt", False)):
         producer = DatasetProducer(options["dataset"], batch_size=options["batch_size"],
-                                   dedup=dedup)  # fmt: skip
+                                   dedup=dedup, shuffle=options.get("shuffle", False),
+                                   seed=options.get("seed", 0))  # fmt: skip
         config = ServiceConfig(host=address, port=options["ports"][name], token=_TOKEN,
                                readers=1, idle_readers=2, report_every_s=0)  # fmt: skip
         servers[name] = ReaderServer(producer, config=config, log=io.StringIO()).start()
@@ -412,41 +438,59 @@ def _collectives(cluster: Any, work: Path, *, name: str) -> dict:
     return json.loads(raw_path.read_text())
 
 
-def _service(dataset: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """3 hosts at ``--rate-mbit``: the reader service on host 2, a client rank on hosts 0, 1."""
-    from recpipe.testing.cluster import Cluster
-
+def _start_service(cluster: Any, dataset: Path, batch_size: int, work: Path,
+                   **reader: Any) -> dict[str, list[Any]]:  # fmt: skip
+    """The reader service (`_serve_rank`) on the cluster's last host, ``reader`` its
+    `DatasetProducer` options besides the batch size (``shuffle``, ``seed``); killed with the
+    cluster. Its servers' ``{"ikjt": [host, port], "kjt": [host, port]}`` once they listen."""
     ready = work / "servers.json"
-    with Cluster([args.service_rate_mbit] * 3) as cluster:
-        serve = {"kind": "serve", "dataset": str(dataset), "batch_size": args.service_batch_size,
-                 "address": cluster.hosts[2].address, "ports": {"ikjt": 7001, "kjt": 7002},
-                 "out": str(ready)}  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-        argv = [sys.executable, "-m", "benchmarks.cluster", "--worker", json.dumps(serve)]
-        with (work / "server.log").open("wb") as log:
-            server = cluster.popen(2, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300.0
-        while not ready.exists():
-            if server.poll() is not None or time.monotonic() > deadline:
-                tail = (work / "server.log").read_text(errors="replace")[-3000:]
-                msg = f"the reader service did not start (exit {server.poll()})\n{tail}"
-                raise RuntimeError(msg)
-            time.sleep(0.2)
-        feed = {"kind": "feed", "servers": json.loads(ready.read_text()),
-                "repeats": args.repeats, "out": str(work / "feed.json")}  # fmt: skip
-        _job(cluster, feed, work, timeout_s=args.timeout_s)
-        topology = cluster.describe()
-    ranks = [json.loads((work / f"feed.json.{k}").read_text()) for k in (0, 1)]
-    rates = {}  # samples/s delivered to both ranks together, per repeat: from the first
-    for name in ("ikjt", "kjt"):  # rank's first batch to the last rank's last
+    serve = {"kind": "serve", "dataset": str(dataset), "batch_size": batch_size,
+             "address": cluster.hosts[-1].address, "ports": {"ikjt": 7001, "kjt": 7002},
+             "out": str(ready), **reader}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    argv = [sys.executable, "-m", "benchmarks.cluster", "--worker", json.dumps(serve)]
+    with (work / "server.log").open("wb") as log:
+        server = cluster.popen(len(cluster.hosts) - 1, argv, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 300.0
+    while not ready.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            tail = (work / "server.log").read_text(errors="replace")[-3000:]
+            msg = f"the reader service did not start (exit {server.poll()})\n{tail}"
+            raise RuntimeError(msg)
+        time.sleep(0.2)
+    return json.loads(ready.read_text())
+
+
+def _fed(out: Path, repeats: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """What the 2 `_feed_rank`s wrote to ``out``: per frame kind, the samples/s delivered to
+    both ranks together in each repeat (from the first rank's first batch to the last rank's
+    last), and the frames' bytes per sample (the clients' count, the first repeat)."""
+    ranks = [json.loads(Path(f"{out}.{k}").read_text()) for k in (0, 1)]
+    rates = {}
+    for name in ("ikjt", "kjt"):
         rates[name] = [
             sum(r[name][i]["samples_after_first"] for r in ranks)
             / (max(r[name][i]["end_at"] for r in ranks)
                - min(r[name][i]["first_at"] for r in ranks))
-            for i in range(args.repeats)
+            for i in range(repeats)
         ]  # fmt: skip
     per_sample = {n: sum(r[n][0]["bytes_after_first"] for r in ranks)
                   / sum(r[n][0]["samples_after_first"] for r in ranks) for n in rates}  # fmt: skip
+    return rates, per_sample
+
+
+def _service(dataset: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """3 hosts at ``--rate-mbit``: the reader service on host 2, a client rank on hosts 0, 1."""
+    from recpipe.testing.cluster import Cluster
+
+    with Cluster([args.service_rate_mbit] * 3) as cluster:
+        servers = _start_service(cluster, dataset, args.service_batch_size, work)
+        feed = {"kind": "feed", "servers": servers, "repeats": args.repeats,
+                "out": str(work / "feed.json")}  # fmt: skip
+        _job(cluster, feed, work, timeout_s=args.timeout_s)
+        topology = cluster.describe()
+    rates, per_sample = _fed(work / "feed.json", args.repeats)
     ratio = ratio_spread(rates["ikjt"], rates["kjt"])
     link = args.service_rate_mbit * 1e6 / 8
     return {
@@ -631,10 +675,11 @@ class _TrainJobs:
     from the cluster) on ``placement``; each job's rank-0 summary and steady rate."""
 
     def __init__(self, cluster: Any, placement: list[int], dataset: Path, common: list[str],
-                 work: Path, *, timeout_s: float) -> None:  # fmt: skip
+                 work: Path, *, timeout_s: float, env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.cluster, self.placement, self.work = cluster, placement, work
         self.common = [str(dataset), *common]
         self.timeout_s = timeout_s
+        self.env = {**_rank_env(), **(env or {})}
         self.jobs = 0
 
     def __call__(self, name: str, flags: list[str]) -> dict[str, Any]:
@@ -648,7 +693,7 @@ class _TrainJobs:
                 "--quiet", "--json", str(summary), "--metrics", str(metrics)]  # fmt: skip
         port = 29500 + self.jobs % 500  # a fresh port per job: no wait on the last one's
         before = _link_counters(self.cluster)
-        procs = self.cluster.launch(argv, self.placement, env=_rank_env(), logs=out, port=port)
+        procs = self.cluster.launch(argv, self.placement, env=self.env, logs=out, port=port)
         codes = wait_all(procs, timeout_s=self.timeout_s)
         moved = [[a - b for a, b in zip(x, y, strict=True)]
                  for x, y in zip(_link_counters(self.cluster), before, strict=True)]  # fmt: skip
@@ -661,17 +706,17 @@ class _TrainJobs:
         return {"summary": json.loads(summary.read_text()), "link_bytes": moved,
                 **steady_rate(records)}  # fmt: skip
 
-    def alternated(self, cases: dict[str, list[str]], *, repeats: int,
-                   seed: int) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    def alternated(self, cases: dict[str, list[str]], *, repeats: int, seed: int,
+                   same_seed: bool = False) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
         """Every case ``repeats`` times, the order rotating every repeat (``alternate``);
-        repeat i of every case trains with ``--seed seed + i``."""
+        repeat i of every case trains with ``--seed seed + i`` (``same_seed``: ``seed``)."""
         from benchmarks._common import alternate
 
         def case(name: str) -> Any:
             done = [0]
 
             def run() -> dict[str, Any]:
-                job = self(name, [*cases[name], "--seed", str(seed + done[0])])
+                job = self(name, [*cases[name], "--seed", str(seed + done[0] * (not same_seed))])
                 done[0] += 1
                 return job
 
@@ -895,6 +940,110 @@ def _esd(args: argparse.Namespace, dataset: Path, work: Path) -> dict[str, Any]:
     }
 
 
+SERVICE_TRAIN_CASES = {  # name -> `recpipe train` flags: the frames the trainer asks for
+    "ikjt": ["--dedup", "on"],  # one IKJT per dedup group (the server's `--dedup on`)
+    "kjt": ["--dedup", "off"],  # one plain KJT (`--dedup off`: the model deduplicates)
+}
+
+
+def _service_train(args: argparse.Namespace, dataset: Path | None, work: Path) -> dict[str, Any]:
+    """The reader service on host 2, its link at ``--service-rate-mbit``, training 2 ranks of
+    `recpipe train --service` on hosts 0 and 1, IKJT frames and plain KJT frames alternated,
+    then once each with the links unshaped; on ``dataset`` (``None``: a synthetic one of
+    ``--service-requests``)."""
+    from recpipe.testing.cluster import Cluster
+
+    if args.data is None:  # enough rows that the steps stay in one epoch (no reconnection)
+        from benchmarks.distributed import build_dataset
+
+        data = work / "service-data"
+        dataset = build_dataset(data, requests=args.service_requests, seed=args.seed)
+    rate, steps = args.service_rate_mbit, args.service_steps
+    rates = [args.service_rank_rate_mbit, args.service_rank_rate_mbit, rate]
+    batch = args.service_batch_size
+    common = ["--steps", str(steps), "--batch-size", str(batch), "--eval-batches", "1",
+              "--embedding-dim", str(args.embedding_dim), "--dist-timeout", "600"]  # fmt: skip
+    with Cluster(rates) as cluster:
+        link = [_link(cluster, 2, 0, rate), _link(cluster, 2, 1, rate)]
+        topology = cluster.describe()
+        # the server shuffles as the trainers expect (their `--shuffle` default, `--seed`)
+        servers = _start_service(cluster, dataset, batch, work, shuffle=True, seed=args.seed)
+        cases = {n: [*f, "--service", "{}:{}".format(*servers[n])]
+                 for n, f in SERVICE_TRAIN_CASES.items()}  # fmt: skip
+        jobs = _TrainJobs(cluster, [0, 1], dataset, common, work / "service-train",
+                          timeout_s=args.timeout_s, env={"RECPIPE_TOKEN": _TOKEN})  # fmt: skip
+        runs = jobs.alternated(cases, repeats=args.service_repeats, seed=args.seed,
+                               same_seed=True)  # fmt: skip
+        # the same servers feeding 2 client ranks that only read (an epoch's shard each, once):
+        # the frames' bytes per sample as the clients count them, and the feed-only rate here
+        feed = {"kind": "feed", "servers": servers, "repeats": 1,
+                "out": str(work / "train-feed.json")}  # fmt: skip
+        _job(cluster, feed, work, timeout_s=args.timeout_s)
+        for host in range(3):  # the same jobs once with the links unshaped: the link's share
+            cluster.set_rate(host, None)
+        unshaped = {n: jobs(n, [*f, "--seed", str(args.seed)]) for n, f in cases.items()}
+    global_batch = 2 * batch
+    link_bytes = rate * 1e6 / 8
+    sps = {n: [j["samples_per_s"] for j in js] for n, js in runs.items()}
+    fed, per_sample = _fed(work / "train-feed.json", 1)
+    where, per_job = {}, {}
+    for name, jobs_ in runs.items():
+        # what the service host's link sent in the case's jobs per sample trained: an upper
+        # bound (also the final evaluation's held-out batch, the handshakes, and the batches
+        # read ahead that the job stopped before)
+        sent = [j["link_bytes"][2][0] for j in jobs_]
+        per_job[name] = spread([b / (steps * global_batch) for b in sent])["median"]
+        where[name] = {
+            **_step_where(jobs_, unshaped[name]),
+            # each host's link, [sent, received] per step (the first repeat, start-up and the
+            # final evaluation included): the service host's, and the ranks' own collectives
+            "link_mb_per_step_by_host": [
+                [b / steps / 1e6 for b in tx_rx] for tx_rx in jobs_[0]["link_bytes"]
+            ],
+            "unshaped_samples_per_s": unshaped[name]["samples_per_s"],
+            "link_bound_samples_per_s": link_bytes / per_sample[name],
+            # the service host's upload carries both ranks' frames: its use of the link
+            "link_use": spread(sps[name])["median"] * per_sample[name] / link_bytes,
+            "wire_s_per_step_at_rate": per_sample[name] * global_batch / link_bytes,
+        }
+    ratio = _rate_ratio(runs, "ikjt", "kjt")
+    figure = {
+        **ratio,
+        "target": 1.3,
+        "met": ratio["median"] >= 1.3,
+        "unshaped": unshaped["ikjt"]["samples_per_s"] / unshaped["kjt"]["samples_per_s"],
+        "what": "2 ranks of `recpipe train --service` on 2 hosts trained by the reader service "
+        "on a third over its shaped link (the ranks' own links unshaped unless "
+        "`--service-rank-rate-mbit`): rank 0's steady samples/s with IKJT frames (`--dedup "
+        "on` both ends) / with plain KJT frames (`--dedup off`: the model deduplicates); "
+        "`unshaped`: the same with every link unshaped (once)",
+    }
+    return {
+        "service_ikjt_vs_kjt_train_samples_per_s": figure,
+        "service_train": {
+            "hosts": 3,
+            "ranks": 2,
+            "rate_mbit": rate,
+            "rates_mbit": rates,  # hosts 0, 1 (the ranks; None: unshaped), 2 (the service)
+            "link_measured_mbit": link,  # host 2 to hosts 0 and 1
+            "topology": topology,
+            "cases": {n: " ".join(f) for n, f in SERVICE_TRAIN_CASES.items()},
+            "common_flags": common,
+            "data": f"etl.synth, {args.service_requests} requests"
+            if args.data is None
+            else str(args.data),
+            "seed": args.seed,
+            "samples_per_s": {n: spread(v) for n, v in sps.items()},
+            "unshaped_samples_per_s": {n: j["samples_per_s"] for n, j in unshaped.items()},
+            "bytes_per_sample": per_sample,  # the frames, as the feed-only clients count them
+            "link_bytes_per_trained_sample": per_job,
+            "feed_only_samples_per_s": {n: v[0] for n, v in fed.items()},
+            "where_the_time_goes": where,
+            "steady_after_steps": WARM_STEPS,
+        },
+    }
+
+
 def _hypereca_part(args: argparse.Namespace, dataset: Path, work: Path) -> dict[str, Any]:
     """2 hosts x 1 rank at ``--rate-mbit``: HypeReca's hot set shaped and unshaped, single
     collectives, and (``--service``) the reader service on 3 hosts."""
@@ -915,7 +1064,8 @@ def _hypereca_part(args: argparse.Namespace, dataset: Path, work: Path) -> dict[
         "config": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
-            if k not in ("worker", "only") and not k.startswith(("dmt_", "esd_"))
+            if k not in ("worker", "only", "service_steps", "service_repeats")
+            and not k.startswith(("dmt_", "esd_"))
         },
         "topology": topology,
         "link_measured_mbit": [nbytes * 8 / s / 1e6 for s in link],
@@ -955,13 +1105,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results: dict[str, Any] = {}
             if "hypereca" in args.only:
                 results.update(_hypereca_part(args, dataset, work))
-            for part in ("dmt", "esd"):
+            for part in ("dmt", "esd", "service-train"):
                 if part not in args.only:
                     continue
                 t0, load = time.perf_counter(), os.getloadavg()[0]
-                figures = _dmt(args, work) if part == "dmt" else _esd(args, dataset, work)
-                figures[part].update(load_average_1m=[load, os.getloadavg()[0]],
-                                     wall_s=time.perf_counter() - t0)  # fmt: skip
+                if part == "dmt":
+                    figures = _dmt(args, work)
+                elif part == "esd":
+                    figures = _esd(args, dataset, work)
+                else:
+                    figures = _service_train(args, args.data, work)
+                figures[part.replace("-", "_")].update(load_average_1m=[load, os.getloadavg()[0]],
+                                                       wall_s=time.perf_counter() - t0)  # fmt: skip
                 results.update(figures)
             return results
     finally:

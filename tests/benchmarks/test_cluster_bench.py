@@ -22,7 +22,12 @@ FIGURES = (
     "service_ikjt_vs_kjt_samples_per_s",
     "vs_torchrec_dmp_shaped",
 )
-TRAIN_FIGURES = ("dmt_sptt_tm_vs_flat", "dmt_sptt_vs_flat", "esd_vs_laia_samples_per_s")
+TRAIN_FIGURES = (
+    "dmt_sptt_tm_vs_flat",
+    "dmt_sptt_vs_flat",
+    "esd_vs_laia_samples_per_s",
+    "service_ikjt_vs_kjt_train_samples_per_s",
+)
 
 
 def test_help(capsys):
@@ -32,7 +37,9 @@ def test_help(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for word in (*FIGURES, *TRAIN_FIGURES, "dmt_auc_delta", "--rate-mbit", "--service-rate-mbit",
-                 "link_measured_mbit", "--only", "--dmt-rate-mbit", "--esd-rate-mbit"):  # fmt: skip
+                 "link_measured_mbit", "--only", "--dmt-rate-mbit", "--esd-rate-mbit",
+                 "--service-steps",
+                 "--service-rank-rate-mbit"):  # fmt: skip
         assert word in out
 
 
@@ -40,6 +47,10 @@ def test_only_takes_known_parts(capsys):
     bench = load_benchmark("cluster")
     assert bench.parse_args(["--only", "esd,dmt"]).only == ("esd", "dmt")
     assert bench.parse_args([]).only == bench.PARTS
+    assert bench.parse_args(["--only", "service-train"]).only == ("service-train",)
+    # every figure the file can hold names the part that measures it (it runs alone)
+    assert bench.FIGURE_PARTS["service_ikjt_vs_kjt_train_samples_per_s"] == "service-train"
+    assert all(p in bench.PARTS for p in bench.FIGURE_PARTS.values() if p is not None)
     with pytest.raises(SystemExit):
         bench.parse_args(["--only", "dmt,towers"])
     assert "`--only` takes parts of" in capsys.readouterr().err
@@ -88,19 +99,24 @@ def no_namespace_left():
     assert set(list_namespaces()) <= before  # nothing of the run is left
 
 
+def _run(out: Path, args: list[str], *, timeout: float) -> dict:
+    """``python -m benchmarks.cluster ARGS --out OUT`` (one thread per rank); its results."""
+    argv = [sys.executable, "-m", "benchmarks.cluster", *args, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_tiny_run_writes_results(tmp_path, no_namespace_left):
-    out = tmp_path / "cluster.json"
-    argv = [
-        sys.executable, "-m", "benchmarks.cluster", "--only", "hypereca", "--requests", "2000", "--batch-size", "64",
+    args = [
+        "--only", "hypereca", "--requests", "2000", "--batch-size", "64",
         "--batches", "2", "--steps", "1", "--repeats", "1", "--probe-rows", "256",
         "--num-embeddings", "1000", "--rate-mbit", "200", "--service-rate-mbit", "200",
-        "--service-batch-size", "256", "--timeout-s", "300", "--out", str(out),
+        "--service-batch-size", "256", "--timeout-s", "300",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(out.read_text())
+    results = _run(tmp_path / "cluster.json", args, timeout=400)
     for key in FIGURES:
         assert results[key]["median"] > 0 and results[key]["wall"]["repeats"] == 1, key
     assert results["topology"]["rates_mbit"] == [200.0, 200.0]
@@ -118,17 +134,15 @@ def test_tiny_run_writes_results(tmp_path, no_namespace_left):
 def test_tiny_train_parts_update_only_their_figures(tmp_path, no_namespace_left):
     out = tmp_path / "cluster.json"
     out.write_text(json.dumps({"hypereca_best_r_vs_r0": {"median": 1.25}}))
-    argv = [
-        sys.executable, "-m", "benchmarks.cluster", "--only", "dmt,esd", "--requests", "4000",
+    args = [
+        "--only", "dmt,esd,service-train", "--requests", "4000",
         "--dmt-requests", "4000", "--dmt-steps", "5", "--esd-steps", "5", "--dmt-repeats", "1",
         "--esd-repeats", "1", "--dmt-batch-size", "64", "--esd-batch-size", "64",
         "--esd-cache-rows", "1024", "--dmt-rate-mbit", "200", "--esd-rate-mbit", "50",
-        "--timeout-s", "300", "--out", str(out),
+        "--service-requests", "3000", "--service-steps", "5", "--service-repeats", "1",
+        "--service-batch-size", "128", "--service-rate-mbit", "200", "--timeout-s", "300",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(out.read_text())
+    results = _run(out, args, timeout=1200)
     assert results["hypereca_best_r_vs_r0"] == {"median": 1.25}  # kept
     for key in TRAIN_FIGURES:
         assert results[key]["median"] > 0 and results[key]["wall"]["repeats"] == 1, key
@@ -141,3 +155,10 @@ def test_tiny_train_parts_update_only_their_figures(tmp_path, no_namespace_left)
     assert results["esd"]["cost_model_homes"] == "ranks"  # the trainer's caches: owner homes
     assert "dmt_auc_delta" not in results["not_measured"]
     assert "hypereca_chosen_vs_best" in results["not_measured"]
+    figure = results["service_ikjt_vs_kjt_train_samples_per_s"]
+    assert figure["median"] > 0 and figure["wall"]["repeats"] == 1 and figure["unshaped"] > 0
+    part = results["service_train"]
+    assert part["rates_mbit"] == [None, None, 200.0]  # only the service's link is shaped
+    assert part["bytes_per_sample"]["kjt"] > part["bytes_per_sample"]["ikjt"] > 0
+    assert part["where_the_time_goes"]["ikjt"]["step_s"]["median"] > 0
+    assert "service_ikjt_vs_kjt_train_samples_per_s" not in results["not_measured"]
