@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="training steps per run (within one epoch of the data)")  # fmt: skip
     st.add_argument("--service-requests", type=int, default=60_000,
                     help="synthetic requests (`--data`: that dataset instead)")  # fmt: skip
-    st.add_argument("--service-repeats", type=int, default=3, help="alternated repeats")
+    st.add_argument("--service-repeats", type=int, default=5, help="alternated repeats")
     st.add_argument(
         "--service-rank-rate-mbit", type=float, default=None,
         help="the 2 trainer hosts' links, Mbit/s (default: unshaped, so that the ranks' own "
@@ -1029,6 +1029,7 @@ def _service_train(args: argparse.Namespace, dataset: Path | None, work: Path) -
             "topology": topology,
             "cases": {n: " ".join(f) for n, f in SERVICE_TRAIN_CASES.items()},
             "common_flags": common,
+            "repeats": args.service_repeats,
             "data": f"etl.synth, {args.service_requests} requests"
             if args.data is None
             else str(args.data),
@@ -1207,6 +1208,23 @@ def _train_rows(results: dict[str, Any], part: str, figures: list[str]) -> list[
     return rows
 
 
+def _service_train_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
+    s = results["service_train"]
+    rows = [("service-train: link (Mbit/s)", f"{s['rates_mbit']} shaped (None: unshaped), the "
+             "service's measured " + " / ".join(f"{v:.1f}" for v in s["link_measured_mbit"])),
+            ("service_ikjt_vs_kjt_train", _ratio_text(results[
+                "service_ikjt_vs_kjt_train_samples_per_s"]))]  # fmt: skip
+    for name, w in s["where_the_time_goes"].items():
+        rows.append((f"service-train {name}", f"{s['samples_per_s'][name]['median']:,.0f} "
+                     f"samples/s (feed only {s['feed_only_samples_per_s'][name]:,.0f}, the link "
+                     f"allows {w['link_bound_samples_per_s']:,.0f} at "
+                     f"{s['bytes_per_sample'][name]:.0f} B/sample), step "
+                     f"{w['step_s']['median'] * 1e3:.0f} ms shaped / "
+                     f"{w['unshaped_step_s'] * 1e3:.0f} ms unshaped, its frames need "
+                     f"{w['wire_s_per_step_at_rate'] * 1e3:.0f} ms at the rate"))  # fmt: skip
+    return rows
+
+
 def _table(results: dict[str, Any]) -> str:
     rows = _hypereca_rows(results) if "hypereca" in results else []
     if "dmt" in results:
@@ -1218,6 +1236,8 @@ def _table(results: dict[str, Any]) -> str:
         rows += _train_rows(results, "esd", ["esd_vs_laia_samples_per_s",
                                              "esd_vs_random_samples_per_s",
                                              "esd_alpha0_vs_laia_samples_per_s"])  # fmt: skip
+    if "service_train" in results:
+        rows += _service_train_rows(results)
     rows.append(("not measured", ", ".join(results["not_measured"]) or "-"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1224,7 +1224,7 @@ def _service_train(d: Results) -> str:
         f"{num(sps['ikjt']['median'])} / KJT {num(sps['kjt']['median'])} samples/s at "
         f"{num(per['ikjt'])} / {num(per['kjt'])} B/sample, the link allows "
         f"{num(where['ikjt']['link_bound_samples_per_s'])} / "
-        f"{num(where['kjt']['link_bound_samples_per_s'])}; unshaped "
+        f"{num(where['kjt']['link_bound_samples_per_s'])}; unshaped, once, "
         f"{num(s['unshaped_samples_per_s']['ikjt'])} / {num(s['unshaped_samples_per_s']['kjt'])}, "
         f"ratio {x(d['service_ikjt_vs_kjt_train_samples_per_s']['unshaped'])})"
     )
@@ -1314,7 +1314,12 @@ CLUSTER = Table(
         Row(
             "not measured yet",
             None,
-            lambda d: ", ".join(f"`{name}`" for name in d["not_measured"]),
+            lambda d: (
+                ", ".join(f"`{name}`" for name in d["not_measured"])
+                or "none (elsewhere: "
+                + ", ".join(f"`{n}`" for n in d.get("measured_elsewhere", {}))
+                + ")"
+            ),
             reference="report",
         ),
     ],
