@@ -139,15 +139,18 @@ def _delete_namespace(name: str) -> None:
     _run(["ip", "netns", "delete", name])
 
 
+def stale_namespaces() -> list[str]:
+    """The namespaces of this family whose creating process is gone: left behind by a run
+    (namespaces of runs still going, this process's or another's, are not)."""
+    return [n for n in list_namespaces() if (m := _NAME.match(n)) and not pid_alive(int(m[1]))]
+
+
 def sweep_stale() -> list[str]:
     """Delete the namespaces of this family whose creating process is gone (a run killed by
     SIGKILL); the names deleted."""
-    removed = []
-    for name in list_namespaces():
-        m = _NAME.match(name)
-        if m and not pid_alive(int(m.group(1))):
-            _delete_namespace(name)
-            removed.append(name)
+    removed = stale_namespaces()
+    for name in removed:
+        _delete_namespace(name)
     return removed
 
 
