@@ -36,21 +36,18 @@ __all__ = ["PieceRows", "RowIndex", "TableMap", "distinct", "home_ranks", "piece
 
 _SHIFT = 40  # (piece << 40) | row: rows below 2**40, pieces below 2**23
 _RADIX_MIN = 512  # keys from which distinct() sorts by radix (NumPy's sort below)
-_HOME_SALT = 0xD6E8FEB86659FD93  # the salt of the trainer's row owner (trainer.distributed.shard)
 
 
 def home_ranks(ids: np.ndarray, world_size: int) -> np.ndarray:
-    """int64: the rank that is each id's home when rows live on the ranks, the one the trainer's
-    caches and shards use (``trainer.distributed.owner_of``: splitmix64 of ``id + salt`` mod
-    ``world_size``; readers may not import the trainer, a test pins the two equal).
+    """int64: the rank that is each id's home when rows live on the ranks: their owner,
+    :func:`recpipe.kernels.splitmix.owner_of`, the map the trainer's caches and shards use.
 
     >>> home_ranks(np.arange(6), 4).tolist()
     [3, 3, 2, 1, 0, 0]
     """
-    from recpipe.kernels.splitmix import splitmix64
+    from recpipe.kernels.splitmix import owner_of
 
-    h = splitmix64(np.ascontiguousarray(ids, dtype=np.int64), add=_HOME_SALT)
-    return (h % np.uint64(world_size)).astype(np.int64)
+    return owner_of(ids, world_size)
 
 
 def distinct(values: np.ndarray) -> np.ndarray:

@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["GOLDEN", "hash_modulo", "mix64", "salt_add", "splitmix64"]
+__all__ = ["GOLDEN", "OWNER_ADD", "hash_modulo", "mix64", "owner_of", "salt_add", "splitmix64"]
 
 GOLDEN = 0x9E3779B97F4A7C15
 """splitmix64's increment (the golden-ratio gamma), as a Python int."""
+OWNER_ADD = 0xD6E8FEB86659FD93
+"""The increment of :func:`owner_of`'s hash (rows' owners are part of checkpoints: never change)."""
 
 _MASK_64 = (1 << 64) - 1
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -91,3 +93,15 @@ def hash_modulo(ids: np.ndarray, *, salt: int, modulus: int) -> np.ndarray:
     out = np.empty(flat.shape[0], dtype=np.int64)
     _hash_modulo_array(flat, np.uint64(salt_add(salt)), np.int64(modulus), out)
     return out
+
+
+def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
+    """The rank that owns each id when rows are spread over ``world_size`` ranks:
+    ``mix64(id + OWNER_ADD) % world_size`` (int64, the ids' shape). The one map of the trainer's
+    shards, caches and checkpoints and of the sample dispatcher's homes.
+
+    >>> owner_of(np.arange(6), 4).tolist()
+    [3, 3, 2, 1, 0, 0]
+    """
+    h = splitmix64(np.ascontiguousarray(ids, dtype=np.int64), add=OWNER_ADD)
+    return (h % np.uint64(world_size)).astype(np.int64)

@@ -13,7 +13,7 @@ tensors of any float dtype (float64 for exactness checks)::
              [rows, 2D]    Adam's first and second moments m | v (absent for SGD)
     step     int           the optimizer steps the table took (Adam's bias correction)
 
-Row owner: ``owner_of(id, W)`` = splitmix64(id + salt) mod W. The salt keeps it independent of
+Row owner: ``owner_of(id, W)`` (:func:`recpipe.kernels.splitmix.owner_of`) = splitmix64(id + salt) mod W. The salt keeps it independent of
 the index's own hash of the id (which picks shard and slot from the same mix).
 """
 
@@ -27,25 +27,12 @@ import numpy as np
 import torch
 
 from recpipe.errors import RecpipeError
+from recpipe.kernels.splitmix import owner_of
 from trainer.distributed import _kernels as K
 from trainer.optim import ADAM_BETAS, rowwise_adagrad_, sparse_adam_
 from trainer.store import IdIndex, init_rows
 
 __all__ = ["RowShard", "SparseOptimizer", "owner_of", "pack_rows", "sparse_optimizer"]
-
-
-_SALT = np.uint64(0xD6E8FEB86659FD93)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
-    """The rank owning each id: ``splitmix64(id + salt) % world_size`` (int64 [n])."""
-    x = np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64) + _SALT
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    x = x ^ (x >> np.uint64(31))
-    return (x % np.uint64(world_size)).astype(np.int64)
 
 
 SparseKind = Literal["sgd", "rowwise_adagrad", "adam"]
