@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks in one run on a machine with a CUDA device, from the repository root: the tests
-# that use the device, the kernel sweep, and the trainer benchmark (dedup on vs off, and fed by
-# the readers vs on preloaded batches). docs/gpu.md says what each figure is.
+# that use the device, the kernel sweep, a profile of one training step with dedup on and off
+# (where the host and the device spend it, and where the host waits), and the trainer benchmark
+# (dedup on vs off, and fed by the readers vs on preloaded batches). docs/gpu.md says what each
+# figure is.
 #
-#   bash benchmarks/gpu_check.sh [tests] [kernels] [trainer]      (default: all three, in order)
+#   bash benchmarks/gpu_check.sh [tests] [kernels] [profile] [trainer]   (default: all, in order)
 #
 # It installs nothing from the network. Environment:
 #   WHEELS  a folder of wheels installed offline first, over the image's packages, into
@@ -11,7 +13,7 @@
 #           docs/gpu.md), and the pure-wheel dependencies the image lacks
 #   DATA    a clustered dataset for the trainer (default .gpu_data/clustered); built here with
 #           benchmarks.trainer.build_dataset (400,000 requests, seed 0) when absent
-#   OUT     where the logs, the two JSON files and summary.txt go (default gpu_out)
+#   OUT     where the logs, the JSON files and summary.txt go (default gpu_out)
 # Each step runs under `timeout`; a step that fails or times out is reported and the next runs.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,29 +70,43 @@ run_tests() {
 
 run_kernels() {
   step kernels 150 python3 -m benchmarks.kernels --repeats 5 \
-    --gpu-rows 4096,16384,65536,131072 --out "$OUT/kernels_gpu.json"
+    --gpu-rows 4096,16384,131072 --out "$OUT/kernels_gpu.json"
   python3 - "$OUT/kernels_gpu.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 d = json.load(open(sys.argv[1]))
 names = ("jagged_index_select", "jagged_index_select_known_size", "jagged_index_select_known_layout",
          "jagged_index_add", "select_kernel_word", "select_kernel_row", "add_kernel_word",
-         "add_kernel_row", "torch_copy")
-print("rate / a torch copy's (ms) by batch rows; calls use layout", d["gpu"].get("select_layout"))
+         "add_kernel_row", "add_kernel_run", "torch_copy")
+print("rate / a torch copy's (ms) by batch rows; layouts", d["gpu"].get("select_layout"),
+      d["gpu"].get("add_layout"))
 for p in d.get("gpu_sweep", []):
     cells = [f"{n} {p.get(n + '_vs_torch_copy', 1.0):.2f} ({p[n + '_ms']:.3f})" for n in names]
     print(f"  {p['rows']:>7}: " + "; ".join(cells))
+    cells = [f"{k[:-10]} {v:.3f}" for k, v in p.items() if k.endswith("_device_ms")]
+    print("     device ms: " + "; ".join(cells))
 print("launch ms: dispatcher", round(d["gpu"]["dispatcher_launch_ms"], 4),
       "direct", round(d["gpu"]["direct_launch_ms"], 4))
 EOF
 }
 
-run_trainer() {
+ensure_data() {
   if [ ! -f "$DATA/_manifest.json" ]; then
     step dataset 240 python3 -c "
 from pathlib import Path
 from benchmarks.trainer import build_dataset
 build_dataset(Path('$(dirname "$DATA")'), requests=400_000, seed=0)" || return
   fi
+}
+
+run_profile() {
+  ensure_data || return
+  step profile 90 python3 -m benchmarks.gpu_profile --data "$DATA" --batch-size 32768 \
+    --steps 3 --out "$OUT/profile_gpu.json"
+  grep -E "^dedup|sync x" "$OUT/profile.log" | head -30 | tee -a "$SUMMARY"
+}
+
+run_trainer() {
+  ensure_data || return
   step trainer 170 python3 -m benchmarks.trainer --device cuda --data "$DATA" \
     --batch-size 32768 --steps 10 --warmup 2 --dense-grads --end-to-end --workers 4,6 \
     --rounds 3 --bitwise-steps 2 --out "$OUT/trainer_gpu.json"
@@ -111,13 +127,14 @@ EOF
 }
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests kernels trainer)
+[ ${#stages[@]} -eq 0 ] && stages=(tests kernels profile trainer)
 for stage in "${stages[@]}"; do
   case $stage in
     tests) run_tests ;;
     kernels) run_kernels ;;
+    profile) run_profile ;;
     trainer) run_trainer ;;
-    *) echo "gpu_check: unknown stage '$stage' (tests, kernels, trainer)" | tee -a "$SUMMARY" ;;
+    *) echo "gpu_check: unknown stage '$stage' (tests, kernels, profile, trainer)" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "gpu_check: done; files in $OUT" | tee -a "$SUMMARY"

@@ -39,8 +39,12 @@ the repeats, with the CPU-time ratio beside the wall-time one):
   The select is timed three ways (``known_layout_note`` in the JSON): as a caller that passes
   nothing makes it (``jagged_index_select``: output offsets on the device and one sync for the
   size), passing the size the host counted (``_known_size``) and passing the batch's offsets as
-  well (``_known_layout``); and each select and add kernel alone in both thread layouts of
-  ``recpipe.kernels.cuda`` (``select_kernel_word``, ``select_kernel_row``, ``add_kernel_*``).
+  well (``_known_layout``); and each select and add kernel alone in each thread layout of
+  ``recpipe.kernels.cuda`` (``select_kernel_word``, ``select_kernel_row``, ``add_kernel_word``,
+  ``add_kernel_row``, ``add_kernel_run``). The calls that read nothing back are also timed as
+  the device runs them (``<name>_device_ms``, ``<name>_device_vs_torch_copy``): the device sleeps
+  while the host queues the call, so the host's launch work is hidden; the difference from
+  ``<name>_ms`` is what the host adds to every call.
 
 Run: ``python -m benchmarks.kernels [--rows 4096] [--batches 20] [--dim 64]``; writes
 ``benchmarks/results/kernels.json`` (``--out``) and prints a table.
@@ -458,10 +462,11 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
     want_grad = cpu_index_add(
         grad.cpu(), out_offsets.cpu(), offsets_u.cpu(), inverse.cpu(), len(emb)
     )
-    for layout in ("word", "row"):
+    for layout in _SELECT_LAYOUTS:
         got = torch.full_like(out, float("nan"))
         kc.select_into(emb, offsets_u, inverse, out_offsets, got, layout=layout)
         _require(torch.equal(got.cpu(), want), f"the CUDA select's {layout!r} kernel")
+    for layout in _ADD_LAYOUTS:
         got = torch.zeros_like(emb)
         kc.add_into(grad, out_offsets, offsets_u, inverse, got, layout=layout)
         _require(
@@ -506,7 +511,7 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
                 ),
                 select_bytes,
             )
-            for layout in ("word", "row")
+            for layout in _SELECT_LAYOUTS
         },
         **{
             f"add_kernel_{layout}": (
@@ -515,7 +520,7 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
                 ),
                 add_bytes - n_u * width,  # no zero-fill
             )
-            for layout in ("word", "row")
+            for layout in _ADD_LAYOUTS
         },
         # reads the unique rows' embeddings, writes one [D] row per unique row
         "segment_reduce_sum": (
@@ -540,6 +545,7 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
         "rows": rows_b,
         "unique_rows": rows_u,
         "select_layout": kc.SELECT_LAYOUT,
+        "add_layout": kc.ADD_LAYOUT,
         "known_layout_note": _KNOWN_LAYOUT_NOTE,
     }
     times: dict[str, list[float]] = {}
@@ -551,6 +557,15 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
         result[f"{name}_ms"] = seconds * 1e3
         result[f"{name}_gbps"] = gbps
         result[f"{name}_share_of_peak"] = gbps / peak if peak else None
+    if device.type == "cuda":  # the device's own time, the host's launch work hidden
+        for name in (*_QUEUED_CASES, "torch_copy"):
+            result[f"{name}_device_ms"] = (
+                statistics.median(_queued_times(cases[name][0], repeats, device)) * 1e3
+            )
+        for name in _QUEUED_CASES:
+            result[f"{name}_device_vs_torch_copy"] = (
+                cases[name][1] / result[f"{name}_device_ms"]
+            ) / (cases["torch_copy"][1] / result["torch_copy_device_ms"])
     for name, fn in _noop_launches(kc, [ids, offsets_b, inverse, emb]).items():
         result[f"{name}_ms"] = statistics.median(timed(fn, repeats)) * 1e3
     copy_gbps = result["torch_copy_gbps"]
@@ -563,6 +578,25 @@ def run_gpu(args: argparse.Namespace, *, simulate: bool = False) -> dict[str, An
                 [nbytes / t for t in times[name]], [copy_bytes / c for c in times["torch_copy"]]
             )
     return result
+
+
+def _queued_times(fn: Callable[[], Any], repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` as the device runs them: the device sleeps
+    (about a millisecond) while the host queues the call's launches behind it, so the events
+    time the kernels and the gaps between them, not the host's work to launch them. Only for
+    calls that read nothing back (a read would wait for the sleep)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(2_000_000)  # cycles
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def _noop_launches(kc: Any, tensors: list[Any]) -> dict[str, Callable[[], Any]]:
@@ -586,6 +620,16 @@ def _noop_launches(kc: Any, tensors: list[Any]) -> dict[str, Callable[[], Any]]:
     }
 
 
+_SELECT_LAYOUTS = ("word", "row")
+_ADD_LAYOUTS = ("word", "row", "run")
+_QUEUED_CASES = (  # the calls that read nothing back: their device time is measured too
+    "jagged_index_select_known_size",
+    "jagged_index_select_known_layout",
+    "jagged_index_add",
+    "select_kernel_row",
+    "add_kernel_row",
+    "add_kernel_run",
+)
 _GPU_CASES = (
     "jagged_index_select",
     "jagged_index_select_known_size",
@@ -595,6 +639,7 @@ _GPU_CASES = (
     "select_kernel_row",
     "add_kernel_word",
     "add_kernel_row",
+    "add_kernel_run",
     "segment_reduce_sum",
     "dedup_rows",
 )
@@ -605,7 +650,9 @@ _KNOWN_LAYOUT_NOTE = (
     "out_offsets (the batch's offsets, which the expanded rows share) and num_out_values "
     "passed; select_kernel_<layout> / add_kernel_<layout>: the kernels alone into outputs "
     "allocated once (add: no zero-fill), layout 'word' = a thread per word, 'row' = a warp "
-    "(select) or block (add) per row; select_layout: the one the calls above used"
+    "(select) or block (add) per row, 'run' (add) = a block per run of equal indices, summed "
+    "before one atomic add; select_layout / add_layout: the ones the calls above used; "
+    "<name>_device_ms: the device's time for the call, the host's launch work hidden"
 )
 
 

@@ -17,12 +17,13 @@ the CPU forms; a hash match is always verified.
 Algorithms: ``dedup_rows`` hashes every row (all keys) in parallel, sorts the hashes (stable,
 so equal hashes list rows in batch order) and lets each row scan its hash run for the first row
 equal on every key; ``partial_dedup`` classifies each row against the previous one in parallel
-and places windows with a prefix sum; the jagged select spreads the output's words (8 bytes
-where a row is a whole number of them) over the threads, a few to each, consecutive threads on
-consecutive words, finding rows by a binary search of the output offsets only where a row ends;
-its backward (the jagged add) spreads the gradient's elements the same way and adds with atomics
-(not bitwise from run to run); :data:`SELECT_LAYOUT` switches both back to a warp
-(a block) per row. The segment reductions give one thread to each (row, column).
+and places windows with a prefix sum; the jagged select computes its output offsets in one
+launch (a block scans the selected rows' lengths) and gives a warp to each output row, each lane
+keeping four 8-byte words in flight (:data:`SELECT_LAYOUT`); its backward (the jagged add) gives
+a block to each run of equal consecutive indices, which sums the run's rows in batch order and
+adds the sum with one atomic add per element (:data:`ADD_LAYOUT`; atomics: not bitwise from run
+to run where a row's runs are several). The segment reductions give one thread to each (row,
+column).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from numba import int64
 
 from recpipe._deps import optional_import
 from recpipe.errors import DependencyError
@@ -45,6 +47,7 @@ except ImportError:
     _core = None
 
 __all__ = [
+    "ADD_LAYOUT",
     "SELECT_LAYOUT",
     "add_into",
     "as_device_array",
@@ -117,7 +120,9 @@ def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: 
     the dispatcher's own launch costs far more host time than the small kernels of a training
     step take to run. The first launch of each kernel and argument types compiles through the
     dispatcher; where that route is not available (another numba-cuda, the simulator), the
-    dispatcher launches every time.
+    dispatcher launches every time. Every step of a direct launch is host work a small kernel
+    waits for, so it is kept short: the launch configuration and the stream are cached, the
+    stream is read as torch's raw handle.
     """
     # no detach: only pointers and sizes are read here (as_device_array detaches for Numba)
     tensors = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
@@ -126,8 +131,15 @@ def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: 
         dev_args = [as_device_array(a) if isinstance(a, torch.Tensor) else a for a in tensors]
         kernel[blocks, threads, torch_stream(device)](*dev_args)
         return
-    config = _core.LaunchConfig(grid=(blocks, 1, 1), block=(threads, 1, 1), shmem_size=0)
+    config = _CONFIGS.get((blocks, threads))
+    if config is None:
+        config = _CONFIGS[blocks, threads] = _core.LaunchConfig(
+            grid=(blocks, 1, 1), block=(threads, 1, 1), shmem_size=0
+        )
     _core.launch(_core_stream(device), config, compiled, *_flat_args(tensors))
+
+
+_CONFIGS: dict[tuple[int, int], Any] = {}  # (blocks, threads) -> cuda.core launch configuration
 
 
 def _compiled(kernel: Any, tensors: list[Arg]) -> Any:
@@ -145,8 +157,18 @@ def _compiled(kernel: Any, tensors: list[Arg]) -> Any:
     return _DIRECT[key]
 
 
+def _raw_stream(device: torch.device) -> int:
+    """Torch's current stream on ``device`` as its CUDA handle (the raw call where torch has it:
+    it builds no Python stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(raw(index))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
 def _core_stream(device: torch.device) -> Any:
-    handle = torch.cuda.current_stream(device).cuda_stream
+    handle = _raw_stream(device)
     stream = _CORE_STREAMS.get(handle)
     if stream is None:
         stream = _CORE_STREAMS[handle] = _core.Stream.from_handle(handle)
@@ -292,17 +314,16 @@ def partial_dedup(
 _WARP = 32
 
 SELECT_LAYOUT = "row"
-"""How :func:`jagged_index_select` and :func:`jagged_index_add` spread their work over threads.
+"""How :func:`jagged_index_select` spreads its work over threads.
 
-``"word"``: the output's words (8 bytes for the select where rows allow, elements for the add)
-in tiles, a few words to each thread and consecutive threads on consecutive words whatever the
-rows' lengths; a word's row is the previous word's, or found from it by a binary search of
-``out_offsets`` where a row ends. ``"row"``: the earlier form, a warp
-(select) or a block (add) per output row, whose lanes idle on short rows. ``benchmarks/kernels.py``
-times both kernels (``select_kernel_<layout>_ms``, ``add_kernel_<layout>_ms``). ``"row"`` is the
-default: on an H200 at 16,384 rows of 20-50 values x 64 floats the row kernels took 0.127 ms
-(select) and 0.140 ms (add) against 0.218 ms and 0.342 ms for the word kernels (the rows are
-long enough to keep a warp's lanes busy).
+``"row"`` (default): a warp per output row, each lane loading four words (8 bytes where rows
+allow) before it stores them. ``"word"``: the output's words in tiles, a few words to each
+thread and consecutive threads on consecutive words whatever the rows' lengths; a word's row is
+the previous word's, or found from it by a binary search of ``out_offsets`` where a row ends
+(:data:`ADD_LAYOUT` ``"word"`` is the same for the add). ``benchmarks/kernels.py`` times both
+(``select_kernel_<layout>_ms``): on an H200 at 16,384 rows of 20-50 values x 64 floats the row
+kernel took 0.127 ms against 0.218 ms for the word kernel (the rows are long enough to keep a
+warp's lanes busy; that was before the row kernel kept four loads in flight).
 """
 
 
@@ -370,13 +391,64 @@ def _select_words(
 def _select_rows(
     values: Array, offsets: Array, indices: Array, out_offsets: Array, width: int, out: Array
 ) -> None:
-    """One warp per output row (grid-stride), its lanes over the row's words."""
+    """One warp per output row (grid-stride), its lanes over the row's words, each lane loading
+    four words (a warp's four sweeps) before it stores them, so four loads are in flight."""
     lane = cuda.threadIdx.x % _WARP
     for m in range(cuda.grid(1) // _WARP, indices.shape[0], cuda.gridsize(1) // _WARP):
         src = offsets[indices[m]] * width
         dst = out_offsets[m] * width
-        for k in range(lane, (out_offsets[m + 1] - out_offsets[m]) * width, _WARP):
+        n = (out_offsets[m + 1] - out_offsets[m]) * width
+        k = lane
+        while k + 3 * _WARP < n:
+            a = values[src + k]
+            b = values[src + k + _WARP]
+            c = values[src + k + 2 * _WARP]
+            d = values[src + k + 3 * _WARP]
+            out[dst + k] = a
+            out[dst + k + _WARP] = b
+            out[dst + k + 2 * _WARP] = c
+            out[dst + k + 3 * _WARP] = d
+            k += 4 * _WARP
+        while k < n:
             out[dst + k] = values[src + k]
+            k += _WARP
+
+
+_SCAN_THREADS = 1024  # the one block of :func:`_selected_offsets` on a device
+
+
+@cuda.jit(cache=True)
+def _selected_offsets(offsets: Array, indices: Array, out_offsets: Array) -> None:
+    """``out_offsets`` of the rows ``indices`` selects, in one block: each thread sums the
+    lengths of a contiguous chunk of rows, the block scans the chunk sums in shared memory, and
+    each thread writes its chunk's offsets from its prefix."""
+    t = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    rows = indices.shape[0]
+    chunk = (rows + threads - 1) // threads
+    lo = min(t * chunk, rows)
+    hi = min(lo + chunk, rows)
+    total = 0
+    for m in range(lo, hi):
+        r = indices[m]
+        total += offsets[r + 1] - offsets[r]
+    sums = cuda.shared.array(_SCAN_THREADS, int64)
+    sums[t] = total
+    cuda.syncthreads()
+    step = 1
+    while step < threads:  # inclusive scan of the chunk sums (Hillis-Steele)
+        before = sums[t - step] if t >= step else 0
+        cuda.syncthreads()
+        sums[t] += before
+        cuda.syncthreads()
+        step *= 2
+    at = sums[t] - total
+    if t == 0:
+        out_offsets[0] = 0
+    for m in range(lo, hi):
+        r = indices[m]
+        at += offsets[r + 1] - offsets[r]
+        out_offsets[m + 1] = at
 
 
 @cuda.jit(cache=True)
@@ -420,6 +492,36 @@ def _add_rows(
             cuda.atomic.add(out, dst + k, grad[src + k])
 
 
+_RUN_ROWS = 32  # a run of equal indices is summed in pieces that start at multiples of this
+
+
+@cuda.jit(cache=True)
+def _add_runs(
+    grad: Array, out_offsets: Array, src_offsets: Array, indices: Array, width: int, out: Array
+) -> None:
+    """One block per output row (grid-stride); a row that starts a piece of a run of equal
+    indices (the first of its run, or at a multiple of ``_RUN_ROWS``) sums the piece's rows in
+    batch order and adds the sum to the source row with one atomic add per element; the other
+    rows' blocks leave at once. A session-clustered batch repeats a row in consecutive rows, so
+    this makes a run's worth fewer atomic adds than a block per row."""
+    rows = indices.shape[0]
+    for m in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+        r = indices[m]
+        if m % _RUN_ROWS != 0 and indices[m - 1] == r:
+            continue
+        end = m + 1
+        stop = min(rows, m - m % _RUN_ROWS + _RUN_ROWS)
+        while end < stop and indices[end] == r:
+            end += 1
+        dst = src_offsets[r] * width
+        n = (out_offsets[m + 1] - out_offsets[m]) * width
+        for k in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            acc = grad[out_offsets[m] * width + k]
+            for j in range(m + 1, end):
+                acc += grad[out_offsets[j] * width + k]
+            cuda.atomic.add(out, dst + k, acc)
+
+
 def _tiles(n: int, threads: int) -> int:
     """Blocks of :func:`_select_words` and :func:`_add_words` for ``n`` words (no grid-stride:
     a grid's x dimension takes 2**31 - 1 blocks)."""
@@ -454,6 +556,13 @@ def select_into(
     )  # fmt: skip
 
 
+ADD_LAYOUT = "run"
+"""How :func:`jagged_index_add` spreads its work: ``"run"`` (default), a block per run of equal
+consecutive indices (:func:`_add_runs`), which sums the run's rows before one atomic add per
+element; ``"row"`` a block per output row, ``"word"`` the select's word tiles, both one atomic
+add per gradient element. ``benchmarks/kernels.py`` times all three (``add_kernel_<layout>``)."""
+
+
 def add_into(
     grad: torch.Tensor,
     out_offsets: torch.Tensor,
@@ -464,9 +573,9 @@ def add_into(
     layout: str | None = None,
 ) -> None:
     """Add ``grad`` (``[out_offsets[-1], ...]``, not empty) into ``out`` (``[N, ...]``, the same
-    dtype, one of the atomic adds' float32 or float64) by the select's rows; ``layout`` as
-    :func:`select_into`'s."""
-    layout = layout or SELECT_LAYOUT
+    dtype, one of the atomic adds' float32 or float64) by the select's rows; ``layout``:
+    ``"run"``, ``"row"`` or ``"word"`` (default :data:`ADD_LAYOUT`)."""
+    layout = layout or ADD_LAYOUT
     flat = grad.detach().reshape(-1)
     width = row_width(grad)
     if layout == "word":
@@ -474,7 +583,8 @@ def add_into(
         blocks, kernel = _tiles(flat.shape[0], threads), _add_words
     else:
         threads = _threads(128)
-        blocks, kernel = min(indices.shape[0], 65535), _add_rows  # a block per row
+        blocks = min(indices.shape[0], 65535)  # a block per row
+        kernel = _add_runs if layout == "run" else _add_rows
     launch(
         kernel, blocks, threads, out.device, flat, out_offsets, src_offsets, indices, width,
         out.reshape(-1),
@@ -482,9 +592,10 @@ def add_into(
 
 
 def _out_offsets(offsets: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    lengths = (offsets[1:] - offsets[:-1])[indices]
-    out_offsets = torch.zeros(indices.shape[0] + 1, dtype=torch.int64, device=offsets.device)
-    torch.cumsum(lengths, 0, out=out_offsets[1:])
+    """The selected rows' offsets, computed on the device by one launch."""
+    out_offsets = torch.empty(indices.shape[0] + 1, dtype=torch.int64, device=offsets.device)
+    launch(_selected_offsets, 1, _threads(_SCAN_THREADS), offsets.device, offsets, indices,
+           out_offsets)  # fmt: skip
     return out_offsets
 
 

@@ -59,6 +59,15 @@ def device(monkeypatch) -> str:
     return "cpu"
 
 
+def _use_layout(monkeypatch, layout: str) -> None:
+    """``"word"`` / ``"row"``: both kernels in that layout; ``"run"``: the row select and the
+    add by runs of equal indices."""
+    from recpipe.kernels import cuda as kc
+
+    monkeypatch.setattr(kc, "SELECT_LAYOUT", "row" if layout == "run" else layout)
+    monkeypatch.setattr(kc, "ADD_LAYOUT", layout)
+
+
 def test_routing_reaches_the_cuda_forms(device):
     from recpipe.kernels import cuda
 
@@ -125,13 +134,11 @@ def _small(case):
 
 
 @SIM_SETTINGS
-@given(select_cases(), st.sampled_from(["word", "row"]), st.booleans())
+@given(select_cases(), st.sampled_from(["word", "row", "run"]), st.booleans())
 def test_jagged_index_select_and_add_cuda(device, monkeypatch, case, layout, known):
-    """Both layouts of the select and add kernels, with and without the caller's known output
+    """Every layout of the select and add kernels, with and without the caller's known output
     layout (which the CUDA form trusts), against the CPU forms and the NumPy reference."""
-    from recpipe.kernels import cuda as kc
-
-    monkeypatch.setattr(kc, "SELECT_LAYOUT", layout)
+    _use_layout(monkeypatch, layout)
     values, offsets, indices = _small(case)
     want, want_offsets = cpu.jagged_index_select(values, offsets, indices)
     layout_args = (
@@ -161,13 +168,11 @@ def test_jagged_index_select_and_add_cuda(device, monkeypatch, case, layout, kno
         np.testing.assert_allclose(got.cpu().double().numpy(), ref_grad, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("layout", ["word", "row"])
+@pytest.mark.parametrize("layout", ["word", "row", "run"])
 def test_select_and_add_kernels_with_empty_rows_and_repeats(device, monkeypatch, layout):
     """Empty rows between, before and after full ones: the word layout's binary search steps
-    over them (the case a search gets wrong first)."""
-    from recpipe.kernels import cuda as kc
-
-    monkeypatch.setattr(kc, "SELECT_LAYOUT", layout)
+    over them (the case a search gets wrong first); runs of repeated rows for the run layout."""
+    _use_layout(monkeypatch, layout)
     values = torch.arange(24, dtype=torch.float32).reshape(8, 3).to(device)
     offsets = torch.tensor([0, 0, 3, 3, 3, 8, 8], device=device)
     indices = torch.tensor([0, 1, 3, 4, 1, 5, 0, 4, 4], device=device)
@@ -179,6 +184,25 @@ def test_select_and_add_kernels_with_empty_rows_and_repeats(device, monkeypatch,
         want.double().numpy(), want_offsets.numpy(), offsets.cpu().numpy(), indices.cpu().numpy(), 8
     )
     np.testing.assert_array_equal(got.cpu().double().numpy(), expect)  # small integers: exact
+
+
+@pytest.mark.parametrize("layout", ["row", "run"])
+def test_add_over_runs_of_repeated_rows(device, monkeypatch, layout):
+    """Runs of equal indices as a session-clustered batch has them: one at the start, one
+    longer than a piece (70 rows cross two multiples of 32), a row repeated in two separate
+    runs, single rows between; small integers, so every sum is exact."""
+    _use_layout(monkeypatch, layout)
+    values = torch.arange(40, dtype=torch.float32).reshape(20, 2).to(device)
+    offsets = torch.tensor([0, 3, 3, 7, 8, 20], device=device)
+    runs = [(2, 5), (0, 70), (4, 1), (1, 3), (2, 2), (3, 33)]
+    indices = torch.cat([torch.full((n,), r) for r, n in runs]).to(device)
+    out, out_offsets = jagged_index_select(values, offsets, indices)
+    got = jagged_index_add(out, out_offsets, offsets, indices, 20)
+    expect = ref_jagged_index_add(
+        out.cpu().double().numpy(), out_offsets.cpu().numpy(), offsets.cpu().numpy(),
+        indices.cpu().numpy(), 20,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got.cpu().double().numpy(), expect)
 
 
 @SIM_SETTINGS
@@ -233,26 +257,39 @@ def test_kernels_launch_without_numbas_dispatcher_on_a_gpu():
     out, out_offsets = jagged_index_select(values, offsets, indices)
     want, want_offsets = cpu.jagged_index_select(values.cpu(), offsets.cpu(), indices.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
+    got = jagged_index_add(out, out_offsets, offsets, indices, 7)
+    expect = cpu.jagged_index_add(want, want_offsets, offsets.cpu(), indices.cpu(), 7)
+    torch.testing.assert_close(got.cpu(), expect)
     compiled = {key[0]: kernel for key, kernel in kc._DIRECT.items()}
-    assert compiled.get(kc._select_words) is not None
+    launched = {
+        "the selected rows' offsets": kc._selected_offsets,
+        f"the {kc.SELECT_LAYOUT!r} select": {"row": kc._select_rows, "word": kc._select_words}[
+            kc.SELECT_LAYOUT
+        ],
+        f"the {kc.ADD_LAYOUT!r} add": {
+            "run": kc._add_runs, "row": kc._add_rows, "word": kc._add_words
+        }[kc.ADD_LAYOUT],
+    }  # fmt: skip
+    assert {name: compiled.get(kernel) is not None for name, kernel in launched.items()} == {
+        name: True for name in launched
+    }
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU (too many threads for the simulator)"
 )
-@pytest.mark.parametrize("layout", ["word", "row"])
+@pytest.mark.parametrize("layout", ["word", "row", "run"])
 @pytest.mark.parametrize("dim", [1, 3, 64])
 def test_select_and_add_layouts_at_a_batchs_size_on_a_gpu(monkeypatch, layout, dim):
-    """Thousands of rows, many tiles of 256 threads: both layouts equal the CPU forms (the
+    """Thousands of rows, many tiles of 256 threads: every layout equals the CPU forms (the
     select bitwise, the atomic add to float32 rounding)."""
-    from recpipe.kernels import cuda as kc
-
-    monkeypatch.setattr(kc, "SELECT_LAYOUT", layout)
+    _use_layout(monkeypatch, layout)
     gen = torch.Generator().manual_seed(dim)
     lengths = torch.randint(0, 40, (3000,), generator=gen)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     values = torch.randn(int(offsets[-1]), dim, generator=gen)
     indices = torch.randint(0, 3000, (5000,), generator=gen)
+    indices = indices.repeat_interleave(torch.randint(1, 12, (5000,), generator=gen))  # runs
     want, want_offsets = cpu.jagged_index_select(values, offsets, indices)
     for known in ({}, {"out_offsets": want_offsets.cuda(), "num_out_values": len(want)}):
         out, out_offsets = jagged_index_select(
