@@ -2,12 +2,15 @@
 
 A :class:`Batch` is what readers yield and trainers consume. It knows how to move
 (``to(device, non_blocking=...)``, ``pin_memory()``), so a ``torch.utils.data.DataLoader`` with
-``pin_memory=True`` pins it through its own method.
+``pin_memory=True`` pins it through its own method. ``pack()`` puts all its tensors in one
+buffer (:class:`PackedBatch`), which crosses a process boundary, is pinned and is copied to a
+device as one block; a batch unpacked from it moves that way too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,8 +19,9 @@ from recpipe._tensors import move_tensor, pin_optional, pin_tensor, tensors_equa
 from recpipe.errors import DataError
 from recpipe.ikjt import InverseKeyedJaggedTensor, PartialInverseKeyedJaggedTensor
 from recpipe.jagged import KeyedJaggedTensor
+from recpipe.packed import Layout, pack_tensors, shared_buffer, tensor_views
 
-__all__ = ["Batch", "DedupFeatures"]
+__all__ = ["Batch", "DedupFeatures", "PackedBatch"]
 
 DedupFeatures = InverseKeyedJaggedTensor | PartialInverseKeyedJaggedTensor
 """A deduplicated group: an IKJT, or its partial (windowed) form."""
@@ -123,7 +127,16 @@ class Batch:
         return dataclasses.replace(self, kjt=kjt, ikjts={})
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device``.
+
+        A batch whose tensors are views into one packed buffer (:meth:`PackedBatch.unpack`)
+        moves as one copy of that buffer; any other batch, tensor by tensor.
+        """
+        device = torch.device(device)
+        if device != self.dense.device:
+            packed = self._as_packed()
+            if packed is not None:
+                return packed.to(device, non_blocking=non_blocking).unpack()
         return Batch(
             dense=self.dense.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
@@ -137,8 +150,12 @@ class Batch:
         """Page-locked copy for fast host -> accelerator copies.
 
         A no-op on a machine without an accelerator: torch 2.13 cannot pin memory there
-        (``Tensor.pin_memory()`` raises), and there is nothing to copy to.
+        (``Tensor.pin_memory()`` raises), and there is nothing to copy to. A batch unpacked
+        from a :class:`PackedBatch` pins its one buffer.
         """
+        packed = self._as_packed()
+        if packed is not None:
+            return packed.pin_memory().unpack()
         return Batch(
             dense=pin_tensor(self.dense),
             labels=pin_tensor(self.labels),
@@ -147,6 +164,36 @@ class Batch:
             session_ids=pin_optional(self.session_ids),
             extras={n: pin_tensor(t) for n, t in self.extras.items()},
         )
+
+    def pack(self) -> PackedBatch:
+        """Every tensor of the batch copied into one new CPU buffer (see :class:`PackedBatch`)."""
+        spec, tensors = self._parts()
+        buffer, layout = pack_tensors(tensors)
+        return PackedBatch(buffer, layout, spec)
+
+    def _as_packed(self) -> PackedBatch | None:
+        """The packed batch this batch is a view of, without copying; ``None`` if it is not."""
+        spec, tensors = self._parts()
+        found = shared_buffer(tensors)
+        return None if found is None else PackedBatch(found[0], found[1], spec)
+
+    def _parts(self) -> tuple[_Spec, list[torch.Tensor]]:
+        """Every tensor of the batch in a fixed order, and what rebuilds the batch from them."""
+        tensors = [self.dense, self.labels]
+        if self.session_ids is not None:
+            tensors.append(self.session_ids)
+        kjt_spec = _kjt_parts(self.kjt, tensors)
+        groups = []
+        for name, group in self.ikjts.items():
+            if isinstance(group, InverseKeyedJaggedTensor):
+                groups.append((name, _kjt_parts(group.unique, tensors)))
+                tensors.append(group.inverse_lookup)
+            else:
+                tensors += [group.values(), group.window_offsets, group.window_lengths]
+                groups.append((name, (tuple(group.keys()), -1, False)))
+        tensors += self.extras.values()
+        spec = _Spec(kjt_spec, tuple(groups), self.session_ids is not None, tuple(self.extras))
+        return spec, tensors
 
     def equals(self, other: object) -> bool:
         """Exact equality of every field (IKJTs compared in stored form)."""
@@ -161,6 +208,99 @@ class Batch:
             and list(self.extras) == list(other.extras)
             and all(tensors_equal(t, other.extras[n]) for n, t in self.extras.items())
         )
+
+
+_KjtSpec = tuple[tuple[str, ...], int, bool]
+"""A KJT's keys, stride (-1: a partial IKJT's windows) and whether its offsets travel."""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How a batch is rebuilt from its tensors in :meth:`Batch._parts` order (picklable)."""
+
+    kjt: _KjtSpec
+    groups: tuple[tuple[str, _KjtSpec], ...]
+    session_ids: bool
+    extras: tuple[str, ...]
+
+    def build(self, tensors: list[torch.Tensor]) -> Batch:
+        parts = iter(tensors)
+        dense, labels = next(parts), next(parts)
+        session_ids = next(parts) if self.session_ids else None
+        kjt = _build_kjt(self.kjt, parts)
+        ikjts: dict[str, DedupFeatures] = {}
+        for name, (keys, stride, offsets) in self.groups:
+            if stride < 0:
+                values, starts, lengths = next(parts), next(parts), next(parts)
+                ikjts[name] = PartialInverseKeyedJaggedTensor(
+                    keys, values, starts, lengths, validate=False
+                )
+            else:
+                unique = _build_kjt((keys, stride, offsets), parts)
+                ikjts[name] = InverseKeyedJaggedTensor.from_unique(
+                    unique, next(parts), validate=False
+                )
+        extras = {name: next(parts) for name in self.extras}
+        return Batch(dense, labels, kjt, ikjts, session_ids, extras)
+
+
+def _kjt_parts(kjt: KeyedJaggedTensor, tensors: list[torch.Tensor]) -> _KjtSpec:
+    offsets = kjt.offsets_or_none()
+    tensors += [kjt.values(), kjt.lengths()]
+    if offsets is not None:
+        tensors.append(offsets)
+    return tuple(kjt.keys()), kjt.stride(), offsets is not None
+
+
+def _build_kjt(spec: _KjtSpec, parts: Iterator[torch.Tensor]) -> KeyedJaggedTensor:
+    keys, stride, has_offsets = spec
+    values, lengths = next(parts), next(parts)
+    offsets = next(parts) if has_offsets else None
+    return KeyedJaggedTensor(keys, values, lengths, offsets=offsets, stride=stride, validate=False)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedBatch:
+    """A :class:`Batch` whose tensors all lie in one contiguous byte buffer.
+
+    What crosses from a ``DataLoader`` worker to the main process (one shared-memory segment
+    instead of one per tensor), is pinned (one page-locked block) and copied to a device (one
+    copy). :meth:`unpack` gives the batch back, exactly (every tensor, dtype, key, inverse
+    lookup and derived offsets), its tensors views into the buffer (no copy); such a batch's
+    own ``to()`` and ``pin_memory()`` move the one buffer as well. The views keep the whole
+    buffer alive: a caller that keeps one field of many batches should clone it.
+
+    Example::
+
+        packed = batch.pack()                       # in a reader process
+        packed = packed.pin_memory().to("cuda", non_blocking=True)
+        assert packed.unpack().equals(batch)
+
+    Attributes:
+        buffer: 1-d uint8 tensor holding every tensor of the batch.
+        layout: where each tensor lies in ``buffer`` (:class:`recpipe.packed.Slot`).
+    """
+
+    buffer: torch.Tensor
+    layout: Layout
+    spec: _Spec
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer in bytes."""
+        return self.buffer.numel()
+
+    def unpack(self) -> Batch:
+        """The batch, its tensors views into :attr:`buffer` on the buffer's device."""
+        return self.spec.build(tensor_views(self.buffer, self.layout))
+
+    def pin_memory(self) -> PackedBatch:
+        """The buffer page-locked (a no-op without an accelerator, as ``Batch.pin_memory``)."""
+        return dataclasses.replace(self, buffer=pin_tensor(self.buffer))
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedBatch:
+        """The buffer on ``device``: one copy."""
+        return dataclasses.replace(self, buffer=self.buffer.to(device, non_blocking=non_blocking))
 
 
 def _check_rows(name: str, tensor: object, num_rows: int) -> None:

@@ -1,0 +1,70 @@
+"""The loader's packed transport: a batch crosses from a worker as one buffer, and the loader
+hands out the same batches as without packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from readers.dataset import make_dataloader
+from readers.source import ReaderConfig
+from recpipe.ikjt import InverseKeyedJaggedTensor
+
+CFG = ReaderConfig(batch_size=16, shuffle=True, seed=11, shuffle_buffer=6)
+
+
+def _storages(batch) -> int:
+    """How many shared-memory buffers the batch's tensors came in."""
+    tensors = [batch.dense, batch.labels, batch.kjt.values(), batch.kjt.lengths()]
+    for group in batch.ikjts.values():
+        tensors += [group.values()]
+        if isinstance(group, InverseKeyedJaggedTensor):
+            tensors += [group.lengths(), group.inverse_lookup]
+        else:
+            tensors += [group.window_offsets, group.window_lengths]
+    return len({t.untyped_storage().data_ptr() for t in tensors})
+
+
+@pytest.fixture
+def partial_schema(tiny_schema):
+    """The tiny schema with a partial (windowed) group beside a full one."""
+    return tiny_schema.with_dedup([("user_sellers", "user_segment")], partial=("user_items",))
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_packed_loader_yields_the_batches_of_the_unpacked_one(make_dataset, partial_schema, dedup):
+    root = make_dataset(num_sessions=40)
+    kw = {"schema": partial_schema, "config": CFG, "num_workers": 2, "dedup": dedup}
+    packed = list(make_dataloader(root, packed=True, **kw))
+    plain = list(make_dataloader(root, packed=False, **kw))
+    assert len(packed) == len(plain) > 2
+    for a, b in zip(packed, plain, strict=True):
+        assert a.equals(b)
+    if dedup:
+        kinds = {type(g).__name__ for g in packed[0].ikjts.values()}
+        assert kinds == {"InverseKeyedJaggedTensor", "PartialInverseKeyedJaggedTensor"}
+
+
+def test_a_batch_crosses_from_a_worker_as_one_buffer(make_dataset, partial_schema):
+    root = make_dataset(num_sessions=20)
+    loader = make_dataloader(root, schema=partial_schema, config=CFG, num_workers=2)
+    batches = list(loader)  # packed by default with workers
+    assert batches and all(_storages(b) == 1 for b in batches)
+    unpacked = make_dataloader(root, schema=partial_schema, config=CFG, num_workers=2, packed=False)
+    assert all(_storages(b) > 5 for b in unpacked)  # about one per tensor
+
+
+def test_packed_batches_resume_and_move_like_any(make_dataset, tiny_schema):
+    root = make_dataset(num_sessions=40)
+    loader = make_dataloader(root, schema=tiny_schema, config=CFG, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    state = loader.state_dict()
+    rest = list(it)
+    again = make_dataloader(root, schema=tiny_schema, config=CFG, num_workers=2)
+    again.load_state_dict(state)
+    resumed = list(again)
+    assert len(resumed) == len(rest)  # the same batches (the workers' interleaving may differ)
+    assert all(any(a.equals(b) for b in rest) for a in resumed)
+    moved = first.to("meta", non_blocking=True)
+    assert moved.batch_size == first.batch_size and moved.dense.device == torch.device("meta")
