@@ -10,7 +10,8 @@ rows each rank reads (collective; see ``docs/dispatch.md`` for the model it foll
     prepare   every rank sends (id, version it holds or -1) of each row it reads to its home
               update push: a row dirty on rank d that another rank reads: d sends it home
               miss pull:   a reader whose version is not the home's latest gets the row (and
-                           its state) from home; every row read is now a fresh copy in the cache
+                           its state) from home (a pushed row straight from d); every row read
+                           is now a fresh copy in the cache
     step      a row read by one rank only: that rank applies the optimizer to its copy (the
               latest version now, dirty on it); a row read by several ranks: each sends its
               float64 gradient home, the home sums, rounds once and applies it (every cached
@@ -18,6 +19,29 @@ rows each rank reads (collective; see ``docs/dispatch.md`` for the model it foll
     trim      a cache over its capacity drops its least recently used rows (rows last used in
               the same step in (table, id) order, the tables in ``table_order``); a dirty row
               dropped is sent home (evict push)
+
+The messages (every rank the same collectives; counts before payloads)::
+
+    1 counts   to each home: per table, the reads and the evict pushes owed (all-to-all)
+    2 reads    to each home, in one all-to-all: the reads (id, version held), the evict
+               pushes of the rank's last step (id, values, state) and its gradients of that
+               step's shared rows (counts both sides know); the home applies the gradient
+               sums, then the evict pushes, then looks the reads up
+    3 answers  to each reader, per read: flags (pull, shared, pushed), the latest version and
+               the rank serving the pull; with it, to every rank: the home's totals of pulls it
+               serves and of push requests, and how many it asks of that rank
+    4 pulls    the rows the homes serve (each reader knows how many from the answers) and the
+               push requests (table, id, the rank the row goes to) to the holders; skipped
+               when no home serves a pull nor asks a push (every rank has every home's totals)
+    5 pushes   update pushes: each holder sends each row asked of it to the readers pulling it
+               and, training, to its home, which keeps it (one copy when the home reads it);
+               skipped when no home asked one
+
+So a step makes 4 all-to-alls, 5 with update pushes (the 2FP exchange makes 4); ``step()`` and
+the trim make none: a step's evict pushes and shared gradients travel with the next exchange
+with the homes (the next ``prepare``, an evaluation's included, or :meth:`~CachedEmbeddings.
+owned_rows`, which sends the dirty copies with them in 2), and nothing reads a home's rows
+before it. The step's :class:`CacheRecord` lists its evict pushes all the same.
 
 Every update applies the sum of the global batch's gradients of the row to its latest version,
 rounded once, so the tables are those of one process. Nothing is random: a
@@ -27,6 +51,7 @@ push, and each step's :class:`CacheRecord` lists what this rank's cache did, to 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,7 +82,8 @@ __all__ = ["RECORD_KINDS", "CacheRecord", "CachedEmbeddings"]
 RECORD_KINDS = ("reads", "pulls", "pushes", "shared", "evictions", "evict_pushes")
 """What a :class:`CacheRecord` lists (the fields of the shadow's ``StepTransfers``)."""
 
-_PULL, _SHARED = 1, 2  # flags a home answers a read with
+_PULL, _SHARED, _PUSHED = 1, 2, 4  # flags a home answers a read with (_PUSHED: the pulled
+# row comes from the rank holding it dirty, in the update pushes, not from the home)
 
 
 @dataclass(frozen=True)
@@ -74,6 +100,12 @@ class CacheRecord:
 
     def counts(self) -> dict[str, int]:
         return {k: int(getattr(self, k).shape[0]) for k in RECORD_KINDS}
+
+
+def _labels(counts: np.ndarray) -> np.ndarray:
+    """The table of each row of a buffer laid out by (rank, table) with ``counts`` [W, T]."""
+    w, n_t = counts.shape
+    return np.repeat(np.tile(np.arange(n_t), w), counts.reshape(-1))
 
 
 def _pairs(tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -216,6 +248,38 @@ class _Step:
     record: dict[str, np.ndarray]
 
 
+@dataclass
+class _Owed:
+    """What a step leaves for the rank's next exchange with the homes (:meth:`CachedEmbeddings.
+    _to_homes`, with the next reads): as a cache, its evict pushes and its gradients of shared
+    rows; as a home, where the gradients it is to receive go."""
+
+    evict_ids: np.ndarray  # [e] by (home, table)
+    evict_rows: torch.Tensor  # [e, D + S] packed
+    evict_counts: np.ndarray  # [W, T] rows to each home, per table
+    grads: torch.Tensor  # float64 [g, D] by home, in the reads' send order
+    grad_send: np.ndarray  # [W]
+    grad_recv: np.ndarray  # [W] (as a home)
+    grad_table: np.ndarray  # [G] table of each gradient received, in receive order
+    grad_row: np.ndarray  # [G] its shard row
+
+
+@dataclass
+class _Inbox:
+    """What :meth:`CachedEmbeddings._to_homes` returns: the reads sent (``order``: their send
+    order, by home then table; rows per home) and, as a home, those received and the copies."""
+
+    order: np.ndarray
+    send_rows: np.ndarray  # [W]
+    recv_rows: np.ndarray  # [W]
+    got: np.ndarray  # [n, 2] (id, version held) in receive order
+    got_table: np.ndarray
+    got_src: np.ndarray
+    copy_table: np.ndarray
+    copy_ids: np.ndarray
+    copy_rows: torch.Tensor
+
+
 class CachedEmbeddings:
     """Per-rank caches over the owner-sharded tables of a model (see the module docstring);
     used in place of :class:`~trainer.distributed.exchange.ShardedEmbeddings` (same
@@ -269,6 +333,7 @@ class CachedEmbeddings:
         self._totals = np.zeros(len(RECORD_KINDS), dtype=np.int64)
         self.stats = ExchangeStats()
         self._prepared: _Step | None = None
+        self._owed = self._nothing_owed()
 
     @property
     def num_hot(self) -> int:
@@ -283,17 +348,89 @@ class CachedEmbeddings:
         del value
 
     # -- messages ---------------------------------------------------------------------------------
-    def _send(self, key: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Send order of items keyed ``dest * T + table``, the counts ``[W, T]`` each rank
-        receives from each (exchanged), and the rows sent per rank."""
-        w, n_t = self.comm.world_size, len(self.tables)
-        order = _group_order(key, groups)
-        counts = np.bincount(key, minlength=w * n_t).reshape(w, n_t)
-        recv = self.comm.all_to_all_counts(torch.from_numpy(counts), what="the caches' counts")
-        return order, counts, recv.numpy()
+    def _a2a_many(
+        self, parts: Sequence[tuple[torch.Tensor, Any, Any]], *, what: str
+    ) -> list[torch.Tensor]:
+        """One all-to-all that carries several messages. ``parts``: for each, its rows
+        ``[n, ...]`` laid out by destination, the rows sent to each rank ``[W]`` and the rows
+        received from each ``[W]`` (both known on both sides beforehand); returns each
+        message's rows received, laid out by source, as an all-to-all of its own would. The
+        rows travel as bytes, each rank's messages one after another."""
+        w, k = self.comm.world_size, len(parts)
+        flat, width = [], []
+        for rows, _, _ in parts:
+            flat.append(rows.contiguous().view(-1).view(torch.uint8) if rows.numel()
+                        else torch.zeros(0, dtype=torch.uint8))  # fmt: skip
+            width.append(rows.element_size() * math.prod(rows.shape[1:]))
+        nbytes = np.array(width, dtype=np.int64)[:, None]
+        send = np.stack([np.asarray(s, dtype=np.int64) for _, s, _ in parts]) * nbytes  # [K, W]
+        recv = np.stack([np.asarray(r, dtype=np.int64) for _, _, r in parts]) * nbytes
+        starts = np.concatenate([np.zeros((k, 1), np.int64), np.cumsum(send, 1)], 1).tolist()
+        payload = torch.cat([flat[m][starts[m][d] : starts[m][d + 1]]
+                             for d in range(w) for m in range(k)])  # fmt: skip
+        got = self.comm.all_to_all(payload, send.sum(0), recv.sum(0), what=what)
+        bounds = np.concatenate([[0], np.cumsum(recv.T.reshape(-1))]).tolist()  # source-major
+        out = []
+        for m, (rows, _, got_rows) in enumerate(parts):
+            chunk = torch.cat([got[bounds[s * k + m] : bounds[s * k + m + 1]] for s in range(w)])
+            n = int(np.sum(got_rows))
+            out.append(chunk.view(rows.dtype).reshape(n, *rows.shape[1:]))
+        return out
 
-    def _a2a(self, payload: torch.Tensor, send: np.ndarray, recv: np.ndarray, what: str):
-        return self.comm.all_to_all(payload, send, recv, what=what)
+    def _to_homes(
+        self, reads: np.ndarray, key: np.ndarray, copies: np.ndarray, *, what: str
+    ) -> _Inbox:
+        """Every rank sends its homes, in one all-to-all after one of counts: ``reads`` [n, 2]
+        (id, version held) keyed ``home * T + table``; the cached copies in the slots
+        ``copies`` (read, the cache unchanged: :meth:`owned_rows`); and what it owes since its
+        last step (:class:`_Owed`). Each home first applies what it was owed, as the last step
+        would have: the shared rows' gradient sums, then the evict pushes (collective)."""
+        w, n_t, cache = self.comm.world_size, len(self.tables), self.cache
+        owed, self._owed = self._owed, self._nothing_owed()
+        order = _group_order(key, w * n_t)
+        counts = np.bincount(key, minlength=w * n_t).reshape(w, n_t)
+        copy_key = owner_of(cache.ids[copies], w) * n_t + cache.table[copies]
+        copies = copies[_group_order(copy_key, w * n_t)]
+        copy_counts = np.bincount(copy_key, minlength=w * n_t).reshape(w, n_t)
+        mine = np.concatenate([counts, owed.evict_counts, copy_counts], axis=1)
+        theirs = self.comm.all_to_all_counts(torch.from_numpy(mine), what=what).numpy()
+        got_counts, evict_counts = theirs[:, :n_t], theirs[:, n_t : 2 * n_t]
+        got_copy_counts = theirs[:, 2 * n_t :]
+        got, evict_ids, evict_rows, grads, copy_ids, copy_rows = self._a2a_many([
+            (torch.from_numpy(reads[order]), counts.sum(1), got_counts.sum(1)),
+            (torch.from_numpy(owed.evict_ids), owed.evict_counts.sum(1), evict_counts.sum(1)),
+            (owed.evict_rows, owed.evict_counts.sum(1), evict_counts.sum(1)),
+            (owed.grads, owed.grad_send, owed.grad_recv),
+            (torch.from_numpy(cache.ids[copies]), copy_counts.sum(1), got_copy_counts.sum(1)),
+            (cache.packed(copies), copy_counts.sum(1), got_copy_counts.sum(1)),
+        ], what=what)  # fmt: skip
+        # the last step's shared rows: the gradients summed in float64 (in the order the
+        # readers sent them), rounded once, applied (their versions were bumped then)
+        for t in np.unique(owed.grad_table):
+            sel = np.flatnonzero(owed.grad_table == t)
+            shard = self.tables[int(t)].shard
+            slot = self.base._scratch(int(t), shard.num_rows)  # all -1, and again after
+            uniq, sums = K.sum_by_row(grads.numpy(), sel, owed.grad_row[sel], slot)
+            shard.apply(self.optimizer, uniq, torch.from_numpy(sums).to(self.dtype))
+        # the last step's evict pushes: the latest versions, home now
+        evict_table = _labels(evict_counts)
+        rows = self._home_rows(evict_table, evict_ids.numpy(), create=True)
+        self._write_home(evict_table, rows, evict_rows)
+        self._set_dirty(evict_table, rows, -1)
+        return _Inbox(
+            order=order, send_rows=counts.sum(1), recv_rows=got_counts.sum(1), got=got.numpy(),
+            got_table=_labels(got_counts), got_src=np.repeat(np.arange(w), got_counts.sum(1)),
+            copy_table=_labels(got_copy_counts), copy_ids=copy_ids.numpy(), copy_rows=copy_rows,
+        )  # fmt: skip
+
+    def _nothing_owed(self) -> _Owed:
+        w, n_t = self.comm.world_size, len(self.tables)
+        none = np.zeros(0, dtype=np.int64)
+        return _Owed(
+            none, torch.zeros(0, self._packed_width(), dtype=self.dtype),
+            np.zeros((w, n_t), np.int64), torch.zeros(0, self.dim, dtype=GRAD_DTYPE),
+            np.zeros(w, np.int64), np.zeros(w, np.int64), none, none,
+        )  # fmt: skip
 
     def _packed_width(self) -> int:
         shape = self.optimizer.state_shape(self.dim)
@@ -353,42 +490,12 @@ class CachedEmbeddings:
                 out[at, : self.dim] = shard.lookup(ids[sel])
         return out
 
-    def _fetch_from_holders(
-        self, tables: np.ndarray, ids: np.ndarray, holders: np.ndarray, *, commit: bool
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """The home asks each holder for its dirty copy of (table, id); returns the copies in
-        the given order (collective). ``commit``: the holder's copy becomes clean (an update
-        push) and the home stores it; otherwise nothing changes (a read for evaluation).
-        Returns also, on this rank as a holder, the (table, id) rows it sent."""
-        w, n_t = self.comm.world_size, len(self.tables)
-        order, counts, recv = self._send(holders * n_t + tables, w * n_t)
-        send_rows, recv_rows = counts.sum(1), recv.sum(1)
-        asked = self._a2a(torch.from_numpy(ids[order]), send_rows, recv_rows,
-                          what="the caches' push requests").numpy()  # fmt: skip
-        asked_table = np.repeat(np.tile(np.arange(n_t), w), recv.reshape(-1))
-        slots = np.zeros(asked.size, dtype=np.int64)
-        for t in np.unique(asked_table):
-            sel = np.flatnonzero(asked_table == t)
-            slots[sel] = self.cache.find(int(t), asked[sel])
-        if (slots < 0).any() or not self.cache.dirty[slots].all():
-            msg = (
-                f"rank {self.comm.rank}: a home asked for a dirty copy this cache does not hold "
-                "(the caches' version records disagree)"
-            )
-            raise DistributedError(msg)
-        reply = self.cache.packed(slots)
-        if commit:
-            self.cache.dirty[slots] = False
-        got = self._a2a(reply, recv_rows, send_rows, what="the caches' update pushes")
-        out = torch.empty_like(got)
-        out[torch.from_numpy(order)] = got
-        return out, _pairs(self._rank_of_table[asked_table], asked)
-
     # -- forward ------------------------------------------------------------------------------------
     def prepare(self, batch: Batch, *, train: bool = True) -> PlannedBatch:
-        """Bring the latest version of every row ``batch`` reads (collective); returns the
-        batch with its id plan (:meth:`ShardedEmbeddings.plan`), to run the model on."""
-        w, n_t = self.comm.world_size, len(self.tables)
+        """Bring the latest version of every row ``batch`` reads (collective: 3 to 5
+        all-to-alls, see the module docstring); returns the batch with its id plan
+        (:meth:`ShardedEmbeddings.plan`), to run the model on."""
+        w, n_t, me, cache = self.comm.world_size, len(self.tables), self.comm.rank, self.cache
         planned = self.base.plan(batch)
         uniq = list(planned.plan.ids)
         sizes = np.array([u.size for u in uniq], dtype=np.int64)
@@ -397,54 +504,94 @@ class CachedEmbeddings:
         table_of = np.repeat(np.arange(n_t), sizes)
         slots = np.zeros(ids.size, dtype=np.int64)
         for t in range(n_t):
-            slots[starts[t] : starts[t + 1]] = self.cache.find(t, uniq[t])
+            slots[starts[t] : starts[t + 1]] = cache.find(t, uniq[t])
         held = np.full(ids.size, -1, dtype=np.int64)  # evaluation: every row from its home
         if train:
             cached = slots >= 0
-            held[cached] = self.cache.version[slots[cached]]
-        # 1. the reads, with the versions held, to their homes
-        order, counts, recv = self._send(owner_of(ids, w) * n_t + table_of, w * n_t)
-        send_rows, recv_rows = counts.sum(1), recv.sum(1)
-        request = torch.from_numpy(np.stack([ids[order], held[order]], axis=1))
-        got = self._a2a(request, send_rows, recv_rows, what="the caches' reads").numpy()
-        got_table = np.repeat(np.tile(np.arange(n_t), w), recv.reshape(-1))
-        got_src = np.repeat(np.arange(w), recv_rows)
+            held[cached] = cache.version[slots[cached]]
+        # 1. the reads, with the versions held, to their homes (and what this rank owes them
+        # since its last step, which they apply first)
+        owner = owner_of(ids, w)
+        inbox = self._to_homes(np.stack([ids, held], axis=1), owner * n_t + table_of,
+                               np.zeros(0, dtype=np.int64), what="the caches' reads")  # fmt: skip
+        order, got, got_table, got_src = inbox.order, inbox.got, inbox.got_table, inbox.got_src
         got_row = self._home_rows(got_table, got[:, 0], create=train)
-        # 2. the home's answer: readers per row, pulls, update pushes
+        # 2. the home's answers: readers per row, pulls, and who serves each pull
         key = got_table * (int(got_row.max(initial=0)) + 2) + got_row + 1
         _, inverse, readers = np.unique(key, return_inverse=True, return_counts=True)
         got_shared = readers[inverse] >= 2
         latest, dirty_on = self._home_records(got_table, got_row)
         pull = got[:, 1] != latest
-        # a row dirty on another rank is fetched from it (for evaluation, from the reader too)
+        # a row dirty on another rank is pushed by it (for evaluation, to the reader too)
         needs = (dirty_on >= 0) & pull & ((dirty_on != got_src) | (not train))
         push_at = np.flatnonzero(needs)
         push_at = push_at[np.unique(inverse[push_at], return_index=True)[1]]  # once per row
-        pushed, pushed_rows = self._fetch_from_holders(
-            got_table[push_at], got[push_at, 0], dirty_on[push_at], commit=train
-        )
-        fresh_home = self._home_packed(got_table, got_row, got[:, 0])
-        if push_at.size:  # the pushed copies are the latest: serve them (and keep them if training)
-            pick = np.full(readers.size, -1, dtype=np.int64)
-            pick[inverse[push_at]] = np.arange(push_at.size)
-            sel = np.flatnonzero(pick[inverse] >= 0)
-            fresh_home[torch.from_numpy(sel)] = pushed[torch.from_numpy(pick[inverse[sel]])]
-            if train:
-                self._write_home(got_table[push_at], got_row[push_at], pushed)
-                self._set_dirty(got_table[push_at], got_row[push_at], -1)
-        flags = np.where(pull, _PULL, 0) | np.where(got_shared, _SHARED, 0)
-        answer = torch.from_numpy(np.stack([flags, latest], axis=1))
-        back = self._a2a(answer, recv_rows, send_rows, what="the caches' answers").numpy()
-        # 3. the pulls
-        pulls_out = np.flatnonzero(pull)
-        pull_src = np.bincount(got_src[pulls_out], minlength=w)
-        my_flags = np.empty_like(back)
-        my_flags[order] = back
-        mine = np.flatnonzero(my_flags[order][:, 0] & _PULL)  # in send order
-        pull_dst = np.bincount(owner_of(ids[order][mine], w), minlength=w)
-        rows = self._a2a(fresh_home[torch.from_numpy(pulls_out)], pull_src, pull_dst,
-                         what="the caches' pulls")  # fmt: skip
-        pulled = order[mine]  # positions in the batch's reads
+        holder = np.full(readers.size, -1, dtype=np.int64)
+        holder[inverse[push_at]] = dirty_on[push_at]
+        via = pull & (holder[inverse] >= 0)  # pulls the holder serves, in its update push
+        # the push requests: (table, id, rank it goes to), one per reader pulling the row and,
+        # training, one for the home, which keeps it (a home reading it gets that one)
+        ent = np.flatnonzero(via & ((got_src != me) | (not train)))
+        keep = push_at if train else push_at[:0]
+        ent_holder = np.concatenate([holder[inverse[ent]], dirty_on[keep]])
+        ent_order = _group_order(ent_holder, w)
+        requests = np.stack([np.concatenate([got_table[ent], got_table[keep]]),
+                             np.concatenate([got[ent, 0], got[keep, 0]]),
+                             np.concatenate([got_src[ent], np.full(keep.size, me)])], axis=1)  # fmt: skip
+        request_rows = np.bincount(ent_holder, minlength=w)
+        from_home = np.flatnonzero(pull & ~via)
+        flags = (np.where(pull, _PULL, 0) | np.where(got_shared, _SHARED, 0)
+                 | np.where(via, _PUSHED, 0))  # fmt: skip
+        answer = np.stack([flags, latest, np.where(via, holder[inverse], me)], axis=1)
+        # every home tells every rank its totals: all know whether the next rounds happen
+        header = np.zeros((w, 3), dtype=np.int64)
+        header[:, 0], header[:, 1], header[:, 2] = from_home.size, ent_holder.size, request_rows
+        ones = np.ones(w, dtype=np.int64)
+        back, heads_t = self._a2a_many([(torch.from_numpy(answer), inbox.recv_rows,
+                                         inbox.send_rows), (torch.from_numpy(header), ones, ones)],
+                                       what="the caches' answers")  # fmt: skip
+        mine, heads = np.empty((ids.size, 3), dtype=np.int64), heads_t.numpy()
+        mine[order] = back.numpy()  # per read: flags, latest version, the rank serving a pull
+        # 3. the pulls the homes serve, with the push requests to the holders
+        sent_flags = mine[order, 0] & (_PULL | _PUSHED)
+        pulled_home = order[np.flatnonzero(sent_flags == _PULL)]  # by home, in send order
+        rows_home = torch.zeros(0, self._packed_width(), dtype=self.dtype)
+        asked = np.zeros((0, 3), dtype=np.int64)
+        if heads[:, :2].any():
+            fresh = self._home_packed(got_table[from_home], got_row[from_home], got[from_home, 0])
+            rows_home, asked_t = self._a2a_many([
+                (fresh, np.bincount(got_src[from_home], minlength=w),
+                 np.bincount(owner[pulled_home], minlength=w)),
+                (torch.from_numpy(requests[ent_order]), request_rows, heads[:, 2]),
+            ], what="the caches' pulls and push requests")  # fmt: skip
+            asked = asked_t.numpy()
+        # 4. the update pushes: each holder sends the rows asked of it to the ranks named
+        pulled_push = np.flatnonzero(((mine[:, 0] & _PUSHED) > 0) & ((owner != me) | (not train)))
+        rows_push = torch.zeros(0, self._packed_width(), dtype=self.dtype)
+        pushes = np.zeros((0, 2), dtype=np.int64)
+        pulled_own = np.zeros(0, dtype=np.int64)
+        rows_own = rows_push
+        if heads[:, 1].any():
+            pushes, got_push = self._update_pushes(
+                asked, np.repeat(np.arange(w), heads[:, 2]), commit=train,
+                expect=(np.concatenate([mine[pulled_push, 2], dirty_on[keep]]),
+                        np.concatenate([owner[pulled_push], np.full(keep.size, me)]),
+                        np.concatenate([table_of[pulled_push], got_table[keep]]),
+                        np.concatenate([ids[pulled_push], got[keep, 0]])),
+            )  # fmt: skip
+            rows_push, kept = got_push[: pulled_push.size], got_push[pulled_push.size :]
+            if train:  # the home keeps the pushed rows, and serves them to itself
+                self._write_home(got_table[keep], got_row[keep], kept)
+                self._set_dirty(got_table[keep], got_row[keep], -1)
+                pick = np.full(readers.size, -1, dtype=np.int64)
+                pick[inverse[keep]] = np.arange(keep.size)
+                block = np.arange(inbox.recv_rows[:me].sum(), inbox.recv_rows[: me + 1].sum())
+                sent = order[inbox.send_rows[:me].sum() : inbox.send_rows[: me + 1].sum()]
+                own = np.flatnonzero(via[block])
+                pulled_own = sent[own]
+                rows_own = kept[torch.from_numpy(pick[inverse[block[own]]])]
+        pulled = np.concatenate([pulled_home, pulled_push, pulled_own])
+        rows = torch.cat([rows_home, rows_push, rows_own])
         if not train:
             values = torch.empty(ids.size, self.dim, dtype=self.dtype)
             values[torch.from_numpy(pulled)] = rows[:, : self.dim]
@@ -453,34 +600,75 @@ class CachedEmbeddings:
             return planned
         for t in range(n_t):
             sel = np.flatnonzero(table_of == t)
-            slots[sel] = self.cache.install(t, ids[sel], slots[sel])
-        self.cache.write(slots[pulled], rows)
-        self.cache.version[slots[pulled]] = my_flags[pulled, 1]
-        values = self.cache.values.index_select(0, torch.from_numpy(slots))
+            slots[sel] = cache.install(t, ids[sel], slots[sel])
+        cache.write(slots[pulled], rows)
+        cache.version[slots[pulled]] = mine[pulled, 1]
+        values = cache.values.index_select(0, torch.from_numpy(slots))
         grad = values.new_zeros(values.shape, dtype=GRAD_DTYPE)
         place_rows(self.tables, planned.plan, values, grad)
         pairs_t = self._rank_of_table[table_of]
-        shared = (my_flags[:, 0] & _SHARED) > 0
+        shared = (mine[:, 0] & _SHARED) > 0
         record = {
             "reads": _pairs(pairs_t, ids),
             "pulls": _pairs(pairs_t[pulled], ids[pulled]),
-            "pushes": pushed_rows,
+            "pushes": pushes,
             "shared": _pairs(pairs_t[shared], ids[shared]),
         }
         self.stats.steps += 1
         self.stats.accesses += ids.size
         self.stats.cold_rows += ids.size
         self._prepared = _Step(
-            grad=grad, slots=slots, shared=shared, latest=my_flags[:, 1], order=order,
+            grad=grad, slots=slots, shared=shared, latest=mine[:, 1], order=order,
             got_table=got_table, got_row=got_row, got_src=got_src, got_shared=got_shared,
             record=record,
         )  # fmt: skip
         return planned
 
+    def _update_pushes(
+        self,
+        asked: np.ndarray,
+        asked_home: np.ndarray,
+        *,
+        commit: bool,
+        expect: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """As a holder, send each row asked of it (``asked`` [m, 3]: table, id, the rank it
+        goes to; ``asked_home``: the home that asked) to that rank; ``commit``: its copy is
+        clean now (an update push), otherwise unchanged (a read for evaluation). As a
+        recipient, return the rows ``expect``\\ed (holder, home, table, id), in that order
+        (collective; both sides order a holder's rows to a rank by (home, table, id)). Returns
+        also the (table, id) this rank pushed, for its record."""
+        w, cache = self.comm.world_size, self.cache
+        a_table, a_id, a_to = asked[:, 0], asked[:, 1], asked[:, 2]
+        slots = np.zeros(a_id.size, dtype=np.int64)
+        for t in np.unique(a_table):
+            sel = np.flatnonzero(a_table == t)
+            slots[sel] = cache.find(int(t), a_id[sel])
+        if (slots < 0).any() or not cache.dirty[slots].all():
+            msg = (
+                f"rank {self.comm.rank}: a home asked for a dirty copy this cache does not hold "
+                "(the caches' version records disagree)"
+            )
+            raise DistributedError(msg)
+        out = np.lexsort((a_id, a_table, asked_home, a_to))
+        reply = cache.packed(slots[out])
+        if commit:
+            cache.dirty[slots] = False
+        e_holder, e_home, e_table, e_id = expect
+        back = np.lexsort((e_id, e_table, e_home, e_holder))
+        got = self._a2a_many([(reply, np.bincount(a_to, minlength=w),
+                               np.bincount(e_holder, minlength=w))],
+                             what="the caches' update pushes")[0]  # fmt: skip
+        rows = torch.empty_like(got)
+        rows[torch.from_numpy(back)] = got
+        pushed = np.unique(_pairs(self._rank_of_table[a_table], a_id), axis=0)
+        return pushed, rows
+
     # -- backward -----------------------------------------------------------------------------------
     def step(self) -> None:
-        """Update every row the global batch read, then trim the caches (collective; after
-        ``loss.backward()``)."""
+        """Update every row the global batch read, then trim the caches (after
+        ``loss.backward()``; no collective: the shared rows' gradients and the evict pushes go
+        home with the next exchange, :meth:`_to_homes`)."""
         prep = self._prepared
         if prep is None:
             msg = "step() without a prepare(batch, train=True) before it"
@@ -497,21 +685,17 @@ class CachedEmbeddings:
             self.optimizer.apply(cache.values, cache.state, at, grad, step=step)
             cache.version[cache_slots] = prep.latest[sole] + 1
             cache.dirty[cache_slots] = True
-        # rows read by several ranks: gradients home, summed in float64, rounded once
+        # rows read by several ranks: the gradients go home with the next exchange, where the
+        # home sums them in float64, rounds once and applies them; the versions move now
+        owed = self._owed
         shared_sent = prep.order[prep.shared[prep.order]]
-        send = np.bincount(owner_of(self.cache.ids[prep.slots[shared_sent]], w), minlength=w)
-        recv = np.bincount(prep.got_src[prep.got_shared], minlength=w)
-        got = self._a2a(prep.grad.index_select(0, torch.from_numpy(shared_sent)), send, recv,
-                        what="the caches' shared gradients")  # fmt: skip
+        owed.grads = prep.grad.index_select(0, torch.from_numpy(shared_sent))
+        owed.grad_send = np.bincount(owner_of(cache.ids[prep.slots[shared_sent]], w), minlength=w)
         home_sel = np.flatnonzero(prep.got_shared)
-        for t in np.unique(prep.got_table[home_sel]):
-            sel = np.flatnonzero(prep.got_table[home_sel] == t)
-            rows = prep.got_row[home_sel[sel]]
-            table = self.tables[int(t)]
-            slot = self.base._scratch(int(t), table.shard.num_rows)  # all -1, and again after
-            uniq, sums = K.sum_by_row(got.numpy(), sel, rows, slot)
-            table.shard.apply(self.optimizer, uniq, torch.from_numpy(sums).to(self.dtype))
-            self.home.version[int(t)][uniq] += 1
+        owed.grad_recv = np.bincount(prep.got_src[home_sel], minlength=w)
+        owed.grad_table, owed.grad_row = prep.got_table[home_sel], prep.got_row[home_sel]
+        for t in np.unique(owed.grad_table):
+            self.home.version[int(t)][np.unique(owed.grad_row[owed.grad_table == t])] += 1
         # the home's records of the rows read by one rank: updated there, dirty on it
         for t in np.unique(prep.got_table):
             sel = np.flatnonzero((prep.got_table == t) & ~prep.got_shared)
@@ -539,7 +723,8 @@ class CachedEmbeddings:
         return [dict(zip(RECORD_KINDS, (int(v) for v in t.tolist()), strict=True)) for t in every]
 
     def _trim(self) -> tuple[np.ndarray, np.ndarray]:
-        """Drop the least recently used rows over capacity; dirty ones go home (collective)."""
+        """Drop the least recently used rows over capacity; dirty ones are owed to their homes
+        (evict pushes, sent with the next exchange)."""
         cache = self.cache
         used = np.flatnonzero(cache.used)
         over = used.size - self.capacity
@@ -550,36 +735,26 @@ class CachedEmbeddings:
             gone = used[order[:over]]
         dirty = gone[cache.dirty[gone]]
         tables, ids = cache.table[dirty], cache.ids[dirty]
-        got_table, got_ids, got = self._copies_home(dirty, what="the caches' evict pushes")
-        rows = self._home_rows(got_table, got_ids, create=True)
-        self._write_home(got_table, rows, got)
-        self._set_dirty(got_table, rows, -1)
+        w, n_t = self.comm.world_size, len(self.tables)
+        key = owner_of(ids, w) * n_t + tables
+        order = _group_order(key, w * n_t)
+        owed = self._owed
+        owed.evict_ids, owed.evict_rows = ids[order], cache.packed(dirty[order])
+        owed.evict_counts = np.bincount(key, minlength=w * n_t).reshape(w, n_t)
         evictions = _pairs(self._rank_of_table[cache.table[gone]], cache.ids[gone])
         pushes = _pairs(self._rank_of_table[tables], ids)
         if gone.size:
             cache.release(gone)
         return evictions, pushes
 
-    def _copies_home(
-        self, slots: np.ndarray, *, what: str
-    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """Send the cached copies in ``slots`` to their homes (collective); on each home, the
-        (table, id, packed row) of the copies it received."""
-        cache, w, n_t = self.cache, self.comm.world_size, len(self.tables)
-        tables, ids = cache.table[slots], cache.ids[slots]
-        order, counts, recv = self._send(owner_of(ids, w) * n_t + tables, w * n_t)
-        send_rows, recv_rows = counts.sum(1), recv.sum(1)
-        got_ids = self._a2a(torch.from_numpy(ids[order]), send_rows, recv_rows, what=what).numpy()
-        got = self._a2a(cache.packed(slots[order]), send_rows, recv_rows, what=what)
-        got_table = np.repeat(np.tile(np.arange(n_t), w), recv.reshape(-1))
-        return got_table, got_ids, got
-
     # -- the rows -----------------------------------------------------------------------------------
     def owned_rows(self) -> dict[str, dict[str, Any]]:
-        """Every row this rank owns at its latest version (collective: dirty copies are read from
-        their caches, which keep them dirty)."""
+        """Every row this rank owns at its latest version (collective: what the last step owes
+        the homes goes home, dirty copies are read from their caches, which keep them dirty)."""
         dirty = np.flatnonzero(self.cache.used & self.cache.dirty)
-        got_table, got_ids, got = self._copies_home(dirty, what="the caches' dirty rows")
+        none = np.zeros(0, dtype=np.int64)
+        inbox = self._to_homes(none.reshape(0, 2), none, dirty, what="the caches' dirty rows")
+        got_table, got_ids, got = inbox.copy_table, inbox.copy_ids, inbox.copy_rows
         out = self.base.owned_rows()
         for t, name in enumerate(self.names):
             sel = np.flatnonzero(got_table == t)
@@ -593,8 +768,9 @@ class CachedEmbeddings:
         return out
 
     def load_owned_rows(self, parts: Iterable[Mapping[str, Mapping[str, Any]]]) -> None:
-        """Restore saved rows (the caches start empty)."""
+        """Restore saved rows (the caches start empty, owing nothing)."""
         self.base.load_owned_rows(parts)
+        self._owed = self._nothing_owed()
 
     def set_hot(self, hot_ids: Sequence[Any]) -> None:
         """Only an empty hot set (a checkpoint of a job with caches)."""
