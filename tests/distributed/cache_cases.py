@@ -143,3 +143,85 @@ def cache_job(rank: int, world_size: int, dataset: str, out: str) -> None:
     if rank == 0:
         Path(out, "cache.json").write_text(json.dumps({"cases": results, "loop": loop}))
     dist.barrier()
+
+
+COLLECTIVES = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_object",
+               "all_gather_into_tensor", "broadcast", "gather", "scatter", "reduce_scatter_tensor",
+               "barrier", "send", "recv")  # fmt: skip
+
+
+class CollectiveCounter:
+    """Counts the calls of ``torch.distributed``'s collectives while ``on`` (the exchange calls
+    them through the module, so patching its attributes sees every one)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: dict[str, int] = {}
+        self._real = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, real in self._real.items():
+            setattr(dist, name, self._counted(name, real))
+
+    def _counted(self, name, real):
+        def counted(*args, **kwargs):
+            if self.on:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    def count(self, fn, *args, **kwargs) -> tuple[object, dict[str, int]]:
+        """``fn(*args, **kwargs)`` and the collectives it called, by name."""
+        self.calls, self.on = {}, True
+        try:
+            return fn(*args, **kwargs), self.calls
+        finally:
+            self.on = False
+
+    def restore(self) -> None:
+        for name, real in self._real.items():
+            setattr(dist, name, real)
+
+
+def _rounds(comm: Comm, batches: list, dataset: str, cache_rows: int) -> dict:
+    trainer = build(dataset, comm, cache_rows=cache_rows, frozen=False)
+    sparse, counter = trainer.sparse, CollectiveCounter()
+    real_prepare, real_step = sparse.prepare, sparse.step
+    per_step: list[dict[str, int]] = []
+
+    def prepare(batch, *, train=True):
+        planned, calls = counter.count(real_prepare, batch, train=train)
+        per_step.append(dict(calls))
+        return planned
+
+    def step():
+        _, calls = counter.count(real_step)
+        for name, n in calls.items():
+            per_step[-1][name] = per_step[-1].get(name, 0) + n
+
+    sparse.prepare, sparse.step = prepare, step
+    moved = []
+    try:
+        for batch in batches:
+            trainer.train_step(batch, reduce_loss=False)
+            moved.append(sparse.last_record.counts())
+        sparse.prepare, sparse.step = real_prepare, real_step
+        _, eval_calls = counter.count(sparse.prepare, batches[0], train=False)
+        _, rows_calls = counter.count(sparse.owned_rows)
+    finally:
+        counter.restore()
+    return {"steps": per_step, "moved": moved, "eval": eval_calls, "owned_rows": rows_calls}
+
+
+def rounds_job(rank: int, world_size: int, dataset: str, out: str) -> None:
+    """Cached 2-rank jobs on their own micro-batches, with caches of :data:`CACHE_ROWS` rows
+    (update pushes) and of none (every row evicted after its step, so no update pushes): the
+    collectives of every training step's ``prepare`` and ``step`` (and of an evaluation's
+    ``prepare`` and of ``owned_rows``), with what each step's records say it moved."""
+    comm = dist_cases.subgroup_comm(world_size)
+    batches = dist_cases.rank_batches(dataset, rank=rank, world=world_size, dedup=True, steps=STEPS)
+    mine = {str(rows): _rounds(comm, batches, dataset, rows) for rows in (CACHE_ROWS, 0)}
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        Path(out, "rounds.json").write_text(json.dumps(every))
+    dist.barrier()
