@@ -130,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="--end-to-end rounds per count")
     parser.add_argument(
+        "--fed-transport", choices=("packed", "tensors", "both"), default="packed",
+        help="how --end-to-end's workers send a batch: packed in one buffer (the loader's "
+        "default), tensor by tensor, or both ways alternated in the same rounds",
+    )  # fmt: skip
+    parser.add_argument(
         "--dense-grads", action="store_true",
         help="dense embedding gradients (ModelConfig.sparse_grad=False): on a GPU the sparse "
         "optimizer step reads sizes back from the device several times per table",
@@ -447,6 +452,11 @@ def measure_end_to_end(
     start-up is not counted. The loader goes on into the
     next epoch when one ends (its workers persist), as a training run does. One model trains throughout
     (both ways run the same kernels on batches of the same shape).
+
+    The workers send each batch packed in one buffer (``--fed-transport``: or tensor by tensor,
+    or both alternated). ``fed_next_share`` is the share of the fed side's timed wall time the
+    training loop spent in ``next()`` (receiving, unpacking and the non-blocking copy; waiting
+    for the workers too), ``fed_next_cpu_ms`` the main thread's CPU time per batch in it.
     """
     import time
 
@@ -464,22 +474,29 @@ def measure_end_to_end(
     trainer = Trainer(DLRM.from_schema(schema, model_config), device=device)
     pin = device.type == "cuda"
 
-    def rate(stream: Iterator[Any], warmup: int = args.warmup) -> float:
+    def rate(stream: Iterator[Any], warmup: int = args.warmup) -> tuple[float, float, float]:
+        """Samples/s, the share of the wall time in next(stream), its thread CPU ms a step."""
         for _ in range(warmup):
             trainer.train_step(next(stream))
         if pin:
             torch.cuda.synchronize(device)
+        waited = cpu = 0.0
         start = time.perf_counter()
         for _ in range(args.steps):
-            trainer.train_step(next(stream))
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
+            batch = next(stream)
+            waited += time.perf_counter() - wall0
+            cpu += time.thread_time() - cpu0
+            trainer.train_step(batch)
         if pin:
             torch.cuda.synchronize(device)
-        return args.steps * rows / (time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        return args.steps * rows / wall, waited / wall, 1e3 * cpu / args.steps
 
-    def fed(workers: int) -> Iterator[Any]:
+    def fed(workers: int, packed: bool) -> Iterator[Any]:
         loader = make_dataloader(
             dataset, config=config, num_workers=workers, pin_memory=pin, dedup=True,
-            persistent_workers=workers > 0,
+            persistent_workers=workers > 0, packed=packed,
         )  # fmt: skip
         while True:  # epoch after epoch, as a training run reads
             empty = True
@@ -490,28 +507,43 @@ def measure_end_to_end(
                 msg = f"{workers} workers read no full batch of {rows} rows from {dataset}"
                 raise SystemExit(msg)
 
-    out: dict[str, Any] = {"end_to_end": []}
+    ways = {"packed": ["fed"], "tensors": ["fed_tensors"], "both": ["fed", "fed_tensors"]}
+    ways_run = ["model_only", *ways[args.fed_transport]]
+    out: dict[str, Any] = {"end_to_end": [], "end_to_end_transport": args.fed_transport}
     for workers in args.workers:
-        runs: dict[str, list[float]] = {"model_only": [], "fed": []}
+        runs: dict[str, list[tuple[float, float, float]]] = {way: [] for way in ways_run}
         for r in range(args.rounds):
-            for way in _rotated(["model_only", "fed"], r):
+            for way in _rotated(ways_run, r):
                 if way == "model_only":
                     runs[way].append(rate(iter(preloaded)))
                 else:
                     # every worker delivers twice before the clock starts: a worker's start
                     # (imports, compiling the kernels, opening the files) is not reading speed
-                    with contextlib.closing(fed(workers)) as stream:
+                    with contextlib.closing(fed(workers, way == "fed")) as stream:
                         runs[way].append(rate(stream, warmup=args.warmup + 2 * workers))
-                print(f"  workers {workers} round {r} {way:10s} {runs[way][-1]:12,.0f} samples/s",
+                got, share, cpu_ms = runs[way][-1]
+                print(f"  workers {workers} round {r} {way:11s} {got:12,.0f} samples/s "
+                      f"(in next() {share:.0%} of the time, {cpu_ms:.2f} ms CPU a step)",
                       file=sys.stderr)  # fmt: skip
-        ratio = ratio_spread(runs["fed"], runs["model_only"])
-        out["end_to_end"].append({
+        rates = {way: [got for got, _, _ in runs[way]] for way in ways_run}
+        main = "fed" if "fed" in rates else "fed_tensors"
+        ratio = ratio_spread(rates[main], rates["model_only"])
+        point = {
             "workers": workers,
             "vs_model_only": ratio["median"],
             "vs_model_only_spread": ratio,
-            "samples_per_s_fed": statistics.median(runs["fed"]),
-            "samples_per_s_model_only": statistics.median(runs["model_only"]),
-        })  # fmt: skip
+            "samples_per_s_fed": statistics.median(rates[main]),
+            "samples_per_s_model_only": statistics.median(rates["model_only"]),
+            "fed_next_share": statistics.median(share for _, share, _ in runs[main]),
+            "fed_next_cpu_ms": statistics.median(cpu for _, _, cpu in runs[main]),
+        }
+        if args.fed_transport == "both":
+            tensors = ratio_spread(rates["fed_tensors"], rates["model_only"])
+            point["tensors_vs_model_only"] = tensors["median"]
+            point["tensors_vs_model_only_spread"] = tensors
+            point["samples_per_s_fed_tensors"] = statistics.median(rates["fed_tensors"])
+            point["tensors_next_share"] = statistics.median(s for _, s, _ in runs["fed_tensors"])
+        out["end_to_end"].append(point)
     best = max(out["end_to_end"], key=lambda point: point["vs_model_only"])
     reached = [p for p in out["end_to_end"] if p["vs_model_only"] >= 0.9]
     out["end_to_end_vs_model_only"] = best["vs_model_only"]
