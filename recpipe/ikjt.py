@@ -338,7 +338,7 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         validate: check that every window lies inside ``values``.
     """
 
-    __slots__ = ("_keys", "_stride", "_values", "_win_lengths", "_win_offsets")
+    __slots__ = ("_host", "_keys", "_stride", "_values", "_win_lengths", "_win_offsets")
 
     def __init__(
         self,
@@ -369,6 +369,7 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         self._win_offsets = window_offsets
         self._win_lengths = window_lengths
         self._stride = window_lengths.numel() // len(keys)
+        self._host: dict[str, tuple[int, int, int]] | None = None  # see _host_spans
 
     # -- named constructors (partial dedup) ----------------------------------------------------
     @classmethod
@@ -469,7 +470,10 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         positions, offsets = self._key_positions(key)
         if positions.numel() == 0:
             return self._values[:0], positions, offsets
-        lo, hi = int(positions.min()), int(positions.max()) + 1
+        if self._host is not None:
+            _, lo, hi = self._host[key]
+        else:
+            lo, hi = int(positions.min()), int(positions.max()) + 1
         return self._values[lo:hi], positions - lo if lo else positions, offsets
 
     def _key_positions(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,7 +481,28 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         k, b = self._keys.index(key), self._stride
         starts = self._win_offsets[k * b : (k + 1) * b]
         lengths = self._win_lengths[k * b : (k + 1) * b]
-        return _window_positions(starts, lengths)
+        total = None if self._host is None else self._host[key][0]
+        return _window_positions(starts, lengths, total=total)
+
+    def _host_spans(self) -> dict[str, tuple[int, int, int]] | None:
+        """Per key, ``(values its rows expand to, lo, hi)`` (``[lo, hi)`` the packed ids its
+        windows read, ``(0, 0)`` when all are empty), where reading them costs no device sync
+        (on the CPU, or known already): a copy carries them, so on a GPU expanding a key's
+        windows reads no size back."""
+        if self._host is None and self._values.device.type == "cpu":
+            b = self._stride
+            spans = {}
+            for k, key in enumerate(self._keys):
+                starts = self._win_offsets[k * b : (k + 1) * b]
+                lengths = self._win_lengths[k * b : (k + 1) * b]
+                used = lengths > 0
+                if bool(used.any()):
+                    lo, hi = int(starts[used].min()), int((starts + lengths)[used].max())
+                else:
+                    lo = hi = 0
+                spans[key] = (int(lengths.sum()), lo, hi)
+            self._host = spans
+        return self._host
 
     def _key_span(self, key: str) -> tuple[int, int] | None:
         """``[lo, hi)`` of the packed ids key ``key``'s windows read (``None``: all empty), from
@@ -553,13 +578,15 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         device = torch.device(device)
         if device == self.device and self._win_offsets.device == device:
             return self
-        return PartialInverseKeyedJaggedTensor(
+        moved = PartialInverseKeyedJaggedTensor(
             self._keys,
             self._values.to(device, non_blocking=non_blocking),
             self._win_offsets.to(device, non_blocking=non_blocking),
             self._win_lengths.to(device, non_blocking=non_blocking),
             validate=False,
         )
+        moved._host = self._host_spans()
+        return moved
 
     def pin_memory(self) -> PartialInverseKeyedJaggedTensor:
         """Page-locked copy for fast host -> accelerator copies.
@@ -567,13 +594,15 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         A no-op without an accelerator (torch cannot pin memory there); see
         :func:`recpipe._tensors.can_pin_memory`.
         """
-        return PartialInverseKeyedJaggedTensor(
+        pinned = PartialInverseKeyedJaggedTensor(
             self._keys,
             pin_tensor(self._values),
             pin_tensor(self._win_offsets),
             pin_tensor(self._win_lengths),
             validate=False,
         )
+        pinned._host = self._host_spans()
+        return pinned
 
     def equals(self, other: object) -> bool:
         """Exact equality of the stored form: keys, packed values and windows."""
@@ -595,12 +624,14 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
 
 
 def _window_positions(
-    starts: torch.Tensor, lengths: torch.Tensor
+    starts: torch.Tensor, lengths: torch.Tensor, *, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each value of the rows ``[starts[r], starts[r] + lengths[r])`` lies in the packed
-    values, and the rows' offsets: ``(positions [sum(lengths)], offsets [R + 1])``."""
+    values, and the rows' offsets: ``(positions [sum(lengths)], offsets [R + 1])``. ``total``:
+    ``sum(lengths)`` when the caller knows it (else read from the offsets: a sync on a GPU)."""
     offsets = lengths_to_offsets(lengths)
-    total = int(offsets[-1])
+    if total is None:
+        total = int(offsets[-1])
     # output value j of row r reads values[j + (starts[r] - offsets[r])]
     shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=total)
     return torch.arange(total, device=starts.device) + shift, offsets  # (total,), (R + 1,)

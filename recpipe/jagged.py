@@ -570,8 +570,12 @@ class KeyedJaggedTensor(_ValuesFields, _NoWeights):
     def offset_per_key(self) -> list[int]:
         """Where each key's values start in ``values()``, plus the end (``len(keys) + 1``)."""
         if self._offset_per_key is None:
-            bounds = torch.arange(len(self._keys) + 1, device=self.device) * self._stride
-            self._offset_per_key = self.offsets()[bounds].tolist()
+            if self._offsets is not None:
+                bounds = torch.arange(len(self._keys) + 1, device=self.device) * self._stride
+                self._offset_per_key = self._offsets[bounds].tolist()
+            else:  # the keys' sums: no offsets built for this
+                sums = self._lengths.view(len(self._keys), self._stride).sum(1)
+                self._offset_per_key = [0, *torch.cumsum(sums, 0).tolist()]
         return self._offset_per_key
 
     def length_per_key(self) -> list[int]:
@@ -717,7 +721,7 @@ class KeyedJaggedTensor(_ValuesFields, _NoWeights):
         device = torch.device(device)
         if device == self.device and self._lengths.device == device:
             return self
-        return KeyedJaggedTensor(
+        moved = KeyedJaggedTensor(
             self._keys,
             self._values.to(device, non_blocking=non_blocking),
             self._lengths.to(device, non_blocking=non_blocking),
@@ -725,6 +729,15 @@ class KeyedJaggedTensor(_ValuesFields, _NoWeights):
             stride=self._stride,
             validate=False,
         )
+        moved._offset_per_key = self._host_offset_per_key()
+        return moved
+
+    def _host_offset_per_key(self) -> list[int] | None:
+        """:meth:`offset_per_key` where reading it costs no device sync (on the CPU, or known
+        already), for a copy to carry: on a GPU, splitting a batch by key reads nothing back."""
+        if self._offset_per_key is None and self.device.type == "cpu":
+            return self.offset_per_key()
+        return self._offset_per_key
 
     def pin_memory(self) -> KeyedJaggedTensor:
         """Page-locked copy for fast host -> accelerator copies.
@@ -732,7 +745,7 @@ class KeyedJaggedTensor(_ValuesFields, _NoWeights):
         A no-op without an accelerator (torch cannot pin memory there); see
         :func:`recpipe._tensors.can_pin_memory`.
         """
-        return KeyedJaggedTensor(
+        pinned = KeyedJaggedTensor(
             self._keys,
             pin_tensor(self._values),
             pin_tensor(self._lengths),
@@ -740,6 +753,8 @@ class KeyedJaggedTensor(_ValuesFields, _NoWeights):
             stride=self._stride,
             validate=False,
         )
+        pinned._offset_per_key = self._host_offset_per_key()
+        return pinned
 
     def equals(self, other: object) -> bool:
         """Exact equality: keys, stride, lengths and values (dtype included)."""

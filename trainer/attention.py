@@ -35,15 +35,13 @@ def _pad(seq: JaggedEmbeddings, max_len: int) -> tuple[torch.Tensor, torch.Tenso
         return values.new_zeros(rows, max(length, 0), dim), lengths.new_zeros(
             rows, max(length, 0), dtype=torch.bool
         )
-    row = torch.repeat_interleave(torch.arange(rows, device=values.device), lengths)  # (N,)
-    from_end = (
-        offsets[1:].index_select(0, row) - 1 - torch.arange(values.shape[0], device=row.device)
-    )
-    keep = from_end < length
-    if not bool(keep.all()):
-        values, row, from_end = values[keep], row[keep], from_end[keep]
-    flat = row * length + from_end  # (N,)
-    padded = values.new_zeros(rows * length, dim).index_copy(0, flat, values)
+    n = values.shape[0]  # the lengths' sum: given, so that nothing is read back
+    row = torch.repeat_interleave(torch.arange(rows, device=values.device), lengths, output_size=n)
+    from_end = offsets[1:].index_select(0, row) - 1 - torch.arange(n, device=row.device)  # (N,)
+    # a value beyond the last max_len of its row goes to a spare last row, dropped after (no
+    # boolean selection: that would read its size back from a GPU)
+    flat = torch.where(from_end < length, row * length + from_end, rows * length)  # (N,)
+    padded = values.new_zeros(rows * length + 1, dim).index_copy(0, flat, values)[:-1]
     mask = torch.arange(length, device=row.device)[None, :] < lengths.clamp(max=length)[:, None]
     return padded.view(rows, length, dim), mask  # (R, L, D), (R, L)
 

@@ -38,7 +38,7 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer dtype of the same width as ``dtype`` (for kernels that only move bytes)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size not in _BITS_BY_SIZE:
         msg = f"`values` dtype {dtype} has {size}-byte elements; supported widths are 1, 2, 4 and 8"
         raise DataError(msg)

@@ -29,10 +29,12 @@ column).
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from numba import config as _numba_config
 from numba import int64
 
 from recpipe._deps import optional_import
@@ -66,9 +68,7 @@ __all__ = [
 
 def is_simulator() -> bool:
     """True when Numba's CUDA simulator stands in for a GPU (``NUMBA_ENABLE_CUDASIM=1``)."""
-    from numba import config
-
-    return bool(getattr(config, "ENABLE_CUDASIM", 0))
+    return bool(getattr(_numba_config, "ENABLE_CUDASIM", 0))
 
 
 def _threads(gpu: int = 256) -> int:
@@ -115,14 +115,15 @@ _CORE_STREAMS: dict[int, Any] = {}  # torch stream handle -> the same stream for
 def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: Arg) -> None:
     """Run ``kernel[blocks, threads]`` on torch's current stream over tensors and ints.
 
-    On a GPU the compiled kernel is launched directly (``cuda.core.launch``) with the arguments
-    Numba's dispatcher would build (an array is its size, item size, pointer, shape and strides):
-    the dispatcher's own launch costs far more host time than the small kernels of a training
-    step take to run. The first launch of each kernel and argument types compiles through the
-    dispatcher; where that route is not available (another numba-cuda, the simulator), the
-    dispatcher launches every time. Every step of a direct launch is host work a small kernel
-    waits for, so it is kept short: the launch configuration and the stream are cached, the
-    stream is read as torch's raw handle.
+    On a GPU the compiled kernel is launched directly with the parameters Numba's dispatcher
+    would build (an array is its size, item size, pointer, shape and strides, all 8-byte
+    values): the dispatcher's own launch costs far more host time than the small kernels of a
+    training step take to run. The parameters go to the driver's ``cuLaunchKernel`` packed in
+    one buffer (:class:`_DriverLauncher`), or, where that is not available, through
+    ``cuda.core.launch``. The first launch of each kernel and argument types compiles through
+    the dispatcher; where no direct route exists (another numba-cuda, the simulator), the
+    dispatcher launches every time. ``RECPIPE_CUDA_LAUNCH=core`` (or ``dispatcher``) picks a
+    slower route, to compare them.
     """
     # no detach: only pointers and sizes are read here (as_device_array detaches for Numba)
     tensors = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
@@ -130,6 +131,11 @@ def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: 
     if compiled is None:
         dev_args = [as_device_array(a) if isinstance(a, torch.Tensor) else a for a in tensors]
         kernel[blocks, threads, torch_stream(device)](*dev_args)
+        return
+    driver = _driver()
+    if driver is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        driver.launch(compiled, blocks, threads, index, _raw_stream(index), _param_words(tensors))
         return
     config = _CONFIGS.get((blocks, threads))
     if config is None:
@@ -142,12 +148,17 @@ def launch(kernel: Any, blocks: int, threads: int, device: torch.device, *args: 
 _CONFIGS: dict[tuple[int, int], Any] = {}  # (blocks, threads) -> cuda.core launch configuration
 
 
+def _route() -> str:
+    """``RECPIPE_CUDA_LAUNCH``: ``driver`` (default), ``core`` or ``dispatcher``."""
+    return os.environ.get("RECPIPE_CUDA_LAUNCH", "driver")
+
+
 def _compiled(kernel: Any, tensors: list[Arg]) -> Any:
     """The compiled form of ``kernel`` for these argument types (``None``: use the dispatcher)."""
     key = (kernel, *((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else int for a in tensors))
     if key not in _DIRECT:
         _DIRECT[key] = None
-        if _core is not None:
+        if _core is not None and _route() != "dispatcher":
             examples = [as_device_array(a) if isinstance(a, torch.Tensor) else a for a in tensors]
             try:
                 overloads = kernel.specialize(*examples).overloads
@@ -157,34 +168,108 @@ def _compiled(kernel: Any, tensors: list[Arg]) -> Any:
     return _DIRECT[key]
 
 
-def _raw_stream(device: torch.device) -> int:
-    """Torch's current stream on ``device`` as its CUDA handle (the raw call where torch has it:
-    it builds no Python stream object)."""
+class _DriverLauncher:
+    """``cuLaunchKernel`` through ctypes, every parameter in one packed buffer.
+
+    Numba passes each kernel parameter as an 8-byte value (pointers, sizes, shapes, strides and
+    int64 scalars), so the parameter buffer is those values in order
+    (``CU_LAUNCH_PARAM_BUFFER_POINTER``): one ctypes array and one driver call per launch,
+    where ``cuda.core.launch`` converts every parameter to an object of its own. The compiled
+    kernel (a library kernel) is resolved once to its function in the current context.
+    """
+
+    _BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0  # cuLaunchKernel's ``extra`` markers
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._get_function = lib.cuKernelGetFunction
+        self._get_function.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self._get_function.restype = ctypes.c_int
+        self._launch = lib.cuLaunchKernel
+        self._launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+        self._launch.restype = ctypes.c_int
+        self._functions: dict[tuple[int, int], int] = {}  # (id(kernel), device) -> CUfunction
+
+    def _function(self, compiled: Any, device: int) -> int:
+        func = self._functions.get((id(compiled), device))
+        if func is None:
+            out = ctypes.c_void_p()
+            rc = self._get_function(ctypes.byref(out), int(compiled.handle))
+            if rc != 0 or not out.value:
+                msg = f"cuKernelGetFunction failed with CUDA error {rc}"
+                raise DependencyError(msg)
+            func = self._functions[id(compiled), device] = int(out.value)
+        return func
+
+    def launch(
+        self, compiled: Any, blocks: int, threads: int, device: int, stream: int, words: list[int]
+    ) -> None:
+        params = (ctypes.c_int64 * len(words))(*words)
+        size = ctypes.c_size_t(ctypes.sizeof(params))
+        extra = (ctypes.c_void_p * 5)(
+            self._BUFFER_POINTER, ctypes.addressof(params), self._BUFFER_SIZE,
+            ctypes.addressof(size), self._END,
+        )  # fmt: skip
+        rc = self._launch(
+            self._function(compiled, device), blocks, 1, 1, threads, 1, 1, 0, stream, None, extra
+        )
+        if rc != 0:
+            msg = f"cuLaunchKernel failed with CUDA error {rc} ({blocks} blocks of {threads})"
+            raise DependencyError(msg)
+
+
+_DRIVER: list[_DriverLauncher | None] = []  # filled on first use
+
+
+def _driver() -> _DriverLauncher | None:
+    """The driver-level launcher, or ``None`` where it is not to be used or not there."""
+    if not _DRIVER:
+        launcher = None
+        if _route() == "driver":
+            try:
+                launcher = _DriverLauncher(ctypes.CDLL("libcuda.so.1"))
+            except (OSError, AttributeError):
+                launcher = None  # no driver library by that name: cuda.core launches
+        _DRIVER.append(launcher)
+    return _DRIVER[0]
+
+
+def _raw_stream(index: int) -> int:
+    """Torch's current stream on device ``index`` as its CUDA handle (the raw call where torch
+    has it: it builds no Python stream object)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
         return int(raw(index))
-    return int(torch.cuda.current_stream(device).cuda_stream)
+    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 def _core_stream(device: torch.device) -> Any:
-    handle = _raw_stream(device)
+    handle = _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     stream = _CORE_STREAMS.get(handle)
     if stream is None:
         stream = _CORE_STREAMS[handle] = _core.Stream.from_handle(handle)
     return stream
 
 
-def _flat_args(tensors: list[Arg]) -> list[Any]:
-    """The kernel parameters Numba passes for these arguments (contiguous tensors, int64s)."""
-    flat: list[Any] = []
+def _param_words(tensors: list[Arg]) -> list[int]:
+    """The kernel parameters Numba passes for these arguments, as 8-byte integers (contiguous
+    tensors: meminfo, parent, size, item size, pointer, shape, strides in bytes; ints)."""
+    words: list[int] = []
     for a in tensors:
         if isinstance(a, torch.Tensor):
             size = a.element_size()
-            flat += [0, 0, a.numel(), size, a.data_ptr(), *a.shape]  # meminfo, parent, ...
-            flat += [stride * size for stride in a.stride()]
+            words += [0, 0, a.numel(), size, a.data_ptr(), *a.shape]
+            words += [stride * size for stride in a.stride()]
         else:
-            flat.append(ctypes.c_int64(a))
+            words.append(a)
+    return words
+
+
+def _flat_args(tensors: list[Arg]) -> list[Any]:
+    """:func:`_param_words` as ``cuda.core.launch`` takes them (ints as ``c_int64``)."""
+    flat: list[Any] = []
+    for a in tensors:
+        flat += _param_words([a]) if isinstance(a, torch.Tensor) else [ctypes.c_int64(a)]
     return flat
 
 
@@ -502,9 +587,11 @@ def _add_runs(
     """One block per output row (grid-stride); a row that starts a piece of a run of equal
     indices (the first of its run, or at a multiple of ``_RUN_ROWS``) sums the piece's rows in
     batch order and adds the sum to the source row with one atomic add per element; the other
-    rows' blocks leave at once. A session-clustered batch repeats a row in consecutive rows, so
-    this makes a run's worth fewer atomic adds than a block per row."""
+    rows' blocks leave at once. Each thread sums four elements at a time (four loads in flight
+    per row of the run). A session-clustered batch repeats a row in consecutive rows, so this
+    makes a run's worth fewer atomic adds than a block per row."""
     rows = indices.shape[0]
+    step = cuda.blockDim.x
     for m in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
         r = indices[m]
         if m % _RUN_ROWS != 0 and indices[m - 1] == r:
@@ -514,12 +601,30 @@ def _add_runs(
         while end < stop and indices[end] == r:
             end += 1
         dst = src_offsets[r] * width
+        first = out_offsets[m] * width
         n = (out_offsets[m + 1] - out_offsets[m]) * width
-        for k in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-            acc = grad[out_offsets[m] * width + k]
+        for k0 in range(cuda.threadIdx.x, n, 4 * step):
+            # an element past the row reads the row's last one (same dtype) and is not added
+            k1 = min(k0 + step, n - 1)
+            k2 = min(k0 + 2 * step, n - 1)
+            k3 = min(k0 + 3 * step, n - 1)
+            a0 = grad[first + k0]
+            a1 = grad[first + k1]
+            a2 = grad[first + k2]
+            a3 = grad[first + k3]
             for j in range(m + 1, end):
-                acc += grad[out_offsets[j] * width + k]
-            cuda.atomic.add(out, dst + k, acc)
+                at = out_offsets[j] * width
+                a0 += grad[at + k0]
+                a1 += grad[at + k1]
+                a2 += grad[at + k2]
+                a3 += grad[at + k3]
+            cuda.atomic.add(out, dst + k0, a0)
+            if k0 + step < n:
+                cuda.atomic.add(out, dst + k1, a1)
+            if k0 + 2 * step < n:
+                cuda.atomic.add(out, dst + k2, a2)
+            if k0 + 3 * step < n:
+                cuda.atomic.add(out, dst + k3, a3)
 
 
 def _tiles(n: int, threads: int) -> int:

@@ -243,3 +243,19 @@ def test_partial_ikjt_to_pin_and_errors():
         PartialInverseKeyedJaggedTensor(
             ["a", "b"], torch.arange(3), torch.tensor([0]), torch.tensor([1])
         )
+
+
+def test_a_moved_partial_ikjt_expands_a_key_without_reading_the_device():
+    """A copy carries each key's expanded size and packed span, so a moved partial IKJT lays out
+    a key's windows without reading them back; the ``meta`` device (no data) stands in for a
+    GPU. On the CPU the carried spans give what the windows give."""
+    rows = {"a": [[1, 2, 3], [2, 3, 4], [], [7]], "b": [[5], [5], [5, 6], []]}
+    p = PartialInverseKeyedJaggedTensor.from_jagged(kjt_from_rows(rows).to_dict())
+    ids, positions, offsets = p.to("meta").key_windows("a")
+    want_ids, want_positions, want_offsets = p.key_windows("a")
+    assert ids.device.type == "meta" and ids.shape == want_ids.shape
+    assert positions.shape == want_positions.shape and offsets.shape == want_offsets.shape
+    assert torch.equal(p.pin_memory().key_windows("b")[1], p.key_windows("b")[1])
+    for key in rows:
+        got = [t.tolist() for t in p.pin_memory().key_windows(key)]
+        assert got == [t.tolist() for t in p.key_windows(key)]

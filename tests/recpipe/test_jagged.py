@@ -221,3 +221,18 @@ def test_kjt_index_select_matches_python(a, data, dtype):
     got = kjt.index_select(torch.tensor(rows, dtype=torch.int64))
     assert got.equals(want)
     assert [x.tolist() for x in got["b"].to_dense_list()] == [b[r] for r in rows]
+
+
+def test_a_moved_kjt_splits_by_key_without_reading_the_device():
+    """A copy carries the keys' offsets counted where they cost no sync, so a batch moved to a
+    GPU is split by key without reading a size back; the ``meta`` device, which holds no data,
+    stands in for one (reading it would raise)."""
+    kjt = kjt_from_rows({"a": [[1, 2], [], [3]], "b": [[4], [5, 6, 7], []]})
+    assert kjt.to("meta").offset_per_key() == [0, 3, 7]
+    moved = kjt.to("meta")["b"]
+    assert moved.values().device.type == "meta" and moved.values().shape == (4,)
+    assert kjt.pin_memory().offset_per_key() == [0, 3, 7]
+    empty = KeyedJaggedTensor(
+        [], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    )
+    assert empty.to("meta").offset_per_key() == [0]

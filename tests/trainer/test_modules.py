@@ -324,6 +324,23 @@ def test_attention_gradcheck_on_unique_rows():
     assert torch.autograd.gradcheck(f, (values,))
 
 
+def test_attention_truncation_gives_dropped_values_no_gradient():
+    """Values beyond a row's last ``max_len`` (sent to a spare row that is dropped) get an exact
+    zero gradient, the kept ones a correct one."""
+    dim = 4
+    att = AttentionPooling(["s"], dim=dim, max_len=2, num_heads=2).double()
+    offsets = torch.tensor([0, 4, 5, 8])  # rows of 4, 1 and 3 values: 2, 0 and 1 dropped
+    values = torch.randn(8, dim, dtype=torch.float64, requires_grad=True)
+    out = att({"s": JaggedEmbeddings(values, offsets)})
+    (out * torch.randn(out.shape, dtype=torch.float64)).sum().backward()  # LayerNorm: not .sum()
+    dropped = torch.tensor([0, 1, 5])
+    assert torch.equal(values.grad[dropped], torch.zeros(3, dim, dtype=torch.float64))
+    assert values.grad[torch.tensor([2, 3, 4, 6, 7])].abs().sum(1).gt(0).all()
+    assert torch.autograd.gradcheck(
+        lambda v: att({"s": JaggedEmbeddings(v, offsets)}), (values.detach().requires_grad_(),)
+    )
+
+
 def test_attention_validates_arguments():
     with pytest.raises(RecpipeError, match="`num_heads` must divide `dim`"):
         AttentionPooling(["s"], dim=6, num_heads=4)
