@@ -27,9 +27,9 @@ The messages (every rank the same collectives; counts before payloads)::
                pushes of the rank's last step (id, values, state) and its gradients of that
                step's shared rows (counts both sides know); the home applies the gradient
                sums, then the evict pushes, then looks the reads up
-    3 answers  to each reader, per read: flags (pull, shared, pushed), the latest version and
-               the rank serving the pull; with it, to every rank: the home's totals of pulls it
-               serves and of push requests, and how many it asks of that rank
+    3 answers  to each reader, per read: flags (pull, shared, pushed, and the holder pushing
+               it) and the latest version; with it, to every rank: the home's totals of pulls
+               it serves and of push requests, and how many it asks of that rank
     4 pulls    the rows the homes serve (each reader knows how many from the answers) and the
                push requests (table, id, the rank the row goes to) to the holders; skipped
                when no home serves a pull nor asks a push (every rank has every home's totals)
@@ -83,7 +83,9 @@ RECORD_KINDS = ("reads", "pulls", "pushes", "shared", "evictions", "evict_pushes
 """What a :class:`CacheRecord` lists (the fields of the shadow's ``StepTransfers``)."""
 
 _PULL, _SHARED, _PUSHED = 1, 2, 4  # flags a home answers a read with (_PUSHED: the pulled
-# row comes from the rank holding it dirty, in the update pushes, not from the home)
+# row comes from the rank holding it dirty, in the update pushes, not from the home; that
+# rank in the bits above _HOLDER)
+_HOLDER = 3
 
 
 @dataclass(frozen=True)
@@ -535,14 +537,14 @@ class CachedEmbeddings:
         keep = push_at if train else push_at[:0]
         ent_holder = np.concatenate([holder[inverse[ent]], dirty_on[keep]])
         ent_order = _group_order(ent_holder, w)
-        requests = np.stack([np.concatenate([got_table[ent], got_table[keep]]),
-                             np.concatenate([got[ent, 0], got[keep, 0]]),
-                             np.concatenate([got_src[ent], np.full(keep.size, me)])], axis=1)  # fmt: skip
+        requests = np.stack([np.concatenate([got[ent, 0], got[keep, 0]]),  # (id, table·W + to)
+                             np.concatenate([got_table[ent] * w + got_src[ent],
+                                             got_table[keep] * w + me])], axis=1)  # fmt: skip
         request_rows = np.bincount(ent_holder, minlength=w)
         from_home = np.flatnonzero(pull & ~via)
         flags = (np.where(pull, _PULL, 0) | np.where(got_shared, _SHARED, 0)
-                 | np.where(via, _PUSHED, 0))  # fmt: skip
-        answer = np.stack([flags, latest, np.where(via, holder[inverse], me)], axis=1)
+                 | np.where(via, _PUSHED | (holder[inverse] << _HOLDER), 0))  # fmt: skip
+        answer = np.stack([flags, latest], axis=1)
         # every home tells every rank its totals: all know whether the next rounds happen
         header = np.zeros((w, 3), dtype=np.int64)
         header[:, 0], header[:, 1], header[:, 2] = from_home.size, ent_holder.size, request_rows
@@ -550,13 +552,13 @@ class CachedEmbeddings:
         back, heads_t = self._a2a_many([(torch.from_numpy(answer), inbox.recv_rows,
                                          inbox.send_rows), (torch.from_numpy(header), ones, ones)],
                                        what="the caches' answers")  # fmt: skip
-        mine, heads = np.empty((ids.size, 3), dtype=np.int64), heads_t.numpy()
-        mine[order] = back.numpy()  # per read: flags, latest version, the rank serving a pull
+        mine, heads = np.empty((ids.size, 2), dtype=np.int64), heads_t.numpy()
+        mine[order] = back.numpy()  # per read: flags (and a pushed row's holder), latest version
         # 3. the pulls the homes serve, with the push requests to the holders
         sent_flags = mine[order, 0] & (_PULL | _PUSHED)
         pulled_home = order[np.flatnonzero(sent_flags == _PULL)]  # by home, in send order
         rows_home = torch.zeros(0, self._packed_width(), dtype=self.dtype)
-        asked = np.zeros((0, 3), dtype=np.int64)
+        asked = np.zeros((0, 2), dtype=np.int64)
         if heads[:, :2].any():
             fresh = self._home_packed(got_table[from_home], got_row[from_home], got[from_home, 0])
             rows_home, asked_t = self._a2a_many([
@@ -574,7 +576,7 @@ class CachedEmbeddings:
         if heads[:, 1].any():
             pushes, got_push = self._update_pushes(
                 asked, np.repeat(np.arange(w), heads[:, 2]), commit=train,
-                expect=(np.concatenate([mine[pulled_push, 2], dirty_on[keep]]),
+                expect=(np.concatenate([mine[pulled_push, 0] >> _HOLDER, dirty_on[keep]]),
                         np.concatenate([owner[pulled_push], np.full(keep.size, me)]),
                         np.concatenate([table_of[pulled_push], got_table[keep]]),
                         np.concatenate([ids[pulled_push], got[keep, 0]])),
@@ -632,14 +634,14 @@ class CachedEmbeddings:
         commit: bool,
         expect: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     ) -> tuple[np.ndarray, torch.Tensor]:
-        """As a holder, send each row asked of it (``asked`` [m, 3]: table, id, the rank it
-        goes to; ``asked_home``: the home that asked) to that rank; ``commit``: its copy is
+        """As a holder, send each row asked of it (``asked`` [m, 2]: id, table · W + the rank
+        it goes to; ``asked_home``: the home that asked) to that rank; ``commit``: its copy is
         clean now (an update push), otherwise unchanged (a read for evaluation). As a
         recipient, return the rows ``expect``\\ed (holder, home, table, id), in that order
         (collective; both sides order a holder's rows to a rank by (home, table, id)). Returns
         also the (table, id) this rank pushed, for its record."""
         w, cache = self.comm.world_size, self.cache
-        a_table, a_id, a_to = asked[:, 0], asked[:, 1], asked[:, 2]
+        a_id, a_table, a_to = asked[:, 0], asked[:, 1] // w, asked[:, 1] % w
         slots = np.zeros(a_id.size, dtype=np.int64)
         for t in np.unique(a_table):
             sel = np.flatnonzero(a_table == t)
