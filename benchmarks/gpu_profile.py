@@ -5,9 +5,10 @@ then profiles ``--steps`` steps of each mode with ``torch.profiler`` (host and d
 more step of each with torch's sync debug mode on, which names every place that makes the host
 wait for the device. Writes a JSON summary (``--out``) and prints:
 
-* per mode: the host's and the device's total time per step, the number of host-device syncs
-  (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, device-to-host copies) per step, and the
-  top operators by device time;
+* per mode: the host's time per step (its operators' own time, waits at syncs included) and the
+  device's (its kernels, copies and memsets), the number of host-device syncs
+  (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``) and of
+  ``cudaMemcpyAsync`` calls per step, and the top kernels by device time;
 * the source lines (recpipe's and the trainer's own frames) where the syncs happen.
 
 Needs a CUDA device (``--device cpu`` only checks the script). Run: ``python -m benchmarks.gpu_profile --data DATA [--batch-size 32768]
@@ -30,6 +31,7 @@ _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSync
 
 def _profile_mode(trainer: Any, batches: list[Any], steps: int) -> dict[str, Any]:
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.device.type == "cuda"
@@ -42,9 +44,12 @@ def _profile_mode(trainer: Any, batches: list[Any], steps: int) -> dict[str, Any
     averages = prof.key_averages()
     syncs = sum(e.count for e in averages if e.key in _SYNC_EVENTS)
     d2h = sum(e.count for e in averages if e.key == "cudaMemcpyAsync")
-    device_us = sum(getattr(e, "self_device_time_total", 0) for e in averages)
-    host_us = sum(e.self_cpu_time_total for e in averages)
-    top = sorted(averages, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)
+    # the device's own events (kernels, copies, memsets): an operator's row repeats its
+    # kernels' time, so only these add up to the device's time
+    on_device = [e for e in averages if e.device_type == DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in on_device)
+    host_us = sum(e.self_cpu_time_total for e in averages if e.device_type == DeviceType.CPU)
+    top = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)
     return {
         "host_ms_per_step": host_us / 1e3 / steps,
         "device_ms_per_step": device_us / 1e3 / steps,
@@ -53,7 +58,7 @@ def _profile_mode(trainer: Any, batches: list[Any], steps: int) -> dict[str, Any
         "top_device_ops": [
             {
                 "op": e.key,
-                "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 1e3 / steps,
+                "device_ms_per_step": e.self_device_time_total / 1e3 / steps,
                 "calls_per_step": e.count / steps,
             }
             for e in top[:20]

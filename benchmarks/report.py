@@ -485,6 +485,20 @@ def _gpu_sweep(d: Results) -> str:
     )
 
 
+def _gpu_device_ratios(d: Results) -> str:
+    """At 16,384 rows: each no-sync call's rate over a copy's on device time alone."""
+    point = {p["rows"]: p for p in d["gpu_sweep"]}[16384]  # KeyError: the row is left out
+    names = ("jagged_index_select_known_layout", "jagged_index_add", "add_kernel_row",
+             "add_kernel_run")  # fmt: skip
+    return (
+        " / ".join(
+            f"{x(point[f'{n}_device_vs_torch_copy'])} ({point[f'{n}_device_ms']:.3f} ms)"
+            for n in names
+        )
+        + f"; the copy {point['torch_copy_device_ms']:.3f} ms"
+    )
+
+
 def _gpu_kernel_row(name: str, what: str, *, bandwidth_target: bool = True) -> Row:
     return Row(
         f"`{name}` ({what})",
@@ -521,6 +535,23 @@ KERNELS_GPU = Table(
         _gpu_kernel_row("dedup_rows", "hash, sort, verify", bandwidth_target=False),
         _gpu_vs_copy_row("jagged_index_select", 16384),
         _gpu_vs_copy_row("jagged_index_add", 16384),
+        Row(
+            "the select at 16,384 rows given the batch's layout (`_known_layout`: no sync, no "
+            "offsets to compute) / given its size only (`_known_size`)",
+            "gpu_sweep_vs_torch_copy.16384.jagged_index_select_known_layout",
+            lambda d: (
+                "{v} / "
+                + x(med(d["gpu_sweep_vs_torch_copy"]["16384"]["jagged_index_select_known_size"]))
+            ),
+            reference="report",
+        ),
+        Row(
+            "device time alone at 16,384 rows (the host's launch work hidden), its rate / a "
+            "copy's: select given the layout / add / add kernel by row / by run",
+            None,
+            _gpu_device_ratios,
+            reference="report",
+        ),
         Row(
             "host cost of one kernel launch: as the CUDA forms launch / through Numba's dispatcher",
             "gpu.direct_launch_ms",

@@ -300,3 +300,31 @@ def test_select_and_add_layouts_at_a_batchs_size_on_a_gpu(monkeypatch, layout, d
     got = jagged_index_add(grad.cuda(), out_offsets, offsets.cuda(), indices.cuda(), len(values))
     expect = cpu.jagged_index_add(grad, want_offsets, offsets, indices, len(values))
     torch.testing.assert_close(got.cpu(), expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (the simulator launches through Numba)"
+)
+@pytest.mark.parametrize("layout", ["row", "run"])
+def test_the_driver_launch_route_on_a_gpu(monkeypatch, layout):
+    """``RECPIPE_CUDA_LAUNCH=driver``: every kernel of a select and its add launched by
+    ``cuLaunchKernel`` with the packed parameter buffer gives the CPU forms' results."""
+    from recpipe.kernels import cuda as kc
+
+    monkeypatch.setenv("RECPIPE_CUDA_LAUNCH", "driver")
+    monkeypatch.setattr(kc, "_DRIVER", [])
+    _use_layout(monkeypatch, layout)
+    assert kc._driver() is not None
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 30, (2000,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.randn(int(offsets[-1]), 16, generator=gen)
+    indices = torch.randint(0, 2000, (3000,), generator=gen).repeat_interleave(3)
+    want, want_offsets = cpu.jagged_index_select(values, offsets, indices)
+    out, out_offsets = jagged_index_select(values.cuda(), offsets.cuda(), indices.cuda())
+    assert torch.equal(out.cpu(), want) and torch.equal(out_offsets.cpu(), want_offsets)
+    grad = torch.randn(want.shape, generator=gen)
+    got = jagged_index_add(grad.cuda(), out_offsets, offsets.cuda(), indices.cuda(), len(values))
+    expect = cpu.jagged_index_add(grad, want_offsets, offsets, indices, len(values))
+    torch.testing.assert_close(got.cpu(), expect, rtol=1e-5, atol=1e-5)
+    assert kc._DRIVER[0]._functions  # the driver launched them
