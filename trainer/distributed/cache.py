@@ -511,14 +511,14 @@ class CachedEmbeddings:
         if train:
             cached = slots >= 0
             held[cached] = cache.version[slots[cached]]
-        # 1. the reads, with the versions held, to their homes (and what this rank owes them
+        # 1-2. the reads, with the versions held, to their homes (and what this rank owes them
         # since its last step, which they apply first)
         owner = owner_of(ids, w)
         inbox = self._to_homes(np.stack([ids, held], axis=1), owner * n_t + table_of,
                                np.zeros(0, dtype=np.int64), what="the caches' reads")  # fmt: skip
         order, got, got_table, got_src = inbox.order, inbox.got, inbox.got_table, inbox.got_src
         got_row = self._home_rows(got_table, got[:, 0], create=train)
-        # 2. the home's answers: readers per row, pulls, and who serves each pull
+        # 3. the home's answers: readers per row, pulls, and who serves each pull
         key = got_table * (int(got_row.max(initial=0)) + 2) + got_row + 1
         _, inverse, readers = np.unique(key, return_inverse=True, return_counts=True)
         got_shared = readers[inverse] >= 2
@@ -554,7 +554,7 @@ class CachedEmbeddings:
                                        what="the caches' answers")  # fmt: skip
         mine, heads = np.empty((ids.size, 2), dtype=np.int64), heads_t.numpy()
         mine[order] = back.numpy()  # per read: flags (and a pushed row's holder), latest version
-        # 3. the pulls the homes serve, with the push requests to the holders
+        # 4. the pulls the homes serve, with the push requests to the holders
         sent_flags = mine[order, 0] & (_PULL | _PUSHED)
         pulled_home = order[np.flatnonzero(sent_flags == _PULL)]  # by home, in send order
         rows_home = torch.zeros(0, self._packed_width(), dtype=self.dtype)
@@ -567,7 +567,7 @@ class CachedEmbeddings:
                 (torch.from_numpy(requests[ent_order]), request_rows, heads[:, 2]),
             ], what="the caches' pulls and push requests")  # fmt: skip
             asked = asked_t.numpy()
-        # 4. the update pushes: each holder sends the rows asked of it to the ranks named
+        # 5. the update pushes: each holder sends the rows asked of it to the ranks named
         pulled_push = np.flatnonzero(((mine[:, 0] & _PUSHED) > 0) & ((owner != me) | (not train)))
         rows_push = torch.zeros(0, self._packed_width(), dtype=self.dtype)
         pushes = np.zeros((0, 2), dtype=np.int64)
