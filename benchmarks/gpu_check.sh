@@ -5,7 +5,8 @@
 # (dedup on vs off, and fed by the readers vs on preloaded batches). docs/gpu.md says what each
 # figure is.
 #
-#   bash benchmarks/gpu_check.sh [tests] [kernels] [profile] [trainer]   (default: all, in order)
+#   bash benchmarks/gpu_check.sh [tests] [kernels] [kernels_driver] [profile] [trainer]
+#                                                                      (default: all, in order)
 #
 # It installs nothing from the network. Environment:
 #   WHEELS  a folder of wheels installed offline first, over the image's packages, into
@@ -89,6 +90,28 @@ print("launch ms: dispatcher", round(d["gpu"]["dispatcher_launch_ms"], 4),
 EOF
 }
 
+run_kernels_driver() {
+  # the same kernels launched by the driver route (RECPIPE_CUDA_LAUNCH=driver), at 16,384 rows,
+  # to decide whether it becomes the default (recpipe.kernels.cuda.launch)
+  step kernels_driver 120 env RECPIPE_CUDA_LAUNCH=driver python3 -m benchmarks.kernels --repeats 5 \
+    --gpu-rows 16384 --out "$OUT/kernels_gpu_driver.json"
+  python3 - "$OUT/kernels_gpu.json" "$OUT/kernels_gpu_driver.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+def at(path):
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError):
+        return {}
+    return {p["rows"]: p for p in d.get("gpu_sweep", [])}.get(16384, {})
+core, driver = at(sys.argv[1]), at(sys.argv[2])
+print("16,384 rows, ms per call, cuda.core launch vs driver launch:")
+for name in ("jagged_index_select", "jagged_index_select_known_layout", "jagged_index_add",
+             "select_kernel_row", "add_kernel_row", "add_kernel_run"):
+    print(f"  {name}: {core.get(name + '_ms', float('nan')):.3f} vs "
+          f"{driver.get(name + '_ms', float('nan')):.3f}")
+EOF
+}
+
 ensure_data() {
   if [ ! -f "$DATA/_manifest.json" ]; then
     step dataset 240 python3 -c "
@@ -127,14 +150,15 @@ EOF
 }
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests kernels profile trainer)
+[ ${#stages[@]} -eq 0 ] && stages=(tests kernels kernels_driver profile trainer)
 for stage in "${stages[@]}"; do
   case $stage in
     tests) run_tests ;;
     kernels) run_kernels ;;
+    kernels_driver) run_kernels_driver ;;
     profile) run_profile ;;
     trainer) run_trainer ;;
-    *) echo "gpu_check: unknown stage '$stage' (tests, kernels, profile, trainer)" | tee -a "$SUMMARY" ;;
+    *) echo "gpu_check: unknown stage '$stage' (tests, kernels, kernels_driver, profile, trainer)" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "gpu_check: done; files in $OUT" | tee -a "$SUMMARY"
