@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default), tensor by tensor, or both ways alternated in the same rounds",
     )  # fmt: skip
     parser.add_argument(
+        "--epochs-ahead", action=argparse.BooleanOptionalAction, default=True,
+        help="--end-to-end's workers read on into the next epoch (make_dataloader's "
+        "epochs_ahead; default on): no pause at each epoch's end",
+    )  # fmt: skip
+    parser.add_argument(
         "--dense-grads", action="store_true",
         help="dense embedding gradients (ModelConfig.sparse_grad=False): on a GPU the sparse "
         "optimizer step reads sizes back from the device several times per table",
@@ -454,7 +459,8 @@ def measure_end_to_end(
     (both ways run the same kernels on batches of the same shape).
 
     The workers send each batch packed in one buffer (``--fed-transport``: or tensor by tensor,
-    or both alternated). ``fed_next_share`` is the share of the fed side's timed wall time the
+    or both alternated) and read on into the next epoch (``--epochs-ahead``; the benchmark's
+    dataset is about a dozen batches an epoch, so a pause at each epoch's end would weigh). ``fed_next_share`` is the share of the fed side's timed wall time the
     training loop spent in ``next()`` (receiving, unpacking and the non-blocking copy; waiting
     for the workers too), ``fed_next_cpu_ms`` the main thread's CPU time per batch in it.
     """
@@ -496,7 +502,7 @@ def measure_end_to_end(
     def fed(workers: int, packed: bool) -> Iterator[Any]:
         loader = make_dataloader(
             dataset, config=config, num_workers=workers, pin_memory=pin, dedup=True,
-            persistent_workers=workers > 0, packed=packed,
+            persistent_workers=workers > 0, packed=packed, epochs_ahead=args.epochs_ahead,
         )  # fmt: skip
         while True:  # epoch after epoch, as a training run reads
             empty = True
@@ -509,7 +515,10 @@ def measure_end_to_end(
 
     ways = {"packed": ["fed"], "tensors": ["fed_tensors"], "both": ["fed", "fed_tensors"]}
     ways_run = ["model_only", *ways[args.fed_transport]]
-    out: dict[str, Any] = {"end_to_end": [], "end_to_end_transport": args.fed_transport}
+    out: dict[str, Any] = {
+        "end_to_end": [], "end_to_end_transport": args.fed_transport,
+        "end_to_end_epochs_ahead": args.epochs_ahead,
+    }  # fmt: skip
     for workers in args.workers:
         runs: dict[str, list[tuple[float, float, float]]] = {way: [] for way in ways_run}
         for r in range(args.rounds):

@@ -17,6 +17,11 @@ script measures, on the readers' own data, in one run with the two ways alternat
   batch                tensors, bytes and distinct storages of one received batch, both ways
   worker_samples_per_s one reader's production rate (in this process, one thread), which
                        with the target rate gives an estimate of the workers needed
+  epoch_gap_ms         the wait for an epoch's first batch when the consumer had all the time
+                       it needed (it slept ``--settle`` after the last batch of the epoch before):
+                       with ``epochs_ahead`` (the workers read on into the next epoch) vs
+                       without (every worker starts the epoch only when it is asked for),
+                       packed both ways, alternated over ``--gap-rounds``
 
 Each round builds a fresh loader per way (the order rotating each round), drops the first
 two batches, then sleeps ``--settle`` seconds before each burst of ``workers * prefetch - 1``
@@ -116,6 +121,27 @@ def measure_round(
     }
 
 
+def epoch_gaps(dataset: Path, config: Any, *, ahead: bool, args: argparse.Namespace) -> float:
+    """Median wait (ms) for the first batch of epochs 1 and 2, the consumer idle before it."""
+    from readers.dataset import make_dataloader
+
+    loader = make_dataloader(
+        dataset, config=config, num_workers=args.workers, dedup=True, epochs_ahead=ahead,
+        persistent_workers=True, prefetch_factor=args.prefetch,
+    )  # fmt: skip
+    gaps = []
+    for epoch in range(3):
+        it = iter(loader)
+        time.sleep(args.settle)
+        wall0 = time.perf_counter()
+        next(it)
+        if epoch:
+            gaps.append(time.perf_counter() - wall0)
+        for _ in it:
+            pass
+    return 1e3 * statistics.median(gaps)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Both ways, alternated over ``--rounds``; the worker rate; the estimate."""
     from readers.source import ReaderConfig
@@ -133,6 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"other threads {got['other_threads_cpu_ms']:6.2f} ms) over {got['batches']}",
                 file=sys.stderr,
             )
+    gaps: dict[str, list[float]] = {"ahead": [], "at_end": []}
+    for r in range(args.gap_rounds):
+        for way in list(gaps)[r % 2 :] + list(gaps)[: r % 2]:
+            gaps[way].append(epoch_gaps(args.dataset, config, ahead=way == "ahead", args=args))
+            print(f"  round {r} epoch gap {way:6s} {gaps[way][-1]:8.1f} ms", file=sys.stderr)
     rate = worker_rate(args.dataset, config, batches=args.worker_batches)
     per_worker = rate["samples_per_s_cpu"]
     out: dict[str, Any] = {
@@ -151,6 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         [g["receive_cpu_ms"] for g in rounds["packed"]],
         [g["receive_cpu_ms"] for g in rounds["tensors"]],
     )
+    if args.gap_rounds:
+        out["epoch_gap_ms"] = {way: spread(values) for way, values in gaps.items()}
     batches_per_s = args.target / args.batch_size
     out["main_process_ms_budget_at_target"] = 1e3 / batches_per_s
     return out
@@ -173,12 +206,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32_768, help="rows (default 32768)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     parser.add_argument("--prefetch", type=int, default=3, help="prefetch_factor (default 3)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternated rounds of the receive figures (default 5)"
+    )
     parser.add_argument(
         "--settle",
         type=float,
         default=2.0,
         help="seconds the workers get to fill the queue before a burst (default 2)",
+    )
+    parser.add_argument(
+        "--gap-rounds",
+        type=int,
+        default=3,
+        help="alternated rounds of the epoch-gap figure (default 3; 0: skip it)",
     )
     parser.add_argument(
         "--worker-batches",
@@ -207,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     args = parse_args(argv)
+    if args.rounds < 1 or args.gap_rounds < 0:
+        print(f"benchmarks.transport: error: `--rounds` must be >= 1 and `--gap-rounds` >= 0, "
+              f"got {args.rounds} and {args.gap_rounds}", file=sys.stderr)  # fmt: skip
+        return 1
     if not args.dataset.is_dir():
         print(f"benchmarks.transport: error: no dataset at `--dataset` {args.dataset}; "
               "hint: benchmarks.trainer.build_dataset builds it", file=sys.stderr)  # fmt: skip

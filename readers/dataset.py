@@ -358,7 +358,9 @@ class ParquetBatchDataset(IterableDataset):
         self.epoch = 0
         self.emit_positions = False
         self.pack_in_workers = False  # a StatefulLoader receives PackedBatch from its workers
+        self.stream_epochs = False  # a worker goes on into the next epoch (StatefulLoader)
         self._managed = False  # a StatefulLoader advances the epoch
+        self._generation = 0  # counts set_epoch / load_state_dict: a live stream is stale after
         self._resume: dict[str, Any] | None = None
         self._positions: dict[int, ReaderPosition] = {}
         self._num_workers = 1
@@ -374,6 +376,7 @@ class ParquetBatchDataset(IterableDataset):
         self.epoch = int(epoch)
         self._resume = None
         self._positions = {}
+        self._generation += 1
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -389,22 +392,27 @@ class ParquetBatchDataset(IterableDataset):
             self._resume, worker_id=worker_id, num_workers=num_workers, rank=self.rank,
             world_size=self.world_size,
         )  # fmt: skip
-        stream = _produce(
-            self.source, self.converter, self.pipeline, epoch=self.epoch, rank=self.rank,
-            world_size=self.world_size, worker_id=worker_id, num_workers=num_workers, start=start,
-            end_marker=True,
-        )  # fmt: skip
         self._num_workers = num_workers
         pack = self.pack_in_workers and info is not None
-        for batch, pos in stream:
-            # the position of what this reader produced: the state a worker reports to a
-            # StatefulDataLoader (and, in-process, what state_dict() returns)
-            self._positions[worker_id] = pos
-            if batch is not None:
-                sent = batch.pack() if pack else batch
-                yield (sent, pos) if self.emit_positions else sent
-            elif self.emit_positions:  # the end marker, for a StatefulLoader
-                yield batch, pos
+        epoch = self.epoch
+        while True:
+            stream = _produce(
+                self.source, self.converter, self.pipeline, epoch=epoch, rank=self.rank,
+                world_size=self.world_size, worker_id=worker_id, num_workers=num_workers,
+                start=start, end_marker=True,
+            )  # fmt: skip
+            for batch, pos in stream:
+                # the position of what this reader produced: the state a worker reports to a
+                # StatefulDataLoader (and, in-process, what state_dict() returns)
+                self._positions[worker_id] = pos
+                if batch is not None:
+                    sent = batch.pack() if pack else batch
+                    yield (sent, pos) if self.emit_positions else sent
+                elif self.emit_positions:  # the end marker, for a StatefulLoader
+                    yield batch, pos
+            if not (self.stream_epochs and info is not None):
+                break
+            epoch, start = epoch + 1, None  # the StatefulLoader cuts epochs at the end markers
         if info is None and not self._managed:
             self.set_epoch(self.epoch + 1)
 
@@ -474,6 +482,7 @@ class ParquetBatchDataset(IterableDataset):
         self.epoch = int(state["epoch"])
         self._resume = dict(state)
         self._positions = {}
+        self._generation += 1
         self._num_workers = int(state["num_workers"])
         _log.debug("resuming epoch %d at %s", self.epoch, state["positions"])
 
@@ -501,6 +510,13 @@ class StatefulLoader:
             and this loader unpacks it (``None``: whenever there are workers). The batches
             handed out are equal either way; packed, their tensors are views into one buffer,
             which also keeps it alive: clone a field kept across many batches.
+        epochs_ahead: with workers, each worker goes on into the next epoch as soon as it has
+            read its part of this one, and this loader keeps its workers and their prefetched
+            batches from one epoch to the next (``persistent_workers`` is then implied): no
+            pause at an epoch's end while every worker opens its first split again. Each
+            epoch's batches (in each worker's order; the workers' turns may shift), its
+            ``state_dict()`` and resuming are as without it; an error a worker meets in the
+            next epoch can surface before this one ends.
         **loader_kwargs: passed to ``DataLoader`` (``pin_memory``, ``prefetch_factor``, ...;
             ``batch_size`` is always ``None``).
     """
@@ -511,6 +527,7 @@ class StatefulLoader:
         *,
         num_workers: int = 0,
         packed: bool | None = None,
+        epochs_ahead: bool = False,
         **loader_kwargs: Any,
     ):
         if "batch_size" in loader_kwargs and loader_kwargs["batch_size"] is not None:
@@ -525,8 +542,14 @@ class StatefulLoader:
         dataset.num_workers = num_workers
         dataset.emit_positions = True
         dataset.pack_in_workers = num_workers > 0 if packed is None else bool(packed)
+        dataset.stream_epochs = epochs_ahead and num_workers > 0
+        if dataset.stream_epochs:  # the live stream below persists; a reset one would be stale
+            loader_kwargs.pop("persistent_workers", None)
         dataset._managed = True
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **loader_kwargs)
+        self._live: Iterator[Any] | None = None  # with epochs_ahead: the workers' endless stream
+        self._live_generation = -1
+        self._early: list[tuple[Any, ReaderPosition]] = []  # next epoch's, come before its turn
         self._positions: dict[int, ReaderPosition] = {}
         self.rows_delivered = 0
         self.batches_delivered = 0
@@ -535,18 +558,42 @@ class StatefulLoader:
     def __iter__(self) -> Iterator[Batch]:
         dataset = self.dataset
         workers = max(self.num_workers, 1)
-        if self._positions:  # a loop left early: go on from what was handed out
-            dataset.load_state_dict(self.state_dict())
-        if dataset._resume is not None:
-            _check_state(dataset._resume, num_workers=workers, rank=dataset.rank,
-                         world_size=dataset.world_size)  # fmt: skip
-            self._positions = _positions_of(dataset._resume)
+        if self._live is not None and self._live_generation != dataset._generation:
+            self._stop_stream()  # set_epoch or load_state_dict since: start afresh
+        if self._live is None:
+            if self._positions:  # a loop left early: go on from what was handed out
+                dataset.load_state_dict(self.state_dict())
+            if dataset._resume is not None:
+                _check_state(dataset._resume, num_workers=workers, rank=dataset.rank,
+                             world_size=dataset.world_size)  # fmt: skip
+                self._positions = _positions_of(dataset._resume)
+            items: Iterator[Any] = iter(self.loader)
+            if dataset.stream_epochs:
+                self._live, self._live_generation = items, dataset._generation
+        else:  # a loop left early, or the next epoch of the live stream
+            items = self._live
         skipped: dict[int, int] = {}
+        ended: set[int] = set()
+        ready = [item for item in self._early if item[1].epoch == dataset.epoch]
+        self._early = [item for item in self._early if item[1].epoch != dataset.epoch]
         try:
-            for batch, pos in self.loader:
+            while True:
+                if ready:
+                    batch, pos = ready.pop(0)
+                else:
+                    item = next(items, None)
+                    if item is None:
+                        break
+                    batch, pos = item
+                if self._live is not None and pos.epoch != dataset.epoch:  # the next, early
+                    self._early.append((batch, pos))
+                    continue
                 skipped[pos.worker_id] = pos.skipped
                 self.skipped_splits = sum(skipped.values())
-                if batch is None:  # the worker finished
+                if batch is None:  # the worker finished (this epoch)
+                    ended.add(pos.worker_id)
+                    if self._live is not None and len(ended) == workers:
+                        break
                     continue
                 if isinstance(batch, PackedBatch):
                     batch = batch.unpack()
@@ -555,12 +602,22 @@ class StatefulLoader:
                 self.batches_delivered += 1
                 yield batch
         except RecpipeError as exc:
+            ready = []
+            self._stop_stream()
             plain = _from_worker(exc)
             if plain is exc:
                 raise
             raise plain from None
+        finally:
+            self._early[:0] = ready  # a loop left early: they come first next time
         dataset.set_epoch(dataset.epoch + 1)
         self._positions = {}
+        if self._live is not None:
+            self._live_generation = dataset._generation
+
+    def _stop_stream(self) -> None:
+        """Let the live stream's workers go (their prefetched batches with them)."""
+        self._live, self._early = None, []
 
     def __len__(self) -> int:
         """Batches the current epoch delivers (the whole epoch, also when resumed inside it);
@@ -628,6 +685,7 @@ def make_dataloader(
     dedup_groups: DedupGroups = None,
     fitted: str | os.PathLike[str] | None = None,
     packed: bool | None = None,
+    epochs_ahead: bool = False,
     **loader_kwargs: Any,
 ) -> StatefulLoader:
     """A resumable loader of preprocessed batches (see :class:`StatefulLoader`).
@@ -645,7 +703,8 @@ def make_dataloader(
     wrote (``None``: the one ``recpipe fit`` wrote into the dataset; see :mod:`readers.fitted`).
 
     ``packed`` (default: with workers) has each worker send a batch as one buffer, pinned as
-    one block, which ``batch.to(device, non_blocking=True)`` copies at once (see
+    one block, which ``batch.to(device, non_blocking=True)`` copies at once, and
+    ``epochs_ahead=True`` lets the workers read on into the next epoch (see
     :class:`StatefulLoader`).
 
     Example::
@@ -664,6 +723,6 @@ def make_dataloader(
     if num_workers > 0:
         loader_kwargs.setdefault("persistent_workers", False)
     return StatefulLoader(
-        dataset, num_workers=num_workers, packed=packed,
+        dataset, num_workers=num_workers, packed=packed, epochs_ahead=epochs_ahead,
         pin_memory=pin_memory and _accelerator_available(), **loader_kwargs,
     )  # fmt: skip

@@ -21,10 +21,12 @@ def test_help(capsys):
     assert (args.batch_size, args.workers, args.out) == (32_768, 2, None)
 
 
-def test_a_missing_dataset_is_one_line(tmp_path, capsys):
+def test_a_missing_dataset_or_no_rounds_is_one_line(tmp_path, capsys):
     bench = load_benchmark("transport")
     assert bench.main(["--dataset", str(tmp_path / "absent")]) == 1
     assert "`--dataset`" in capsys.readouterr().err
+    assert bench.main(["--rounds", "0"]) == 1
+    assert "`--rounds`" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -36,7 +38,8 @@ def test_tiny_run_writes_results(tmp_path):
     out = tmp_path / "transport.json"
     argv = [
         "--dataset", str(dataset), "--batch-size", "64", "--workers", "2", "--prefetch", "2",
-        "--rounds", "2", "--settle", "0", "--worker-batches", "2", "--out", str(out),
+        "--rounds", "2", "--gap-rounds", "1", "--settle", "0", "--worker-batches", "2",
+        "--out", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     results = json.loads(out.read_text())
@@ -48,3 +51,5 @@ def test_tiny_run_writes_results(tmp_path):
         assert results[key]["packed"]["repeats"] == 2
     assert results["packed_vs_tensors"]["median"] > 0
     assert results["workers_for_target"] >= 1
+    assert set(results["epoch_gap_ms"]) == {"ahead", "at_end"}
+    assert results["epoch_gap_ms"]["ahead"]["repeats"] == 1

@@ -68,3 +68,41 @@ def test_packed_batches_resume_and_move_like_any(make_dataset, tiny_schema):
     assert all(any(a.equals(b) for b in rest) for a in resumed)
     moved = first.to("meta", non_blocking=True)
     assert moved.batch_size == first.batch_size and moved.dense.device == torch.device("meta")
+
+
+def _epochs(loader, epochs: int) -> list[list]:
+    return [list(loader) for _ in range(epochs)]
+
+
+def test_epochs_ahead_gives_every_epoch_as_without(make_dataset, partial_schema):
+    root = make_dataset(num_sessions=30, row_group_rows=20)
+    kw = {"schema": partial_schema, "config": CFG, "num_workers": 2}
+    ahead = make_dataloader(root, epochs_ahead=True, **kw)
+    want = _epochs(make_dataloader(root, **kw), 3)
+    got = _epochs(ahead, 3)
+    assert [len(e) for e in got] == [len(e) for e in want] and len(want[0]) > 2
+    for got_epoch, want_epoch in zip(got, want, strict=True):  # the workers' turns may shift
+        assert all(any(a.equals(b) for b in want_epoch) for a in got_epoch)
+    assert ahead.epoch == 3 and ahead.state_dict()["epoch"] == 3
+    assert ahead._live is not None  # the same workers went on from epoch to epoch
+
+
+def test_epochs_ahead_resumes_and_goes_on_after_a_loop_left_early(make_dataset, tiny_schema):
+    root = make_dataset(num_sessions=30, row_group_rows=20)
+    kw = {"schema": tiny_schema, "config": CFG, "num_workers": 2, "epochs_ahead": True}
+    want = _epochs(make_dataloader(root, **kw), 2)
+    loader = make_dataloader(root, **kw)
+    assert len(list(loader)) == len(want[0])
+    head = []
+    for batch in loader:  # epoch 1, left after two batches
+        head.append(batch)
+        if len(head) == 2:
+            break
+    state = loader.state_dict()
+    rest = list(loader)  # goes on where it stopped
+    assert all(a.equals(b) for a, b in zip(head + rest, want[1], strict=True))
+    again = make_dataloader(root, **kw)
+    again.load_state_dict(state)
+    resumed = list(again)
+    assert len(resumed) == len(rest) and all(any(a.equals(b) for b in rest) for a in resumed)
+    assert again.epoch == loader.epoch == 2
