@@ -137,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--epochs-ahead", action=argparse.BooleanOptionalAction, default=True,
         help="--end-to-end's workers read on into the next epoch (make_dataloader's "
-        "epochs_ahead; default on): no pause at each epoch's end",
+        "epochs_ahead; default on): no pause at each epoch's end (off: workers start afresh "
+        "each epoch)",
     )  # fmt: skip
     parser.add_argument(
         "--dense-grads", action="store_true",
@@ -502,7 +503,7 @@ def measure_end_to_end(
     def fed(workers: int, packed: bool) -> Iterator[Any]:
         loader = make_dataloader(
             dataset, config=config, num_workers=workers, pin_memory=pin, dedup=True,
-            persistent_workers=workers > 0, packed=packed, epochs_ahead=args.epochs_ahead,
+            packed=packed, epochs_ahead=args.epochs_ahead,
         )  # fmt: skip
         while True:  # epoch after epoch, as a training run reads
             empty = True

@@ -84,7 +84,7 @@ def measure_round(
     pin = device.type == "cuda"
     loader = make_dataloader(
         dataset, config=config, num_workers=args.workers, pin_memory=pin, dedup=True,
-        packed=packed, persistent_workers=False, prefetch_factor=args.prefetch,
+        packed=packed, prefetch_factor=args.prefetch,
     )  # fmt: skip
     burst = args.workers * args.prefetch - 1
     walls: list[float] = []
@@ -127,7 +127,7 @@ def epoch_gaps(dataset: Path, config: Any, *, ahead: bool, args: argparse.Namesp
 
     loader = make_dataloader(
         dataset, config=config, num_workers=args.workers, dedup=True, epochs_ahead=ahead,
-        persistent_workers=True, prefetch_factor=args.prefetch,
+        prefetch_factor=args.prefetch,
     )  # fmt: skip
     gaps = []
     for epoch in range(3):

@@ -512,11 +512,13 @@ class StatefulLoader:
             which also keeps it alive: clone a field kept across many batches.
         epochs_ahead: with workers, each worker goes on into the next epoch as soon as it has
             read its part of this one, and this loader keeps its workers and their prefetched
-            batches from one epoch to the next (``persistent_workers`` is then implied): no
-            pause at an epoch's end while every worker opens its first split again. Each
-            epoch's batches (in each worker's order; the workers' turns may shift), its
-            ``state_dict()`` and resuming are as without it; an error a worker meets in the
-            next epoch can surface before this one ends.
+            batches from one epoch to the next: no pause at an epoch's end while every worker
+            opens its first split again. Each epoch's batches (in each worker's order; the
+            workers' turns may shift), its ``state_dict()`` and resuming are as without it; an
+            error a worker meets in the next epoch can surface before this one ends.
+            ``persistent_workers=True`` means the same (a DataLoader's own persistent workers
+            would keep the dataset as it was when they started, and read its first epoch
+            again every epoch).
         **loader_kwargs: passed to ``DataLoader`` (``pin_memory``, ``prefetch_factor``, ...;
             ``batch_size`` is always ``None``).
     """
@@ -542,9 +544,8 @@ class StatefulLoader:
         dataset.num_workers = num_workers
         dataset.emit_positions = True
         dataset.pack_in_workers = num_workers > 0 if packed is None else bool(packed)
-        dataset.stream_epochs = epochs_ahead and num_workers > 0
-        if dataset.stream_epochs:  # the live stream below persists; a reset one would be stale
-            loader_kwargs.pop("persistent_workers", None)
+        persistent = bool(loader_kwargs.pop("persistent_workers", False))
+        dataset.stream_epochs = (epochs_ahead or persistent) and num_workers > 0
         dataset._managed = True
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, **loader_kwargs)
         self._live: Iterator[Any] | None = None  # with epochs_ahead: the workers' endless stream

@@ -106,3 +106,14 @@ def test_epochs_ahead_resumes_and_goes_on_after_a_loop_left_early(make_dataset, 
     resumed = list(again)
     assert len(resumed) == len(rest) and all(any(a.equals(b) for b in rest) for a in resumed)
     assert again.epoch == loader.epoch == 2
+
+
+def test_persistent_workers_read_each_epoch_not_the_first_again(make_dataset, tiny_schema):
+    root = make_dataset(num_sessions=30, row_group_rows=20)
+    kw = {"schema": tiny_schema, "config": CFG, "num_workers": 2}
+    want = _epochs(make_dataloader(root, **kw), 2)
+    got = _epochs(make_dataloader(root, persistent_workers=True, **kw), 2)
+    assert not all(any(a.equals(b) for b in want[0]) for a in want[1])  # epochs differ
+    for got_epoch, want_epoch in zip(got, want, strict=True):
+        assert len(got_epoch) == len(want_epoch)
+        assert all(any(a.equals(b) for b in want_epoch) for a in got_epoch)
