@@ -130,8 +130,8 @@ run_profile() {
 
 run_trainer() {
   ensure_data || return
-  step trainer 170 python3 -m benchmarks.trainer --device cuda --data "$DATA" \
-    --batch-size 32768 --steps 10 --warmup 2 --dense-grads --end-to-end --workers 4,6 \
+  step trainer 300 python3 -m benchmarks.trainer --device cuda --data "$DATA" \
+    --batch-size 32768 --steps 10 --warmup 2 --dense-grads --end-to-end --workers 6,12 \
     --rounds 3 --bitwise-steps 2 --out "$OUT/trainer_gpu.json"
   python3 - "$OUT/trainer_gpu.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
