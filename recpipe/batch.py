@@ -178,19 +178,22 @@ class Batch:
         return None if found is None else PackedBatch(found[0], found[1], spec)
 
     def _parts(self) -> tuple[_Spec, list[torch.Tensor]]:
-        """Every tensor of the batch in a fixed order, and what rebuilds the batch from them."""
+        """Every tensor of the batch in a fixed order, and what rebuilds the batch from them
+        (with what the jagged types know on the host, so a device copy reads nothing back)."""
         tensors = [self.dense, self.labels]
         if self.session_ids is not None:
             tensors.append(self.session_ids)
-        kjt_spec = _kjt_parts(self.kjt, tensors)
-        groups = []
+        kjt_spec = _KjtSpec.of(self.kjt, tensors)
+        groups: list[tuple[str, _KjtSpec | _PartialSpec]] = []
         for name, group in self.ikjts.items():
             if isinstance(group, InverseKeyedJaggedTensor):
-                groups.append((name, _kjt_parts(group.unique, tensors)))
+                groups.append((name, _KjtSpec.of(group.unique, tensors)))
                 tensors.append(group.inverse_lookup)
             else:
                 tensors += [group.values(), group.window_offsets, group.window_lengths]
-                groups.append((name, (tuple(group.keys()), -1, False)))
+                spans = group._host_spans()
+                known = None if spans is None else tuple(spans.items())
+                groups.append((name, _PartialSpec(tuple(group.keys()), known)))
         tensors += self.extras.values()
         spec = _Spec(kjt_spec, tuple(groups), self.session_ids is not None, tuple(self.extras))
         return spec, tensors
@@ -210,8 +213,51 @@ class Batch:
         )
 
 
-_KjtSpec = tuple[tuple[str, ...], int, bool]
-"""A KJT's keys, stride (-1: a partial IKJT's windows) and whether its offsets travel."""
+@dataclass(frozen=True)
+class _KjtSpec:
+    """A KJT in :meth:`Batch._parts`: its keys and stride, whether its derived offsets travel
+    (after values and lengths), and where each key starts when the host knows it."""
+
+    keys: tuple[str, ...]
+    stride: int
+    offsets: bool
+    offset_per_key: tuple[int, ...] | None
+
+    @classmethod
+    def of(cls, kjt: KeyedJaggedTensor, tensors: list[torch.Tensor]) -> _KjtSpec:
+        offsets = kjt.offsets_or_none()
+        tensors += [kjt.values(), kjt.lengths()]
+        if offsets is not None:
+            tensors.append(offsets)
+        known = kjt._host_offset_per_key()
+        per_key = None if known is None else tuple(known)
+        return cls(tuple(kjt.keys()), kjt.stride(), offsets is not None, per_key)
+
+    def build(self, parts: Iterator[torch.Tensor]) -> KeyedJaggedTensor:
+        values, lengths = next(parts), next(parts)
+        offsets = next(parts) if self.offsets else None
+        kjt = KeyedJaggedTensor(
+            self.keys, values, lengths, offsets=offsets, stride=self.stride, validate=False
+        )
+        if self.offset_per_key is not None:  # as KeyedJaggedTensor.to carries it
+            kjt._offset_per_key = list(self.offset_per_key)
+        return kjt
+
+
+@dataclass(frozen=True)
+class _PartialSpec:
+    """A partial IKJT in :meth:`Batch._parts` (values, window offsets, window lengths): its
+    keys and each key's host-known span (see ``PartialInverseKeyedJaggedTensor.to``)."""
+
+    keys: tuple[str, ...]
+    spans: tuple[tuple[str, tuple[int, int, int]], ...] | None
+
+    def build(self, parts: Iterator[torch.Tensor]) -> PartialInverseKeyedJaggedTensor:
+        values, starts, lengths = next(parts), next(parts), next(parts)
+        group = PartialInverseKeyedJaggedTensor(self.keys, values, starts, lengths, validate=False)
+        if self.spans is not None:
+            group._host = dict(self.spans)
+        return group
 
 
 @dataclass(frozen=True)
@@ -219,7 +265,7 @@ class _Spec:
     """How a batch is rebuilt from its tensors in :meth:`Batch._parts` order (picklable)."""
 
     kjt: _KjtSpec
-    groups: tuple[tuple[str, _KjtSpec], ...]
+    groups: tuple[tuple[str, _KjtSpec | _PartialSpec], ...]
     session_ids: bool
     extras: tuple[str, ...]
 
@@ -227,36 +273,17 @@ class _Spec:
         parts = iter(tensors)
         dense, labels = next(parts), next(parts)
         session_ids = next(parts) if self.session_ids else None
-        kjt = _build_kjt(self.kjt, parts)
+        kjt = self.kjt.build(parts)
         ikjts: dict[str, DedupFeatures] = {}
-        for name, (keys, stride, offsets) in self.groups:
-            if stride < 0:
-                values, starts, lengths = next(parts), next(parts), next(parts)
-                ikjts[name] = PartialInverseKeyedJaggedTensor(
-                    keys, values, starts, lengths, validate=False
-                )
+        for name, group in self.groups:
+            if isinstance(group, _PartialSpec):
+                ikjts[name] = group.build(parts)
             else:
-                unique = _build_kjt((keys, stride, offsets), parts)
                 ikjts[name] = InverseKeyedJaggedTensor.from_unique(
-                    unique, next(parts), validate=False
+                    group.build(parts), next(parts), validate=False
                 )
         extras = {name: next(parts) for name in self.extras}
         return Batch(dense, labels, kjt, ikjts, session_ids, extras)
-
-
-def _kjt_parts(kjt: KeyedJaggedTensor, tensors: list[torch.Tensor]) -> _KjtSpec:
-    offsets = kjt.offsets_or_none()
-    tensors += [kjt.values(), kjt.lengths()]
-    if offsets is not None:
-        tensors.append(offsets)
-    return tuple(kjt.keys()), kjt.stride(), offsets is not None
-
-
-def _build_kjt(spec: _KjtSpec, parts: Iterator[torch.Tensor]) -> KeyedJaggedTensor:
-    keys, stride, has_offsets = spec
-    values, lengths = next(parts), next(parts)
-    offsets = next(parts) if has_offsets else None
-    return KeyedJaggedTensor(keys, values, lengths, offsets=offsets, stride=stride, validate=False)
 
 
 @dataclass(frozen=True, eq=False)

@@ -151,3 +151,17 @@ def test_tensor_views_refuses_a_short_buffer():
         tensor_views(buffer[:40], layout)
     with pytest.raises(DataError, match="1-d uint8"):
         tensor_views(buffer.view(torch.int64), layout)
+
+
+@pytest.mark.parametrize("how", ["packed", "per tensor"])
+def test_a_device_copy_carries_what_the_host_knows(how):
+    """Where each key starts and a partial group's spans travel with the copy (on a GPU, reading
+    them back would be a sync); the meta device cannot read anything back, so they must."""
+    batch = _dedup()
+    source = batch.pack().unpack() if how == "packed" else batch
+    moved = source.to("meta")
+    assert moved.kjt.offset_per_key() == batch.kjt.offset_per_key()
+    history = moved.ikjts["history"]
+    assert history._host == batch.ikjts["history"]._host_spans()
+    _, positions, _ = history.key_windows("history")
+    assert positions.shape == batch.ikjts["history"].key_windows("history")[1].shape
