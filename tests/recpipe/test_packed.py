@@ -165,3 +165,19 @@ def test_a_device_copy_carries_what_the_host_knows(how):
     assert history._host == batch.ikjts["history"]._host_spans()
     _, positions, _ = history.key_windows("history")
     assert positions.shape == batch.ikjts["history"].key_windows("history")[1].shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_a_packed_batch_crosses_to_cuda_in_one_copy(name, monkeypatch):
+    """Pinned, copied non-blocking, rebuilt as views on the device: the batch, exactly."""
+    batch = BATCHES[name]()
+    pinned = batch.pack().unpack().pin_memory()
+    assert pinned.dense.is_pinned() or batch.dense.numel() == 0  # nothing to pin
+    calls = _count_copies(monkeypatch)
+    moved = pinned.to("cuda", non_blocking=True)
+    assert len(calls) == 1
+    monkeypatch.undo()
+    assert {t.device.type for t in _tensors(moved)} == {"cuda"}
+    assert moved.to("cpu").equals(batch)
+    assert moved.kjt.offset_per_key() == batch.kjt.offset_per_key()
