@@ -14,6 +14,9 @@
 #           docs/gpu.md), and the pure-wheel dependencies the image lacks
 #   DATA    a clustered dataset for the trainer (default .gpu_data/clustered); built here with
 #           benchmarks.trainer.build_dataset (400,000 requests, seed 0) when absent
+#   E2E_DATA  the dataset the trainer's --end-to-end part reads (default
+#           /tmp/recpipe_gpu_e2e/clustered; built when absent, 2,400,000 requests, seed 0: about
+#           54 row groups, so that 12 workers read several each an epoch)
 #   OUT     where the logs, the JSON files and summary.txt go (default gpu_out)
 # Each step runs under `timeout`; a step that fails or times out is reported and the next runs.
 set -u
@@ -21,6 +24,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 WHEELS=${WHEELS:-.whl}
 DATA=${DATA:-.gpu_data/clustered}
+E2E_DATA=${E2E_DATA:-/tmp/recpipe_gpu_e2e/clustered}
 mkdir -p "$OUT"
 unset NUMBA_ENABLE_CUDASIM
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba_cache PYTHONPATH="$PWD"
@@ -65,7 +69,8 @@ run_tests() {
   # the device, the hash on CUDA tensors, and the DLRM's dedup parity on CUDA
   step tests 90 python3 -m pytest -q -p no:cacheprovider --maxfail=10 \
     tests/recpipe/test_kernels_cuda.py tests/recpipe/test_bodies.py tests/recpipe/test_splitmix.py \
-    tests/trainer/test_models.py::test_dlrm_dedup_parity_on_cuda
+    tests/trainer/test_models.py::test_dlrm_dedup_parity_on_cuda tests/trainer/test_cuda_optim.py \
+    tests/recpipe/test_packed.py
   tail -4 "$OUT/tests.log" | tee -a "$SUMMARY"
 }
 
@@ -130,9 +135,15 @@ run_profile() {
 
 run_trainer() {
   ensure_data || return
+  if [ ! -f "$E2E_DATA/_manifest.json" ]; then
+    step e2e_dataset 300 python3 -c "
+from pathlib import Path
+from benchmarks.trainer import build_dataset
+build_dataset(Path('$(dirname "$E2E_DATA")'), requests=2_400_000, seed=0)" || return
+  fi
   step trainer 300 python3 -m benchmarks.trainer --device cuda --data "$DATA" \
-    --batch-size 32768 --steps 10 --warmup 2 --dense-grads --end-to-end --workers 6,12 \
-    --rounds 3 --bitwise-steps 2 --out "$OUT/trainer_gpu.json"
+    --end-to-end-data "$E2E_DATA" --batch-size 32768 --steps 10 --warmup 2 --dense-grads \
+    --end-to-end --workers 4,8,12 --rounds 3 --bitwise-steps 2 --out "$OUT/trainer_gpu.json"
   python3 - "$OUT/trainer_gpu.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -125,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time training fed by the readers against preloaded batches",
     )  # fmt: skip
     parser.add_argument(
+        "--end-to-end-data", type=Path, default=None,
+        help="the clustered dataset --end-to-end reads (default: --data). Give each worker "
+        "several row groups an epoch: a worker that reads one row group an epoch pays a "
+        "split's start for every batch",
+    )  # fmt: skip
+    parser.add_argument(
         "--workers", type=functools.partial(int_list, minimum=0, example="4,8"), default=(2,),
         help="DataLoader worker counts for --end-to-end, comma-separated (default 2)",
     )  # fmt: skip
@@ -850,11 +856,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         if args.end_to_end:
             print("training fed by the readers vs preloaded batches:", file=sys.stderr)
+            fed_data = args.end_to_end_data or dataset
+            results["end_to_end_data"] = str(fed_data)
             results.update(
                 measure_end_to_end(
-                    dataset, schema, model_config=model_config, args=args, device=device
+                    fed_data, dataset_schema(fed_data), model_config=model_config, args=args,
+                    device=device,
                 )
-            )
+            )  # fmt: skip
         if device.type == "cpu":
             results.update(
                 measure_vs_torchrec(

@@ -38,20 +38,36 @@ ADAM_BETAS = (0.9, 0.999)
 def rowwise_adagrad_(
     values: torch.Tensor,
     state: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     grads: torch.Tensor,
     *,
     lr: float,
     eps: float,
 ) -> None:
     """Row-wise Adagrad in place on ``values[rows]`` and ``state[rows]`` with ``grads``
-    ``[n, D]`` (``rows`` distinct): one compiled pass on CPU (every CPU engine runs it), torch
-    ops elsewhere: the same operations (``lr``, ``eps`` and ``D`` in the values' float type),
-    except that torch's CPU ``sqrt`` is not always the correctly rounded one the kernel's is
-    (measured here: the torch form moves about one row in five by a last bit)."""
-    if rows.numel() == 0:
+    ``[n, D]`` (``rows`` distinct; ``None``: every row, a dense gradient): one compiled pass on
+    CPU (every CPU engine runs it), one Numba-CUDA launch on a GPU (``trainer._cuda_kernels``),
+    torch ops elsewhere: the same operations (``lr``, ``eps`` and ``D`` in the values' float
+    type), except that torch's CPU ``sqrt`` is not always the correctly rounded one the kernel's
+    is (measured here: the torch form moves about one row in five by a last bit), and that on a
+    GPU the compiler may fuse a multiply and an add (the CUDA kernel and the CPU one can differ
+    in a last bit)."""
+    if grads.shape[0] == 0 or (rows is not None and rows.numel() == 0):
         return
     dim = grads.shape[1]
+    if (
+        values.device.type == "cuda"
+        and values.dtype in _NUMBA_DTYPES
+        and dim
+        and values.is_contiguous()
+        and state.is_contiguous()
+    ):
+        from trainer import _cuda_kernels  # needs numba-cuda: imported only for CUDA tensors
+
+        _cuda_kernels.rowwise_adagrad(values, state, rows, grads, lr=lr, eps=eps)
+        return
+    if rows is None:
+        rows = torch.arange(values.shape[0], device=values.device)
     if values.device.type == "cpu" and values.dtype in _NUMBA_DTYPES and dim:
         float_type = _NUMBA_DTYPES[values.dtype]
         _kernels.rowwise_adagrad(
@@ -153,8 +169,7 @@ class RowwiseAdagrad(torch.optim.Optimizer):
                     grad = grad.coalesce()
                     rows, grads = grad.indices()[0], grad.values()
                 else:
-                    rows = torch.arange(p.shape[0], device=p.device)
-                    grads = grad
+                    rows, grads = None, grad  # every row
                 rowwise_adagrad_(p.data, state["row_sum"], rows, grads,
                                  lr=group["lr"], eps=group["eps"])  # fmt: skip
         return loss

@@ -52,6 +52,7 @@ def test_tiny_run_writes_results(tmp_path, capsys):
         assert spread["headline"] == "cpu" and results[key] == spread["cpu"]["median"], key
         assert spread["wall"]["repeats"] == spread["cpu"]["repeats"] >= 1, key
     assert [p["workers"] for p in results["end_to_end"]] == [0, 1]
+    assert results["end_to_end_data"].endswith("clustered")  # --data's, no --end-to-end-data
     for point in results["end_to_end"]:  # fed by the readers / preloaded, one round each
         assert point["vs_model_only"] > 0 and point["vs_model_only_spread"]["values"]
     assert results["end_to_end_workers"] in (0, 1)
