@@ -15,8 +15,8 @@
 #   DATA    a clustered dataset for the trainer (default .gpu_data/clustered); built here with
 #           benchmarks.trainer.build_dataset (400,000 requests, seed 0) when absent
 #   E2E_DATA  the dataset the trainer's --end-to-end part reads (default
-#           /tmp/recpipe_gpu_e2e/clustered; built when absent, 2,400,000 requests, seed 0: about
-#           54 row groups, so that 12 workers read several each an epoch)
+#           /tmp/recpipe_gpu_e2e/clustered; built when absent, 1,600,000 requests, seed 0: about
+#           36 row groups, so that 12 workers read three each an epoch)
 #   OUT     where the logs, the JSON files and summary.txt go (default gpu_out)
 # Each step runs under `timeout`; a step that fails or times out is reported and the next runs.
 set -u
@@ -139,7 +139,7 @@ run_trainer() {
     step e2e_dataset 300 python3 -c "
 from pathlib import Path
 from benchmarks.trainer import build_dataset
-build_dataset(Path('$(dirname "$E2E_DATA")'), requests=2_400_000, seed=0)" || return
+build_dataset(Path('$(dirname "$E2E_DATA")'), requests=1_600_000, seed=0)" || return
   fi
   step trainer 300 python3 -m benchmarks.trainer --device cuda --data "$DATA" \
     --end-to-end-data "$E2E_DATA" --batch-size 32768 --steps 10 --warmup 2 --dense-grads \
