@@ -583,6 +583,42 @@ KERNELS_GPU = Table(
 )
 
 
+def _driver_row(name: str, what: str) -> Row:
+    """One call at 16,384 rows launched by the driver route: its rate over a copy's."""
+    return Row(
+        f"`{name}` ({what}) at 16,384 rows, its rate / a copy's",
+        f"gpu_sweep_vs_torch_copy.16384.{name}",
+        lambda d: (
+            "{v}" + f" ({ {p['rows']: p for p in d['gpu_sweep']}[16384][f'{name}_ms']:.3f} ms)"
+        ),
+        reference="report",
+    )
+
+
+KERNELS_GPU_DRIVER = Table(
+    "kernels_gpu_driver",
+    lambda d: (
+        "**The same kernels launched by the driver** (`RECPIPE_CUDA_LAUNCH=driver python -m "
+        f"benchmarks.kernels --gpu-rows 16384`, the same {d['gpu']['device']} and run as above: "
+        "`cuLaunchKernel` with the parameters packed in one buffer instead of "
+        "`cuda.core.launch`; opt-in). `benchmarks/results/kernels_gpu_driver.json`:"
+    ),
+    [
+        _driver_row("jagged_index_select", "nothing known: offsets on the device, one sync"),
+        _driver_row("jagged_index_select_known_size", "the output's size passed"),
+        _driver_row("jagged_index_select_known_layout", "the batch's offsets passed"),
+        _driver_row("jagged_index_add", "row layout"),
+        Row(
+            "host cost of one kernel launch (an empty kernel) through the driver route",
+            "gpu.direct_launch_ms",
+            lambda d: "{v} ms",
+            fmt=lambda v: f"{v:.3f}",
+            reference="report",
+        ),
+    ],
+)
+
+
 def _trainer_gpu_title(d: Results) -> str:
     return (
         f"**Trainer on a GPU** (`benchmarks/trainer.py --device cuda`, same model as above, "
@@ -1361,6 +1397,7 @@ TABLES: tuple[Table, ...] = (
     ETL,
     KERNELS,
     KERNELS_GPU,
+    KERNELS_GPU_DRIVER,
     READERS,
     SERVICE,
     TRAINER,
