@@ -43,7 +43,7 @@ def _profile_mode(trainer: Any, batches: list[Any], steps: int) -> dict[str, Any
             torch.cuda.synchronize(trainer.device)
     averages = prof.key_averages()
     syncs = sum(e.count for e in averages if e.key in _SYNC_EVENTS)
-    d2h = sum(e.count for e in averages if e.key == "cudaMemcpyAsync")
+    memcpys = sum(e.count for e in averages if e.key == "cudaMemcpyAsync")
     # the device's own events (kernels, copies, memsets): an operator's row repeats its
     # kernels' time, so only these add up to the device's time
     on_device = [e for e in averages if e.device_type == DeviceType.CUDA]
@@ -54,7 +54,7 @@ def _profile_mode(trainer: Any, batches: list[Any], steps: int) -> dict[str, Any
         "host_ms_per_step": host_us / 1e3 / steps,
         "device_ms_per_step": device_us / 1e3 / steps,
         "syncs_per_step": syncs / steps,
-        "memcpy_calls_per_step": d2h / steps,
+        "memcpy_calls_per_step": memcpys / steps,
         "top_device_ops": [
             {
                 "op": e.key,
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.trainer import load_batches
+    from benchmarks.trainer import parse_args as trainer_args
     from readers.dataset import dataset_schema
     from trainer.models import DLRM, ModelConfig
     from trainer.train import Trainer
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     schema = dataset_schema(args.data)
     count = args.steps + 3
-    config = ModelConfig(embedding_dim=16, num_embeddings=100_000, seed=0, sparse_grad=False)
+    bench = trainer_args(["--data", str(args.data)])  # benchmarks.trainer's model, --dense-grads
+    config = ModelConfig(embedding_dim=bench.embedding_dim, num_embeddings=bench.num_embeddings,
+                         seed=bench.seed, sparse_grad=False)  # fmt: skip
     out: dict[str, Any] = {"batch_size": args.batch_size, "steps": args.steps}
     for mode in ("on", "off"):
         batches = [

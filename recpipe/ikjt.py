@@ -470,10 +470,7 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         positions, offsets = self._key_positions(key)
         if positions.numel() == 0:
             return self._values[:0], positions, offsets
-        if self._host is not None:
-            _, lo, hi = self._host[key]
-        else:
-            lo, hi = int(positions.min()), int(positions.max()) + 1
+        lo, hi = self._key_span(key) or (0, 0)  # not None: some window is used
         return self._values[lo:hi], positions - lo if lo else positions, offsets
 
     def _key_positions(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -485,31 +482,29 @@ class PartialInverseKeyedJaggedTensor(_DedupFields):
         return _window_positions(starts, lengths, total=total)
 
     def _host_spans(self) -> dict[str, tuple[int, int, int]] | None:
-        """Per key, ``(values its rows expand to, lo, hi)`` (``[lo, hi)`` the packed ids its
-        windows read, ``(0, 0)`` when all are empty), where reading them costs no device sync
-        (on the CPU, or known already): a copy carries them, so on a GPU expanding a key's
-        windows reads no size back."""
+        """Per key, ``(values its rows expand to, lo, hi)`` (:meth:`_key_span`, ``(0, 0)`` when
+        every window is empty), where reading them costs no device sync (on the CPU, or known
+        already): a copy carries them, so on a GPU expanding a key's windows reads no size
+        back."""
         if self._host is None and self._values.device.type == "cpu":
             b = self._stride
-            spans = {}
-            for k, key in enumerate(self._keys):
-                starts = self._win_offsets[k * b : (k + 1) * b]
-                lengths = self._win_lengths[k * b : (k + 1) * b]
-                used = lengths > 0
-                if bool(used.any()):
-                    lo, hi = int(starts[used].min()), int((starts + lengths)[used].max())
-                else:
-                    lo = hi = 0
-                spans[key] = (int(lengths.sum()), lo, hi)
-            self._host = spans
+            self._host = {
+                key: (int(self._win_lengths[k * b : (k + 1) * b].sum()),
+                      *(self._key_span(key) or (0, 0)))
+                for k, key in enumerate(self._keys)
+            }  # fmt: skip
         return self._host
 
     def _key_span(self, key: str) -> tuple[int, int] | None:
         """``[lo, hi)`` of the packed ids key ``key``'s windows read (``None``: all empty), from
-        the window starts and lengths alone (no per-value positions)."""
+        the window starts and lengths alone (no per-value positions), or from the spans a copy
+        carries (:meth:`_host_spans`)."""
         if key not in self._keys:
             msg = f"`key` {key!r} is not a key of the partial IKJT {list(self._keys)!r}"
             raise DataError(msg)
+        if self._host is not None:
+            total, lo, hi = self._host[key]
+            return (lo, hi) if total else None
         k, b = self._keys.index(key), self._stride
         starts = self._win_offsets[k * b : (k + 1) * b]
         lengths = self._win_lengths[k * b : (k + 1) * b]

@@ -38,7 +38,7 @@ from numba import config as _numba_config
 from numba import int64
 
 from recpipe._deps import optional_import
-from recpipe.errors import DependencyError
+from recpipe.errors import DependencyError, RecpipeError
 from recpipe.kernels.arrays import Array, as_bits, compute_dtype, flat2d, row_width
 from recpipe.kernels.bodies import BASIS_A, BASIS_B, compile_bodies
 
@@ -155,7 +155,14 @@ def _route() -> str:
     ``driver`` (:class:`_DriverLauncher`) is opt-in: on an H200 the select and the add ran
     through it (tested against the CPU forms, 0.03-0.05 ms faster a call), the other kernels
     not yet (``docs/gpu.md``). Read once, at the first launch."""
-    return os.environ.get("RECPIPE_CUDA_LAUNCH", "core")
+    route = os.environ.get("RECPIPE_CUDA_LAUNCH", "core")
+    if route not in _ROUTES:
+        msg = f"`RECPIPE_CUDA_LAUNCH` must be one of {', '.join(_ROUTES)}, got {route!r}"
+        raise RecpipeError(msg)
+    return route
+
+
+_ROUTES = ("core", "driver", "dispatcher")
 
 
 def _compiled(kernel: Any, tensors: list[Arg]) -> Any:

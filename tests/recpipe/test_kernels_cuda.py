@@ -328,3 +328,15 @@ def test_the_driver_launch_route_on_a_gpu(monkeypatch, layout):
     expect = cpu.jagged_index_add(grad, want_offsets, offsets, indices, len(values))
     torch.testing.assert_close(got.cpu(), expect, rtol=1e-5, atol=1e-5)
     assert kc._DRIVER[0]._functions  # the driver launched them
+
+
+def test_an_unknown_launch_route_is_refused_by_name(monkeypatch):
+    """A misspelt ``RECPIPE_CUDA_LAUNCH`` is an error naming the variable, not a silent fall
+    back to the default route."""
+    from recpipe.errors import RecpipeError
+    from recpipe.kernels import cuda as kc
+
+    monkeypatch.setenv("RECPIPE_CUDA_LAUNCH", "drivr")
+    with pytest.raises(RecpipeError, match="`RECPIPE_CUDA_LAUNCH` must be one of core, driver, "
+                       "dispatcher, got 'drivr'"):  # fmt: skip
+        kc._route()

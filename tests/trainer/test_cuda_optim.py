@@ -10,19 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from recpipe.kernels import cuda as kc
 from trainer import _kernels
 from trainer.optim import RowwiseAdagrad
 
 pytestmark = pytest.mark.cuda
 
 
-def _simulator() -> bool:
-    from numba import config
-
-    return bool(config.ENABLE_CUDASIM)
-
-
-@pytest.mark.skipif(not _simulator(), reason="needs NUMBA_ENABLE_CUDASIM=1")
+@pytest.mark.skipif(not kc.is_simulator(), reason="needs NUMBA_ENABLE_CUDASIM=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dense", [True, False])
 def test_the_cuda_kernel_updates_as_the_cpu_kernel_in_the_simulator(dtype, dense):
